@@ -1,0 +1,223 @@
+"""Engine configuration: one frozen `EngineConfig` built once, never mutated.
+
+Owns the names, types, defaults and validation of every engine setting. Data comes from the
+`parameters` block of a model's config.pbtxt (all values are strings there) through
+`EngineConfig.from_parameters`, or from keyword arguments in tests and benchmarks through
+`EngineConfig.create`. Each component receives only its sub-config.
+
+Errors: `ConfigError` (a `ValueError`) naming the offending key, for unknown keys, values that do
+not parse as the key's type, and values out of range.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A setting is unknown, malformed or out of range; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to load and how to run its math.
+
+    Filled by: `EngineConfig.from_parameters` / `EngineConfig.create`.
+    """
+
+    model_path: str = ""  # local HF folder: config.json, *.safetensors, tokenizer files
+    dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on GPU), "float32", "bfloat16", "float16"
+    device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda", "cuda:N"
+    # Cap on tokens per request (prompt + output); None = the checkpoint's max_position_embeddings.
+    context_length: int | None = None
+    # DeepSeek MLA: store decompressed per-head K/V in the MHA pool instead of the latent.
+    disable_mla: bool = False
+    # DeepSeek MLA: an extend batch with no cached prefix and at least this many new tokens runs the
+    # decompressed (normal MHA) prefill; every other batch runs the absorbed path.
+    mla_decompress_min_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV pools and the prefix cache."""
+
+    enable_radix_cache: bool = True
+    # Token slots in the KV pool; None = derived (CPU: 16384; GPU: from free memory).
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.88  # GPU only: fraction of total memory for weights + pools
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits and policy (SGLang v0.3 names and defaults)."""
+
+    schedule_policy: str = "lpm"  # "lpm" (longest prefix match) or "fcfs"
+    chunked_prefill_size: int = 8192  # tokens per prefill chunk; <= 0 disables chunking
+    max_prefill_tokens: int = 16384  # new tokens admitted per extend batch
+    max_running_requests: int | None = None  # None = derived from pool sizes
+    schedule_conservativeness: float = 1.0
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # only 1 is implemented
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    attention_backend: str = "torch_native"  # "torch_native" (only one implemented)
+    seed: int = 0  # seeds weight-independent randomness (sampling without a per-request seed)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(cls, **settings: Any) -> "EngineConfig":
+        """Build from flat keyword settings (names as in config.pbtxt), typed values allowed.
+
+        Raises:
+            ConfigError: unknown key, wrong type or out-of-range value.
+        """
+        groups: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in settings.items():
+            section = _KEY_TO_SECTION.get(key)
+            if section is None:
+                raise ConfigError(
+                    f"unknown engine setting {key!r}; known settings: {', '.join(sorted(_KEY_TO_SECTION))}"
+                )
+            groups[section][key] = _coerce(key, value, _KEY_TYPES[key])
+        cfg = cls(**{name: _SECTIONS[name](**vals) for name, vals in groups.items()})
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_parameters(
+        cls, parameters: Mapping[str, Any], base_dir: str | None = None, ignore: tuple[str, ...] = ()
+    ) -> "EngineConfig":
+        """Build from a config.pbtxt `parameters` map.
+
+        Args:
+            parameters: Triton's model_config["parameters"]: {key: {"string_value": "..."}} or
+                plain {key: value}.
+            base_dir: folder that a relative `model_path` is resolved against (the model's folder).
+            ignore: keys that belong to the adapter, not the engine.
+        Raises:
+            ConfigError: as `create`.
+        """
+        flat: dict[str, Any] = {}
+        for key, value in parameters.items():
+            if key in ignore:
+                continue
+            if isinstance(value, Mapping):
+                value = value.get("string_value", "")
+            flat[key] = value
+        path = flat.get("model_path")
+        if isinstance(path, str) and path and base_dir and not os.path.isabs(path):
+            flat["model_path"] = os.path.normpath(os.path.join(base_dir, path))
+        return cls.create(**flat)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raises ConfigError on the first invalid setting."""
+        m, c, s, p, r = self.model, self.cache, self.scheduler, self.parallel, self.runner
+        if not m.model_path:
+            raise ConfigError("model_path is required (a local Hugging Face model folder)")
+        _check(m.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+               f"must be auto, float32, bfloat16 or float16, got {m.dtype!r}")
+        _check(m.device == "auto" or m.device == "cpu" or m.device.startswith("cuda"), "device",
+               f"must be auto, cpu or cuda[:N], got {m.device!r}")
+        _check(m.context_length is None or m.context_length >= 2, "context_length",
+               f"must be >= 2, got {m.context_length}")
+        _check(m.mla_decompress_min_tokens >= 0, "mla_decompress_min_tokens", "must be >= 0")
+        _check(c.max_total_tokens is None or c.max_total_tokens >= 2, "max_total_tokens",
+               f"must be >= 2, got {c.max_total_tokens}")
+        _check(0.0 < c.mem_fraction_static < 1.0, "mem_fraction_static", "must be in (0, 1)")
+        _check(s.schedule_policy in ("lpm", "fcfs"), "schedule_policy",
+               f"must be lpm or fcfs, got {s.schedule_policy!r}")
+        _check(s.max_prefill_tokens >= 1, "max_prefill_tokens", "must be >= 1")
+        _check(s.max_running_requests is None or s.max_running_requests >= 1,
+               "max_running_requests", "must be >= 1")
+        _check(s.schedule_conservativeness > 0, "schedule_conservativeness", "must be > 0")
+        _check(p.tensor_parallel_size == 1, "tensor_parallel_size",
+               f"only 1 is supported so far, got {p.tensor_parallel_size}")
+        _check(r.attention_backend in ("torch_native",), "attention_backend",
+               f"must be torch_native, got {r.attention_backend!r}")
+
+    def replace(self, **settings: Any) -> "EngineConfig":
+        """A new validated config with some flat settings changed (self is unchanged)."""
+        flat = {f.name: getattr(getattr(self, sec), f.name)
+                for sec, typ in _SECTIONS.items() for f in fields(typ)}
+        flat.update(settings)
+        return EngineConfig.create(**flat)
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "runner": RunnerConfig,
+}
+_KEY_TO_SECTION = {f.name: sec for sec, typ in _SECTIONS.items() for f in fields(typ)}
+_KEY_TYPES = {f.name: f.type for typ in _SECTIONS.values() for f in fields(typ)}
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _coerce(key: str, value: Any, type_name: str) -> Any:
+    """Coerce a setting (often a string from config.pbtxt) to its declared type."""
+    optional = "None" in type_name
+    base = type_name.replace("| None", "").strip()
+    if optional and (value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null"))):
+        return None
+    try:
+        if base == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off"):
+                return False
+            if isinstance(value, int) and value in (0, 1):
+                return bool(value)
+            raise ValueError
+        if base == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value.strip()) if isinstance(value, str) else int(value)
+        if base == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if base == "str":
+            if not isinstance(value, str):
+                raise ValueError
+            return value.strip()
+    except (TypeError, ValueError):
+        pass
+    raise ConfigError(f"{key}: expected {base}, got {value!r}")
+
+
+__all__ = [
+    "CacheConfig",
+    "ConfigError",
+    "EngineConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RunnerConfig",
+    "SchedulerConfig",
+]

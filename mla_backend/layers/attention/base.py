@@ -1,0 +1,69 @@
+"""`AttentionBackend`: the interface every attention implementation provides.
+
+A backend reads and writes the KV pool of the `ForwardBatch` it is given, through
+`req_to_token[req_pool_idx, position] -> slot`. Plan/run split (flashinfer style):
+`init_forward_metadata` runs once per step, before the model; `forward_extend`/`forward_decode`
+run once per attention layer. CUDA-graph hooks are part of the interface for later backends.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from mla_backend.layers.radix_attention import RadixAttention
+    from mla_backend.model_executor.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        """Prepare per-step metadata (index tensors, split plans). Called once per forward."""
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(self, *args, **kwargs) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(self, *args, **kwargs) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    @abstractmethod
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: "RadixAttention",
+        forward_batch: "ForwardBatch",
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """Attention for new tokens over each request's cached prefix plus its new tokens (causal).
+
+        Args:
+            q: [T, layer.num_heads, layer.head_dim].
+            k: [T, layer.num_kv_heads, layer.head_dim] new keys (None: already in the pool).
+            v: [T, layer.num_kv_heads, layer.v_head_dim] new values (None: already in the pool,
+               or, for MLA latent pools, derived from k by the pool).
+            save_kv_cache: write k/v to the pool at forward_batch.out_cache_loc first.
+               With `layer.pool_free` (decompressed MLA prefill) means: attend only
+               over the given new k/v, read nothing from the pool.
+        Returns:
+            [T, layer.num_heads * layer.v_head_dim], dtype of q.
+        """
+
+    @abstractmethod
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: "RadixAttention",
+        forward_batch: "ForwardBatch",
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """One new token per request over all of its cached tokens. Shapes as forward_extend."""

@@ -1,0 +1,67 @@
+"""`RadixAttention`: the attention layer models call; it forwards to the batch's backend.
+
+Holds only the layer's geometry (heads, dims, scale, layer_id). Which KV pool buffer it uses is
+decided by `layer_id`; the backend reads/writes that pool through `req_to_token`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from mla_backend.model_executor.forward_batch import ForwardBatch
+
+
+class RadixAttention(nn.Module):
+    """Args:
+        num_heads: query heads (per TP rank).
+        head_dim: q/k head dim (MLA absorbed: kv_lora_rank + qk_rope_head_dim = 576).
+        scaling: softmax scale (DeepSeek: qk_head_dim^-0.5 * mscale^2, never 576^-0.5).
+        num_kv_heads: KV heads (MLA absorbed: 1).
+        layer_id: index of this layer's buffers in the KV pool.
+        v_head_dim: value head dim (MLA absorbed: kv_lora_rank = 512); default head_dim.
+        pool_free: True for an attention that never touches the pool (MLA decompressed prefill:
+            attends only over the new tokens' k/v given to it).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scaling: float,
+        num_kv_heads: int,
+        layer_id: int,
+        v_head_dim: int = -1,
+        pool_free: bool = False,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+        self.num_kv_heads = num_kv_heads
+        self.layer_id = layer_id
+        self.v_head_dim = head_dim if v_head_dim == -1 else v_head_dim
+        self.pool_free = pool_free
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        forward_batch: "ForwardBatch",
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """q [T, H*head_dim] or [T, H, head_dim]; k/v likewise per KV head.
+        Returns [T, H * v_head_dim]."""
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        if k is not None:
+            k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if v is not None:
+            v = v.reshape(-1, self.num_kv_heads, self.v_head_dim)
+        backend = forward_batch.attn_backend
+        if forward_batch.forward_mode.is_decode():
+            return backend.forward_decode(q, k, v, self, forward_batch, save_kv_cache)
+        return backend.forward_extend(q, k, v, self, forward_batch, save_kv_cache)
