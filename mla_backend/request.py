@@ -8,10 +8,29 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping
 
 import torch
+
+# Most top logprobs a request may ask for (vLLM's default `max_logprobs`).
+MAX_LOGPROBS = 20
+# Seeds must fit a torch.Generator seed (64 bits, signed or unsigned).
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1  # prefill of new tokens on top of a (possibly empty) cached prefix, per request
+    DECODE = 2  # exactly one new token per request, attending to all its cached tokens
+    MIXED = 3  # extend and decode requests in one batch (reserved: not produced yet)
+    IDLE = 4  # no tokens (reserved for TP ranks with nothing to do)
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
 
 
 class FinishReason(str, enum.Enum):
@@ -44,6 +63,124 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # number of top logprobs per new token; None = not asked
     n: int = 1  # only 1 supported
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
+        """Parse request sampling fields (vLLM / Triton vLLM-backend names) into `SamplingParams`.
+
+        Accepted keys: `max_tokens` (alias `max_new_tokens`; default 16, >= 1), `min_tokens` (alias
+        `min_new_tokens`; 0 <= min_tokens <= max_tokens), `temperature` (>= 0; 0 = greedy),
+        `top_p` (0 < p <= 1), `top_k` (-1 = disabled, else >= 1), `min_p` ([0, 1]),
+        `repetition_penalty` (> 0), `presence_penalty` / `frequency_penalty` ([-2, 2]), `seed`
+        (64-bit int), `stop` (a non-empty str or a list of them), `stop_token_ids` (list of ints
+        >= 0, or one int), `ignore_eos`, `include_stop_str_in_output`, `skip_special_tokens`
+        (bools), `logprobs` (int in [0, 20]), `n` (only 1).
+
+        Values may be strings, as Triton request parameters and genai-perf send them: "100" → 100,
+        "0.5" → 0.5, "true"/"false" (any case, also "1"/"0", "yes"/"no") → bool. A JSON null keeps
+        the default. Integral floats (100.0) are accepted for int fields; bools are not numbers.
+
+        Raises ValueError naming the field: unknown key, a value that does not parse as the
+        field's type, a value out of range, or both a name and its alias given.
+        """
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ValueError(
+                f"sampling parameters must be a JSON object, got {type(d).__name__}"
+            )
+        kwargs: dict[str, Any] = {}
+        given_as: dict[str, str] = {}  # field → the key the caller used (for messages)
+        for key, value in d.items():
+            if not isinstance(key, str) or key not in _PARSERS:
+                raise ValueError(
+                    f"unknown sampling parameter {key!r}; accepted: {', '.join(sorted(_PARSERS))}"
+                )
+            target, parse = _PARSERS[key]
+            if value is None:
+                continue
+            if target in given_as:
+                raise ValueError(
+                    f"sampling parameter {key!r} given together with {given_as[target]!r}"
+                )
+            given_as[target] = key
+            kwargs[target] = parse(key, value)
+        params = cls(**kwargs)
+        names = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", **given_as}
+        params._check_ranges(names=names, strict_top_k=True)
+        return params
+
+    def verify(self, vocab_size: int) -> None:
+        """Check the ranges (as `from_dict`) and the vocab-dependent fields.
+
+        `stop_token_ids` must lie in [0, vocab_size); `top_k` (when enabled, i.e. > 0) must be
+        < vocab_size. A directly constructed instance may use any `top_k` <= 0 for "disabled".
+        Raises ValueError naming the field.
+        """
+        self._check_ranges(names={}, strict_top_k=False)
+        for tid in self.stop_token_ids:
+            if not 0 <= tid < vocab_size:
+                raise ValueError(
+                    f"stop_token_ids: token id {tid} is outside the vocabulary [0, {vocab_size})"
+                )
+        if self.top_k > 0 and self.top_k >= vocab_size:
+            raise ValueError(
+                f"top_k must be < the vocabulary size {vocab_size} (or -1 to disable), "
+                f"got {self.top_k}"
+            )
+
+    def _check_ranges(self, names: Mapping[str, str], strict_top_k: bool) -> None:
+        """Raise ValueError (naming the field as the user spelled it) for any value out of range.
+
+        strict_top_k: only -1 disables top_k (user input); else any value <= 0 disables it.
+        """
+
+        def name(f: str) -> str:
+            return names.get(f, f)
+
+        def need(ok: bool, f: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"{name(f)} must be {what}, got {getattr(self, f)!r}")
+
+        for f in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and not isinstance(v, bool), f, "an integer")
+        for f in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty"):
+            v = getattr(self, f)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            need(ok, f, "a finite number")
+        need(self.max_new_tokens >= 1, "max_new_tokens", ">= 1")
+        need(self.min_new_tokens >= 0, "min_new_tokens", ">= 0")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"{name('min_new_tokens')} ({self.min_new_tokens}) must be <= "
+                f"{name('max_new_tokens')} ({self.max_new_tokens})"
+            )
+        need(self.temperature >= 0, "temperature", ">= 0")
+        need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        if strict_top_k:
+            need(self.top_k == -1 or self.top_k >= 1, "top_k", "-1 (disabled) or >= 1")
+        need(0 <= self.min_p <= 1, "min_p", "in [0, 1]")
+        need(self.repetition_penalty > 0, "repetition_penalty", "> 0")
+        need(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
+        need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
+        if self.seed is not None:
+            ok = isinstance(self.seed, int) and not isinstance(self.seed, bool)
+            need(ok and _SEED_MIN <= self.seed <= _SEED_MAX, "seed", "a 64-bit integer")
+        need(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+             "stop", "a tuple of non-empty strings")
+        need(isinstance(self.stop_token_ids, tuple)
+             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                     for t in self.stop_token_ids),
+             "stop_token_ids", "a tuple of token ids >= 0")
+        for f in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            need(isinstance(getattr(self, f), bool), f, "a bool")
+        if self.logprobs is not None:
+            ok = isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+            need(ok and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+                 f"an integer in [0, {MAX_LOGPROBS}]")
+        need(self.n == 1, "n", "1 (only one sequence per request is supported)")
 
 
 @dataclass
@@ -120,3 +257,113 @@ class Req:
 
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+
+# --- value parsers for SamplingParams.from_dict: (field name in the message, raw value) → value ---
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _type_error(key: str, value: Any, what: str) -> ValueError:
+    return ValueError(f"{key} must be {what}, got {value!r} ({type(value).__name__})")
+
+
+def _parse_int(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise _type_error(key, value, "an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value) and value.is_integer():
+            return int(value)
+        raise _type_error(key, value, "an integer")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text)
+        except ValueError:
+            pass
+        try:
+            f = float(text)
+        except ValueError:
+            raise _type_error(key, value, "an integer") from None
+        if math.isfinite(f) and f.is_integer():
+            return int(f)
+    raise _type_error(key, value, "an integer")
+
+
+def _parse_float(key: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise _type_error(key, value, "a number")
+    if isinstance(value, (int, float)):
+        f = float(value)
+    elif isinstance(value, str):
+        try:
+            f = float(value.strip())
+        except ValueError:
+            raise _type_error(key, value, "a number") from None
+    else:
+        raise _type_error(key, value, "a number")
+    if not math.isfinite(f):
+        raise _type_error(key, value, "a finite number")
+    return f
+
+
+def _parse_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    raise _type_error(key, value, 'a bool (true/false, "true"/"false")')
+
+
+def _parse_stop(key: str, value: Any) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise _type_error(key, value, "a string or a list of strings")
+    for s in items:
+        if not isinstance(s, str):
+            raise _type_error(key, s, "a string (in the list)")
+        if not s:
+            raise ValueError(f"{key} must not contain an empty string")
+    return tuple(items)
+
+
+def _parse_token_ids(key: str, value: Any) -> tuple[int, ...]:
+    items = value if isinstance(value, (list, tuple)) else [value]
+    ids = tuple(_parse_int(key, v) for v in items)
+    for t in ids:
+        if t < 0:
+            raise ValueError(f"{key} must hold token ids >= 0, got {t}")
+    return ids
+
+
+_PARSERS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
+    "max_tokens": ("max_new_tokens", _parse_int),
+    "max_new_tokens": ("max_new_tokens", _parse_int),
+    "min_tokens": ("min_new_tokens", _parse_int),
+    "min_new_tokens": ("min_new_tokens", _parse_int),
+    "temperature": ("temperature", _parse_float),
+    "top_p": ("top_p", _parse_float),
+    "top_k": ("top_k", _parse_int),
+    "min_p": ("min_p", _parse_float),
+    "repetition_penalty": ("repetition_penalty", _parse_float),
+    "presence_penalty": ("presence_penalty", _parse_float),
+    "frequency_penalty": ("frequency_penalty", _parse_float),
+    "seed": ("seed", _parse_int),
+    "stop": ("stop", _parse_stop),
+    "stop_token_ids": ("stop_token_ids", _parse_token_ids),
+    "ignore_eos": ("ignore_eos", _parse_bool),
+    "include_stop_str_in_output": ("include_stop_str_in_output", _parse_bool),
+    "skip_special_tokens": ("skip_special_tokens", _parse_bool),
+    "logprobs": ("logprobs", _parse_int),
+    "n": ("n", _parse_int),
+}
+assert {t for t, _ in _PARSERS.values()} <= {f.name for f in fields(SamplingParams)}

@@ -9,28 +9,16 @@ tokens in position order (extend) or its single new token (decode).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from mla_backend.request import ForwardMode
+
 if TYPE_CHECKING:  # imported for annotations only
     from mla_backend.layers.attention.base import AttentionBackend
     from mla_backend.mem_cache.memory_pool import KVPool, ReqToTokenPool
-
-
-class ForwardMode(enum.IntEnum):
-    EXTEND = 1  # prefill of new tokens on top of a (possibly empty) cached prefix, per request
-    DECODE = 2  # exactly one new token per request, attending to all its cached tokens
-    MIXED = 3  # extend and decode requests in one batch (reserved: not produced yet)
-    IDLE = 4  # no tokens (reserved for TP ranks with nothing to do)
-
-    def is_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
-
-    def is_decode(self) -> bool:
-        return self == ForwardMode.DECODE
 
 
 @dataclass

@@ -1,0 +1,105 @@
+"""Stream one generation over gRPC (tritonclient.grpc) and print the text as it arrives.
+
+Usage:
+    python client_examples/grpc_stream.py --prompt "What is MLA?" --max-tokens 64 \
+        --model deepseek-v2-tiny --url localhost:8001
+
+Sends the vLLM-backend inputs (text_input, stream=true, sampling_parameters JSON) and prints each
+`text_output` delta; with --stats also the finish reason, prompt / cached tokens and the total
+of the per-response `num_output_tokens`.
+Exit code 1 on an error response.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import time
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+
+def build_inputs(prompt: str, sampling: dict, stats: bool) -> list[grpcclient.InferInput]:
+    """The request tensors: text_input, stream, sampling_parameters, return_* switches."""
+
+    def tensor(name: str, value: np.ndarray, dtype: str) -> grpcclient.InferInput:
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        return t
+
+    inputs = [
+        tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+        tensor("stream", np.array([True]), "BOOL"),
+        tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_),
+               "BYTES"),
+    ]
+    if stats:
+        for name in ("return_finish_reason", "return_num_input_tokens",
+                     "return_num_output_tokens", "return_cached_tokens"):
+            inputs.append(tensor(name, np.array([True]), "BOOL"))
+    return inputs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", default="localhost:8001")
+    ap.add_argument("--model", default="deepseek-v2-tiny")
+    ap.add_argument("--prompt", default="What is multi-head latent attention?")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--stats", action="store_true", help="print finish reason and token counts")
+    args = ap.parse_args(argv)
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(args.url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    t0 = time.perf_counter()
+    client.async_stream_infer(
+        args.model, build_inputs(args.prompt, sampling, args.stats), request_id="1",
+        enable_empty_final_response=True,
+    )
+    first = None
+    last = None
+    total_out = 0
+    rc = 0
+    while True:
+        result, error = responses.get()
+        if error is not None:
+            print(f"\nerror: {error}", file=sys.stderr)
+            rc = 1
+            break
+        response = result.get_response()
+        text = result.as_numpy("text_output")
+        if text is not None and len(text):
+            first = first or time.perf_counter()
+            print(text[0].decode(), end="", flush=True)
+        last = result
+        n_out = result.as_numpy("num_output_tokens")
+        total_out += int(n_out[0]) if n_out is not None else 0
+        if response.parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    print()
+    if args.stats and last is not None:
+        fields = {n: last.as_numpy(n) for n in ("finish_reason", "num_input_tokens",
+                                                "cached_tokens")}
+        stats = {k: (v[0].decode() if v is not None and v.dtype == np.object_ else
+                     (int(v[0]) if v is not None else None)) for k, v in fields.items()}
+        print({**stats, "num_output_tokens": total_out})
+    if first is not None:
+        print(f"[time to first token {1000 * (first - t0):.0f} ms, "
+              f"total {1000 * (time.perf_counter() - t0):.0f} ms]", file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except InferenceServerException as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

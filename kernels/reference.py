@@ -1,0 +1,142 @@
+"""Float32/float64 torch twins of every kernel op: the oracles kernel tests compare against.
+
+Data comes from the caller as plain tensors in the pool layouts of `mla_backend.mem_cache`:
+`k_buffer` [num_slots, kv_heads, qk_dim], `v_buffer` [num_slots, kv_heads, v_dim] (for MLA the
+value buffer is the first `kv_lora_rank` columns of the key buffer), `req_to_token`
+[rows, max_context] int32 mapping (request row, position) → slot. Everything is computed in the
+dtype of the inputs after an explicit upcast to at least float32; written for clarity, not speed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                  q_offset: int) -> torch.Tensor:
+    """Causal attention of one request.
+
+    Args:
+        q: [n_new, H, Dk] queries for positions q_offset .. q_offset + n_new - 1.
+        k: [n_ctx, Hkv, Dk] keys for positions 0 .. n_ctx - 1 (n_ctx = q_offset + n_new).
+        v: [n_ctx, Hkv, Dv].
+        sm_scale: softmax scale.
+        q_offset: position of the first query (the cached prefix length).
+    Returns:
+        [n_new, H, Dv] float32 (float64 if the inputs are float64).
+    Raises:
+        ValueError: H is not a multiple of Hkv.
+    """
+    q, k, v = _upcast(q), _upcast(k), _upcast(v)
+    n_new, h, _ = q.shape
+    n_ctx, hkv, _ = k.shape
+    if h % hkv:
+        raise ValueError(f"query heads {h} not a multiple of kv heads {hkv}")
+    group = h // hkv
+    k = k.repeat_interleave(group, dim=1)  # [n_ctx, H, Dk]
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * sm_scale  # [H, n_new, n_ctx]
+    q_pos = torch.arange(n_new, device=q.device)[:, None] + q_offset
+    k_pos = torch.arange(n_ctx, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", p, v)
+
+
+def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                         req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                         seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """One query token per request over all its cached tokens (read through req_to_token).
+
+    Args:
+        q: [bs, H, Dk]; k_buffer [S, Hkv, Dk]; v_buffer [S, Hkv, Dv];
+        req_to_token: [R, C] int32/int64; req_pool_indices [bs]; seq_lens [bs] (>= 1, includes
+        the query token, whose KV is already in the pool).
+    Returns:
+        [bs, H, Dv] float32.
+    """
+    outs = []
+    for i in range(q.shape[0]):
+        n = int(seq_lens[i])
+        slots = req_to_token[int(req_pool_indices[i]), :n].long()
+        outs.append(attention_ref(q[i:i + 1], k_buffer[slots], v_buffer[slots], sm_scale, n - 1))
+    return torch.cat(outs, dim=0)
+
+
+def extend_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                         req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                         prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                         sm_scale: float) -> torch.Tensor:
+    """New tokens of each request over its cached prefix plus the causal new part.
+
+    The new tokens' KV must already be in the pool (at req_to_token[row, prefix:prefix+extend]).
+    Args:
+        q: [T, H, Dk], T = sum(extend_lens), requests in order; other args as decode.
+    Returns:
+        [T, H, Dv] float32.
+    """
+    outs, start = [], 0
+    for i in range(len(extend_lens)):
+        p, e = int(prefix_lens[i]), int(extend_lens[i])
+        slots = req_to_token[int(req_pool_indices[i]), :p + e].long()
+        outs.append(attention_ref(q[start:start + e], k_buffer[slots], v_buffer[slots], sm_scale, p))
+        start += e
+    return torch.cat(outs, dim=0) if outs else q.new_zeros((0,) + q.shape[1:2] + v_buffer.shape[2:])
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x²) + eps) * weight, in float32.
+
+    Args: x [T, D]; weight [D]. Returns [T, D] in x's dtype.
+    """
+    xf = _upcast(x)
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * _upcast(weight)
+    return out.to(x.dtype)
+
+
+def fused_add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual; returns (rmsnorm(residual'), residual'). Shapes [T, D]."""
+    new_res = (_upcast(x) + _upcast(residual)).to(x.dtype)
+    return rmsnorm_ref(new_res, weight, eps), new_res
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation: x [T, 2N] → silu(x[:, :N]) * x[:, N:], [T, N] in x's dtype."""
+    n = x.shape[-1] // 2
+    xf = _upcast(x)
+    return (torch.nn.functional.silu(xf[..., :n]) * xf[..., n:]).to(x.dtype)
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) on the last dim of x.
+
+    Args:
+        x: [T, H, D] (D even); cos, sin: [T, D/2] for each token's position.
+        is_neox: True rotates halves (x[:D/2], x[D/2:]); False rotates interleaved pairs
+            (x[0::2], x[1::2]) as in GPT-J and DeepSeek's MLA rope.
+    Returns:
+        [T, H, D] in x's dtype.
+    """
+    xf = _upcast(x)
+    c, s = _upcast(cos)[:, None, :], _upcast(sin)[:, None, :]
+    if is_neox:
+        half = x.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    else:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def store_kv_ref(k_buffer: torch.Tensor, v_buffer: torch.Tensor | None, loc: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor | None) -> None:
+    """Write new K/V rows at slots `loc` ([T] int64) in place; slot 0 is the padding sink."""
+    k_buffer[loc] = k.to(k_buffer.dtype)
+    if v_buffer is not None and v is not None:
+        v_buffer[loc] = v.to(v_buffer.dtype)

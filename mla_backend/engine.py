@@ -1,0 +1,428 @@
+"""`Engine`: the one place that knows both the scheduler side and the model side.
+
+Owns the request lifecycle. Requests come in through `add_request` / `abort` (thread-safe: they go
+through an inbox), one thread calls `step()`, which drains the inbox, asks the `Scheduler` for a
+batch, runs it on the `ModelRunner`, samples with the `Sampler`, applies stop rules and the
+incremental detokenizer, hands the batch back to the scheduler and returns `RequestOutput`s.
+Used by the Triton adapter (`mla_backend.serving`), tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from transformers import AutoTokenizer
+
+from mla_backend.config import EngineConfig
+from mla_backend.mem_cache.chunk_cache import ChunkCache
+from mla_backend.mem_cache.radix_cache import RadixCache
+from mla_backend.model_executor.model_runner import ModelRunner
+from mla_backend.model_executor.sampler import Sampler
+from mla_backend.request import (
+    FinishReason,
+    GenerateRequest,
+    Req,
+    RequestOutput,
+    SamplingParams,
+)
+from mla_backend.scheduler.scheduler import Scheduler
+from mla_backend.tokenizer.detokenizer import IncrementalDetokenizer
+from mla_backend.tokenizer.stop import StopStringMatcher
+
+
+class InvalidRequestError(ValueError):
+    """The client's request is malformed or can never be served; the message names the field."""
+
+
+@dataclass
+class GenerateResult:
+    """Final result of one request from `Engine.generate`."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_input_tokens: int
+    cached_tokens: int
+    cumulative_logprob: float
+    error: str | None = None
+
+
+@dataclass
+class _ReqState:
+    """Engine-side bookkeeping of a live request (the scheduler's `Req` plus output state)."""
+
+    req: Req
+    detok: IncrementalDetokenizer
+    stopper: StopStringMatcher | None
+    text: str = ""  # emitted text so far (non-streaming requests get it at the end)
+    unsent_ids: list[int] = field(default_factory=list)
+    unsent_logprobs: list[float] = field(default_factory=list)
+    unsent_top: list[dict[int, float]] = field(default_factory=list)
+    unsent_text: str = ""
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class Engine:
+    """Args:
+        config: the frozen engine configuration.
+    Raises:
+        ConfigError / ValueError / OSError while loading (bad parameters, missing weights).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.model_path)
+        self.vocab_size: int = self.runner.vocab_size
+        self.context_len: int = self.runner.context_len
+        self.max_total_tokens: int = self.runner.max_total_num_tokens
+        eos = self._eos_token_ids()
+        self.eos_token_ids: set[int] = eos
+        cache_cls = RadixCache if config.cache.enable_radix_cache else ChunkCache
+        self.tree_cache = cache_cls(
+            self.runner.req_to_token_pool, self.runner.token_to_kv_pool_allocator
+        )
+        self.scheduler = Scheduler(
+            config.scheduler,
+            cache_enabled=config.cache.enable_radix_cache,
+            req_to_token_pool=self.runner.req_to_token_pool,
+            allocator=self.runner.token_to_kv_pool_allocator,
+            tree_cache=self.tree_cache,
+            max_running_requests=self.runner.max_running_requests,
+            context_len=self.context_len,
+        )
+        self.sampler = Sampler(eos, self.vocab_size, self.runner.device, seed=config.runner.seed)
+        self._inbox: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._live: dict[str, _ReqState] = {}  # rid → state, engine thread only
+        self._known_rids: set[str] = set()  # rids accepted and not yet finished (any thread)
+        self._rid_lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ any thread
+    def add_request(self, request: GenerateRequest) -> None:
+        """Validate, tokenize and queue a request.
+
+        Raises:
+            InvalidRequestError: empty prompt, both/neither of text and input_ids, token ids outside
+                the vocab, prompt + max_tokens beyond the context length or the KV pool, bad
+                sampling values, duplicate request id, engine shut down.
+        """
+        if self._closed:
+            raise InvalidRequestError("the engine is shutting down")
+        ids = self._prompt_ids(request)
+        sp = request.sampling_params
+        try:
+            sp.verify(self.vocab_size)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        if len(ids) + sp.max_new_tokens > self.context_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_new_tokens}) exceeds the context "
+                f"length of {self.context_len} tokens"
+            )
+        if len(ids) + sp.max_new_tokens > self.max_total_tokens:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_new_tokens}) can never fit the KV "
+                f"pool of {self.max_total_tokens} tokens"
+            )
+        with self._rid_lock:
+            if request.rid in self._known_rids:
+                raise InvalidRequestError(f"request id {request.rid!r} is already in use")
+            self._known_rids.add(request.rid)
+        req = Req(rid=request.rid, origin_input_ids=ids, sampling_params=sp, stream=request.stream)
+        self._inbox.put(("add", req))
+        self._wakeup.set()
+
+    def abort(self, rid: str) -> None:
+        """Abort a request; its final `RequestOutput` (finish_reason ABORT) comes from the next
+        `step()`, if it was still unfinished. Unknown ids are ignored."""
+        self._inbox.put(("abort", rid))
+        self._wakeup.set()
+
+    def wait_for_work(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds until there is something to step. Returns has_work()."""
+        if self.has_work():
+            return True
+        self._wakeup.wait(timeout)
+        self._wakeup.clear()
+        return self.has_work()
+
+    def has_work(self) -> bool:
+        return (not self._inbox.empty()) or bool(self._live)
+
+    def shutdown(self) -> None:
+        """Refuse new requests; abort every live one on the next step."""
+        self._closed = True
+        with self._rid_lock:
+            rids = list(self._known_rids)
+        for rid in rids:
+            self.abort(rid)
+
+    # ------------------------------------------------------------------ engine thread
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler iteration (at most one forward pass).
+
+        Returns:
+            Outputs produced in this step: increments of streaming requests, final outputs of
+            finished, aborted and failed requests.
+        """
+        outputs: list[RequestOutput] = []
+        self._drain_inbox(outputs)
+        for req in self.scheduler.take_rejected():
+            st = self._live.get(req.rid)
+            if st is not None:
+                outputs.append(self._final_error(st, "request can not be scheduled: it does not fit "
+                                                     "the KV pool"))
+        batch = self.scheduler.get_next_batch()
+        if batch is None:
+            return outputs
+        try:
+            finished = self._run_batch(batch, outputs)
+        except Exception as e:  # noqa: BLE001 - fail the batch's requests, keep the engine alive
+            for req in batch.reqs:
+                st = self._live.get(req.rid)
+                if st is not None:
+                    outputs.append(self._final_error(st, f"Error generating stream: {e!r}"))
+            self.scheduler.process_batch_result(batch, [True] * len(batch.reqs), failed=True)
+            return outputs
+        self.scheduler.process_batch_result(batch, finished)
+        return outputs
+
+    def _run_batch(self, batch, outputs: list[RequestOutput]) -> list[bool]:
+        fb = self.runner.make_forward_batch(
+            batch.forward_mode,
+            batch.input_ids,
+            batch.positions,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            batch.prefix_lens,
+            batch.extend_lens,
+            batch.out_cache_loc,
+        )
+        logits = self.runner.forward(fb)  # [bs, V] fp32
+        rows = [i for i, m in enumerate(batch.sample_mask) if m]
+        finished = [False] * len(batch.reqs)
+        if not rows:
+            return finished
+        sample_reqs = [batch.reqs[i] for i in rows]
+        out = self.sampler.sample(logits[rows], sample_reqs)
+        for j, i in enumerate(rows):
+            req = batch.reqs[i]
+            tok = out.next_token_ids[j]
+            req.output_ids.append(tok)
+            req.cumulative_logprob += out.token_logprobs[j]
+            st = self._live.get(req.rid)
+            if st is None:  # aborted: computed until the scheduler releases it
+                finished[i] = req.finished()
+                continue
+            self._on_token(st, tok, out.token_logprobs[j], out.top_logprobs[j])
+            finished[i] = req.finished()
+            if finished[i] or req.stream:
+                outputs.append(self._emit(st))
+        return finished
+
+    def _on_token(self, st: _ReqState, tok: int, logprob: float,
+                  top: dict[int, float] | None) -> None:
+        """Record one sampled token: stop rules, detokenization, stop strings."""
+        req, sp = st.req, st.req.sampling_params
+        st.unsent_ids.append(tok)
+        st.unsent_logprobs.append(logprob)
+        if sp.logprobs is not None:
+            st.unsent_top.append(top or {})
+        n_out = len(req.output_ids)
+        can_stop = n_out >= sp.min_new_tokens
+        by_string = False
+        if can_stop and ((tok in self.eos_token_ids and not sp.ignore_eos)
+                         or tok in sp.stop_token_ids):
+            req.finished_reason = FinishReason.STOP  # the stop token's text is not emitted
+        else:
+            delta = st.detok.add([tok])
+            if st.stopper is not None:
+                delta, by_string = st.stopper.feed(delta, can_stop=can_stop)
+                if by_string:
+                    req.finished_reason = FinishReason.STOP
+            st.unsent_text += delta
+        if req.finished_reason is None and (
+            n_out >= sp.max_new_tokens or req.seqlen >= self.context_len
+        ):
+            req.finished_reason = FinishReason.LENGTH
+        if req.finished_reason is not None and not by_string:
+            # Release text held back for an incomplete UTF-8 char or a possible stop string.
+            rest = st.detok.flush()
+            if st.stopper is not None:
+                rest = st.stopper.feed(rest, can_stop=False)[0] + st.stopper.flush()
+            st.unsent_text += rest
+
+    def _emit(self, st: _ReqState) -> RequestOutput:
+        req = st.req
+        done = req.finished()
+        sp = req.sampling_params
+        out = RequestOutput(
+            rid=req.rid,
+            new_token_ids=st.unsent_ids,
+            new_text=st.unsent_text,
+            finished=done,
+            finish_reason=req.finished_reason if done else None,
+            num_input_tokens=len(req.origin_input_ids),
+            num_output_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            new_logprobs=st.unsent_top if sp.logprobs is not None else None,
+            new_token_logprobs=st.unsent_logprobs,
+            cumulative_logprob=req.cumulative_logprob,
+        )
+        st.text += st.unsent_text
+        st.unsent_ids, st.unsent_text, st.unsent_logprobs, st.unsent_top = [], "", [], []
+        if done:
+            self._forget(req.rid)
+        return out
+
+    def _final_error(self, st: _ReqState, message: str) -> RequestOutput:
+        st.req.finished_reason = FinishReason.ABORT
+        out = self._emit(st)
+        out.error = message
+        return out
+
+    def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                req = item  # type: ignore[assignment]
+                assert isinstance(req, Req)
+                st = _ReqState(
+                    req=req,
+                    detok=IncrementalDetokenizer(
+                        self.tokenizer, req.sampling_params.skip_special_tokens,
+                        prompt_ids=req.origin_input_ids,
+                    ),
+                    stopper=StopStringMatcher(req.sampling_params.stop,
+                                              req.sampling_params.include_stop_str_in_output)
+                    if req.sampling_params.stop else None,
+                )
+                self._live[req.rid] = st
+                self.scheduler.add_request(req)
+            else:
+                rid = item
+                assert isinstance(rid, str)
+                st = self._live.get(rid)
+                if st is None or st.req.finished():
+                    continue
+                self.scheduler.abort_request(rid)
+                st.req.finished_reason = FinishReason.ABORT
+                outputs.append(self._emit(st))
+
+    def _forget(self, rid: str) -> None:
+        self._live.pop(rid, None)
+        with self._rid_lock:
+            self._known_rids.discard(rid)
+
+    # ------------------------------------------------------------------ helpers
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        if (request.text is None) == (request.input_ids is None):
+            raise InvalidRequestError("give exactly one of text_input and input_ids")
+        if request.text is not None:
+            if not isinstance(request.text, str) or request.text == "":
+                raise InvalidRequestError("text_input must be a non-empty string")
+            ids = list(self.tokenizer(request.text).input_ids)
+            if not ids:
+                raise InvalidRequestError("text_input tokenizes to no tokens")
+            return ids
+        ids = list(request.input_ids or [])
+        if not ids:
+            raise InvalidRequestError("input_ids must not be empty")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+               or t < 0 or t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"input_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        return ids
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.runner.hf_config, "eos_token_id", None),
+                    getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(x) for x in src)
+        return ids
+
+    def check_invariant(self) -> None:
+        """Raises AssertionError when free + tree-held + request-held != pool size."""
+        self.scheduler.check_invariant()
+
+    def stats(self) -> dict[str, int]:
+        """Pool and queue counters (tokens and requests)."""
+        return {
+            "free_slots": self.runner.token_to_kv_pool_allocator.available_size(),
+            "evictable_slots": self.tree_cache.evictable_size(),
+            "protected_slots": self.tree_cache.protected_size(),
+            "total_slots": self.max_total_tokens,
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "live": len(self._live),
+        }
+
+    # ------------------------------------------------------------------ in-process API
+    def generate(
+        self,
+        prompts: Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerateResult]:
+        """Run prompts (text or token ids) to completion together; for tests and benchmarks.
+
+        Must not be mixed with a concurrent engine thread.
+        """
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sps = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            sps = list(sampling_params)
+        rids = []
+        for i, (p, sp) in enumerate(zip(prompts, sps)):
+            rid = f"gen-{id(self)}-{time.monotonic_ns()}-{i}"
+            gr = GenerateRequest(rid=rid, sampling_params=sp, stream=True,
+                                 **({"text": p} if isinstance(p, str) else {"input_ids": list(p)}))
+            self.add_request(gr)
+            rids.append(rid)
+        acc = {rid: GenerateResult("", [], None, 0, 0, 0.0) for rid in rids}
+        pending = set(rids)
+        while pending:
+            for out in self.step():
+                if out.rid not in acc:
+                    continue
+                r = acc[out.rid]
+                r.text += out.new_text
+                r.token_ids += out.new_token_ids
+                r.num_input_tokens = out.num_input_tokens
+                r.cached_tokens = out.cached_tokens
+                r.cumulative_logprob = out.cumulative_logprob
+                if out.finished:
+                    r.finish_reason = out.finish_reason
+                    r.error = out.error
+                    pending.discard(out.rid)
+        return [acc[rid] for rid in rids]
+
+    def stream(self, prompt: str | list[int],
+               sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Stream one request's outputs (steps the engine itself; not with an engine thread)."""
+        rid = f"stream-{id(self)}-{time.monotonic_ns()}"
+        kw = {"text": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}
+        self.add_request(GenerateRequest(rid=rid, sampling_params=sampling_params or SamplingParams(),
+                                         stream=True, **kw))
+        while True:
+            for out in self.step():
+                if out.rid == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+
+__all__ = ["Engine", "GenerateResult", "InvalidRequestError"]

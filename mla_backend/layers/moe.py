@@ -1,0 +1,206 @@
+"""DeepSeek mixture of experts: router, routed experts, shared experts; and the dense gated MLP.
+
+Owns the expert weights (stacked per layer as `w13_weight` [E, 2I, H] = gate ‖ up and
+`w2_weight` [E, H, I], the layout fused MoE kernels want) and the routing math of DeepSeek-V2
+(REFERENCE §1.6): softmax scores, `greedy` or `group_limited_greedy` top-k, optional
+renormalization (`norm_topk_prob`), times `routed_scaling_factor`, plus always-on shared experts.
+Weights come from `models.deepseek_v2.load_weights` (HF per-expert names via `weight_loader`);
+input/output are the decoder layer's hidden states.
+
+The expert computation is a plain loop over the experts that received tokens (CPU reference;
+a fused kernel can replace `experts_forward` later without changing the weights).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mla_backend.layers.activation import SiluAndMul
+from mla_backend.layers.linear import MergedLinear, ReplicatedLinear
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); HF names gate_proj/up_proj are merged into `gate_up_proj`
+    (shards "gate", "up"), `down_proj` as in HF.
+
+    Args of forward: x [T, hidden]. Returns [T, hidden].
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2,
+                                         shard_names=("gate", "up"))
+        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    topk_method: str = "greedy",
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 routing.
+
+    Args:
+        router_logits: [T, E] (any float dtype; math in fp32).
+        top_k: experts per token.
+        topk_method: "greedy" (top-k of the softmax) or "group_limited_greedy" (experts split into
+            `n_group` contiguous groups scored by their best expert; only the best `topk_group`
+            groups compete).
+        norm_topk_prob: renormalize the chosen weights to sum 1 (when top_k > 1).
+        routed_scaling_factor: multiplies the chosen weights (after renormalization).
+    Returns:
+        (weights [T, top_k] fp32, ids [T, top_k] int64).
+    Raises:
+        ValueError: unknown topk_method, or E not divisible by n_group.
+    """
+    scores = router_logits.float().softmax(dim=-1)
+    num_tokens, num_experts = scores.shape
+    if topk_method == "greedy":
+        weights, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+    elif topk_method == "group_limited_greedy":
+        if not n_group or num_experts % n_group:
+            raise ValueError(f"n_group {n_group} must divide the {num_experts} experts")
+        per_group = num_experts // n_group
+        group_scores = scores.view(num_tokens, n_group, per_group).max(dim=-1).values  # [T, G]
+        group_idx = torch.topk(group_scores, k=topk_group or 1, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(num_tokens, -1)
+        masked = scores.masked_fill(score_mask == 0, 0.0)
+        weights, ids = torch.topk(masked, k=top_k, dim=-1, sorted=False)
+    else:
+        raise ValueError(f"unsupported topk_method {topk_method!r} "
+                         "(greedy and group_limited_greedy are implemented)")
+    if norm_topk_prob and top_k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def experts_forward(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """sum_k w[t, k] * expert_{ids[t, k]}(x[t]) with SiLU-gated experts.
+
+    Args:
+        x: [T, H]. w13: [E, 2I, H] (gate rows then up rows). w2: [E, H, I].
+        topk_weights: [T, k] fp32. topk_ids: [T, k] int64.
+    Returns:
+        [T, H], dtype of x.
+    """
+    out = torch.zeros_like(x)
+    num_experts = w13.shape[0]
+    inter = w2.shape[2]
+    flat_ids = topk_ids.reshape(-1)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        token_idx, slot = torch.where(topk_ids == e)
+        h = F.linear(x[token_idx], w13[e])  # [n, 2I]
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        h = F.linear(h, w2[e]) * topk_weights[token_idx, slot, None]
+        out.index_add_(0, token_idx, h.to(out.dtype))
+    return out
+
+
+class DeepseekV2MoE(nn.Module):
+    """Routed + shared experts of one DeepSeek-V2 decoder layer.
+
+    Args:
+        hidden_size, moe_intermediate_size: expert sizes.
+        n_routed_experts, num_experts_per_tok: E and top-k.
+        n_shared_experts: shared expert width multiplier (0: none).
+        topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor: routing
+            (see `select_experts`).
+    Parameters (HF names in brackets): `gate.weight` [E, H] (`mlp.gate.weight`),
+    `experts.w13_weight` [E, 2I, H] (`mlp.experts.{e}.gate_proj/up_proj.weight`),
+    `experts.w2_weight` [E, H, I] (`mlp.experts.{e}.down_proj.weight`), `shared_experts.*`.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        n_routed_experts: int,
+        num_experts_per_tok: int,
+        n_shared_experts: int = 0,
+        topk_method: str = "greedy",
+        n_group: int | None = None,
+        topk_group: int | None = None,
+        norm_topk_prob: bool = False,
+        routed_scaling_factor: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if topk_method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"unsupported topk_method {topk_method!r}")
+        self.top_k = num_experts_per_tok
+        self.topk_method = topk_method
+        self.n_group, self.topk_group = n_group, topk_group
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+        self.gate = ReplicatedLinear(hidden_size, n_routed_experts)
+        self.experts = StackedExperts(n_routed_experts, hidden_size, moe_intermediate_size)
+        self.shared_experts = (GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts)
+                               if n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E] fp32
+        weights, ids = select_experts(logits, self.top_k, self.topk_method, self.n_group,
+                                      self.topk_group, self.norm_topk_prob,
+                                      self.routed_scaling_factor)
+        out = experts_forward(x, self.experts.w13_weight, self.experts.w2_weight, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class StackedExperts(nn.Module):
+    """Holds the routed experts' weights stacked over experts (no forward of its own)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int,
+                      shard: str) -> None:
+        """Copy one HF expert matrix. shard: "gate" | "up" (into w13) or "down" (into w2).
+
+        Raises:
+            ValueError: expert_id out of range, unknown shard or shape mismatch.
+        """
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert id {expert_id} out of range 0..{self.num_experts - 1}")
+        inter = self.intermediate_size
+        if shard == "gate":
+            target = param.data[expert_id, :inter]
+        elif shard == "up":
+            target = param.data[expert_id, inter:]
+        elif shard == "down":
+            target = param.data[expert_id]
+        else:
+            raise ValueError(f"unknown expert shard {shard!r}")
+        if target.shape != loaded.shape:
+            raise ValueError(f"expert {expert_id} {shard}: param {tuple(target.shape)} vs "
+                             f"{tuple(loaded.shape)}")
+        target.copy_(loaded)
+
+
+__all__ = ["DeepseekV2MoE", "GatedMLP", "StackedExperts", "experts_forward", "select_experts"]

@@ -1,0 +1,280 @@
+"""`ModelRunner`: owns the model, the KV memory pools and the attention backend of one engine.
+
+Built once by the engine from the frozen `EngineConfig`:
+1. picks device (auto: cuda when available) and dtype (auto: fp32 on CPU, bf16 on GPU),
+2. reads the HF config (`transformers.AutoConfig`) and builds the model class from
+   `models.registry`, directly on the device in the target dtype,
+3. loads the safetensors weights (`model_loader`), checks every parameter was filled, and runs
+   `post_load_weights()` (e.g. MLA weight absorption),
+4. sizes and creates the pools from `model.kv_pool_layout()` and `CacheConfig`:
+   `req_to_token_pool` (max_running_requests + 1 rows), `token_to_kv_pool_allocator` and
+   `token_to_kv_pool` (MHA or MLA) of `max_total_num_tokens` slots (+ the sink slot 0),
+5. creates the attention backend named by `RunnerConfig.attention_backend`.
+
+Per step the engine turns a `ScheduleBatch` into a `ForwardBatch` (`make_forward_batch`) and calls
+`forward`, which returns fp32 logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mla_backend.config import EngineConfig
+from mla_backend.layers.attention.base import AttentionBackend
+from mla_backend.layers.logits import select_logit_rows
+from mla_backend.mem_cache.memory_pool import (
+    KVPool,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+)
+from mla_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from mla_backend.model_executor.model_loader import iterate_weights
+from mla_backend.models.registry import get_model_class_for_config
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+CPU_DEFAULT_MAX_RUNNING_REQUESTS = 256
+GPU_DEFAULT_MAX_RUNNING_REQUESTS = 1024
+# Extra req_to_token columns beyond the longest possible sequence (safety margin, as SGLang).
+REQ_TO_TOKEN_MARGIN = 8
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" → cuda when available else cpu; otherwise torch.device(name).
+
+    Raises:
+        RuntimeError: a cuda device is asked for but CUDA is not available.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" → fp32 on CPU, bf16 on GPU; else the named dtype."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[name]
+
+
+def kv_cell_bytes(layout: dict, dtype: torch.dtype) -> int:
+    """Bytes one token slot takes over all layers for a `kv_pool_layout()` dict.
+
+    Raises:
+        ValueError: unknown layout kind.
+    """
+    elem = torch.tensor([], dtype=dtype).element_size()
+    if layout["kind"] == "mha":
+        per_layer = layout["num_kv_heads"] * (layout["head_dim"] + layout["v_head_dim"])
+    elif layout["kind"] == "mla":
+        per_layer = layout["kv_lora_rank"] + layout["qk_rope_head_dim"]
+    else:
+        raise ValueError(f"unknown kv pool kind {layout['kind']!r}")
+    return per_layer * elem * layout["num_layers"]
+
+
+def create_attention_backend(name: str) -> AttentionBackend:
+    """Backend by `RunnerConfig.attention_backend` name. Raises ValueError for unknown names."""
+    if name == "torch_native":
+        from mla_backend.layers.attention.torch_native import TorchNativeAttnBackend
+
+        return TorchNativeAttnBackend()
+    raise ValueError(f"unknown attention backend {name!r}")
+
+
+class ModelRunner:
+    """See module docstring. Attributes: `config`, `hf_config`, `model`, `device`, `dtype`,
+    `vocab_size`, `context_len`, `max_total_num_tokens`, `max_running_requests`,
+    `req_to_token_pool`, `token_to_kv_pool`, `token_to_kv_pool_allocator`, `attn_backend`.
+
+    Raises (construction):
+        FileNotFoundError: model folder or weights missing.
+        UnsupportedModelError: unknown architecture.
+        KeyError / ValueError: checkpoint tensors do not match the model.
+        RuntimeError: CUDA asked for but missing; not enough memory for the pools.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoConfig
+
+        self.config = config
+        mcfg = config.model
+        self.device = resolve_device(mcfg.device)
+        self.dtype = resolve_dtype(mcfg.dtype, self.device)
+        self.hf_config = AutoConfig.from_pretrained(mcfg.model_path)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.model = self._load_model()
+        self.context_len = self._derive_context_len()
+        self._init_memory_pools()
+        self.attn_backend = create_attention_backend(config.runner.attention_backend)
+
+    # ------------------------------------------------------------------ construction
+    def _load_model(self) -> torch.nn.Module:
+        cls = get_model_class_for_config(self.hf_config)
+        old_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(self.hf_config, self.config.model)
+        finally:
+            torch.set_default_dtype(old_dtype)
+        loaded = model.load_weights(iterate_weights(self.config.model.model_path))
+        if isinstance(loaded, set):
+            missing = sorted(set(dict(model.named_parameters())) - loaded)
+            if missing:
+                raise ValueError(f"checkpoint lacks weights for: {missing[:10]}"
+                                 f"{' ...' if len(missing) > 10 else ''}")
+        model.post_load_weights()
+        return model.eval()
+
+    def _derive_context_len(self) -> int:
+        max_pos = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0) or 2**31
+        want = self.config.model.context_length or max_pos
+        if want > max_pos:
+            logger.warning("context_length %d > max_position_embeddings %d: using %d",
+                           want, max_pos, max_pos)
+        ctx = min(want, max_pos)
+        window = getattr(self.hf_config, "sliding_window", None)
+        uses_window = getattr(self.hf_config, "use_sliding_window", True)
+        if window and uses_window and window < ctx:
+            # No sliding-window attention here: cap the context so full attention is exact.
+            ctx = int(window)
+        return ctx
+
+    def _init_memory_pools(self) -> None:
+        layout = self.model.kv_pool_layout()
+        cell = kv_cell_bytes(layout, self.dtype)
+        cache_cfg, sched_cfg = self.config.cache, self.config.scheduler
+        total_tokens = cache_cfg.max_total_tokens
+        rows = sched_cfg.max_running_requests
+        if self.device.type == "cpu":
+            total_tokens = total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
+            rows = rows or min(max(total_tokens // 2, 1), CPU_DEFAULT_MAX_RUNNING_REQUESTS)
+        else:
+            if total_tokens is None:
+                torch.cuda.synchronize(self.device)
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = free - total * (1.0 - cache_cfg.mem_fraction_static)
+                guess = int(budget // cell)
+                rows = rows or min(max(guess // 2, 1), GPU_DEFAULT_MAX_RUNNING_REQUESTS)
+                width = min(self.context_len, max(guess, 1)) + REQ_TO_TOKEN_MARGIN
+                total_tokens = int((budget - (rows + 1) * width * 4) // cell)
+                if total_tokens < 2:
+                    raise RuntimeError(
+                        f"not enough GPU memory for the KV cache: {free / 2**30:.2f} GiB free of "
+                        f"{total / 2**30:.2f} GiB, mem_fraction_static="
+                        f"{cache_cfg.mem_fraction_static}; raise it or set max_total_tokens")
+            rows = rows or min(max(total_tokens // 2, 1), GPU_DEFAULT_MAX_RUNNING_REQUESTS)
+        self.max_total_num_tokens = int(total_tokens)
+        self.max_running_requests = int(rows)
+        width = min(self.context_len, self.max_total_num_tokens) + REQ_TO_TOKEN_MARGIN
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, width, self.device)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.max_total_num_tokens,
+                                                                 self.device)
+        self.token_to_kv_pool = self._make_kv_pool(layout)
+        logger.info("KV pool: %s, %d slots x %d B, %d request rows, context %d",
+                    layout["kind"], self.max_total_num_tokens, cell,
+                    self.max_running_requests, self.context_len)
+
+    def _make_kv_pool(self, layout: dict) -> KVPool:
+        if layout["kind"] == "mha":
+            return MHATokenToKVPool(self.max_total_num_tokens, self.dtype, layout["num_kv_heads"],
+                                    layout["head_dim"], layout["v_head_dim"],
+                                    layout["num_layers"], self.device)
+        if layout["kind"] == "mla":
+            return MLATokenToKVPool(self.max_total_num_tokens, self.dtype, layout["kv_lora_rank"],
+                                    layout["qk_rope_head_dim"], layout["num_layers"], self.device)
+        raise ValueError(f"unknown kv pool kind {layout['kind']!r}")
+
+    # ------------------------------------------------------------------ per step
+    def make_forward_batch(
+        self,
+        mode: ForwardMode,
+        input_ids: Sequence[int] | torch.Tensor,
+        positions: Sequence[int] | torch.Tensor,
+        req_pool_indices: Sequence[int] | torch.Tensor,
+        seq_lens: Sequence[int] | torch.Tensor,
+        prefix_lens: Sequence[int] | torch.Tensor | None,
+        extend_lens: Sequence[int] | torch.Tensor | None,
+        out_cache_loc: Sequence[int] | torch.Tensor,
+        return_all_logits: bool = False,
+    ) -> ForwardBatch:
+        """Build a `ForwardBatch` from host lists / CPU tensors (copied to the device).
+
+        Args:
+            mode: EXTEND or DECODE.
+            input_ids, positions, out_cache_loc: [T] per new token, requests in batch order.
+            req_pool_indices, seq_lens: [bs] (seq_len = prefix + new tokens).
+            prefix_lens, extend_lens: [bs]; for DECODE may be None (= seq_len - 1 and 1).
+            return_all_logits: logits for every new token instead of each request's last.
+        NOTE: `req_to_token[req_pool_indices[i], prefix_lens[i]:seq_lens[i]]` must already hold
+        this request's `out_cache_loc` segment (the scheduler writes it).
+        Raises:
+            ValueError: inconsistent lengths.
+        """
+        seq = [int(x) for x in _as_list(seq_lens)]
+        if mode.is_decode():
+            prefix = [s - 1 for s in seq] if prefix_lens is None else _as_list(prefix_lens)
+            ext = [1] * len(seq) if extend_lens is None else _as_list(extend_lens)
+        else:
+            if prefix_lens is None or extend_lens is None:
+                raise ValueError("EXTEND needs prefix_lens and extend_lens")
+            prefix, ext = _as_list(prefix_lens), _as_list(extend_lens)
+        prefix, ext = [int(x) for x in prefix], [int(x) for x in ext]
+        num_tokens = len(_as_list(input_ids))
+        if not (len(prefix) == len(ext) == len(seq) == len(_as_list(req_pool_indices))):
+            raise ValueError(
+                "req_pool_indices, seq_lens, prefix_lens, extend_lens differ in length")
+        if any(p + e != s for p, e, s in zip(prefix, ext, seq)) or sum(ext) != num_tokens:
+            raise ValueError(f"inconsistent lengths: prefix {prefix} + extend {ext} vs seq {seq}, "
+                             f"{num_tokens} tokens")
+        dev = self.device
+
+        def to_dev(x: Any) -> torch.Tensor:
+            return torch.as_tensor(x, dtype=torch.int64).to(dev)
+
+        out_loc = to_dev(out_cache_loc)
+        if out_loc.shape[0] != num_tokens or to_dev(positions).shape[0] != num_tokens:
+            raise ValueError("positions / out_cache_loc must have one entry per input token")
+        return ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(seq),
+            input_ids=to_dev(input_ids),
+            positions=to_dev(positions),
+            req_pool_indices=to_dev(req_pool_indices),
+            seq_lens=to_dev(seq),
+            out_cache_loc=out_loc,
+            seq_lens_cpu=seq,
+            extend_prefix_lens_cpu=prefix,
+            extend_seq_lens_cpu=ext,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.token_to_kv_pool,
+            attn_backend=self.attn_backend,
+            return_all_logits=return_all_logits,
+        )
+
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Run the model: fp32 logits [bs, V] (or [T, V] with `return_all_logits`)."""
+        with torch.inference_mode():
+            self.attn_backend.init_forward_metadata(forward_batch)
+            hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            hidden = select_logit_rows(hidden, forward_batch)
+            return self.model.compute_logits(hidden).float()
+
+
+def _as_list(x: Any) -> list:
+    if isinstance(x, torch.Tensor):
+        return x.reshape(-1).tolist()
+    return list(x)

@@ -1,0 +1,252 @@
+"""Sampler: turns a batch's last-position logits into next tokens and their logprobs.
+
+Input: fp32 logits [bs, V] from `ModelRunner.forward` (one row per request, batch order) and the
+batch's `Req`s, of which it reads `sampling_params`, `origin_input_ids` and `output_ids`.
+Output: `SampleOutput` (host lists) for the engine, which appends the tokens to `req.output_ids`
+and accumulates logprobs. The only `Req` field written is `req.generator`: a private
+`torch.Generator` created on first use for a request whose `sampling_params.seed` is set.
+
+Logit processing (`process_logits`), each step only for the rows that need it:
+1. repetition penalty, Hugging Face semantics: for every token id in prompt + output,
+   logit / p if logit > 0 else logit * p;
+2. presence / frequency penalties, OpenAI semantics over the output tokens:
+   logit -= frequency_penalty * count + presence_penalty * (count > 0);
+3. min_new_tokens: while len(output_ids) < min_new_tokens, the EOS ids and the request's
+   stop_token_ids get -inf (EOS is masked even with ignore_eos);
+4. non-greedy rows only: divide by temperature, then top_k, top_p (nucleus over the top_k
+   survivors) and min_p (probability < min_p * max probability) set filtered tokens to -inf.
+Greedy rows (temperature < 1e-5, or top_k == 1) take the argmax of steps 1-3 (ties → lowest id).
+Other rows draw with the Gumbel-max trick: argmax(logits - log(E)), E ~ Exp(1) i.i.d., which
+samples from softmax(logits). E for a seeded row comes from the row's own generator (V draws
+per step), so its tokens do not depend on batch mates, batch position or batch size; unseeded
+rows share the sampler's generator.
+
+Logprobs are of the raw logits (log_softmax before any processing), fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from mla_backend.request import Req, SamplingParams
+
+# Temperatures below this are greedy (as vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE_EPS = 1e-5
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class SampleOutput:
+    """Per request, in batch order: the chosen token, its logprob (raw logits) and, when
+    `sampling_params.logprobs = k` is set, {token_id: logprob} of the top k plus the chosen token
+    (None when not asked)."""
+
+    next_token_ids: list[int]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """True when the request's next token is the argmax of its penalized logits."""
+    return params.temperature < GREEDY_TEMPERATURE_EPS or params.top_k == 1
+
+
+def _padded_ids(seqs: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """int64 [n, max_len] of the sequences, right-padded with `pad` (max_len >= 1)."""
+    width = max(1, max(len(s) for s in seqs))
+    rows = [list(s) + [pad] * (width - len(s)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def token_counts(seqs: Sequence[Sequence[int]], vocab_size: int,
+                 device: torch.device) -> torch.Tensor:
+    """fp32 [n, vocab_size]: how often each token id occurs in each sequence."""
+    idx = _padded_ids(seqs, vocab_size, device)
+    counts = torch.zeros(len(seqs), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> None:
+    """In place on logits [bs, V] fp32: repetition (HF, prompt + output tokens) and presence /
+    frequency (OpenAI, output tokens) penalties, for the rows whose params ask for them."""
+    bs, vocab = logits.shape
+    dev = logits.device
+    params = [r.sampling_params for r in reqs]
+    rep_rows = [i for i in range(bs) if params[i].repetition_penalty != 1.0]
+    if rep_rows:
+        seen = token_counts(
+            [reqs[i].origin_input_ids + reqs[i].output_ids for i in rep_rows], vocab, dev
+        ) > 0
+        pen = torch.tensor([params[i].repetition_penalty for i in rep_rows],
+                           dtype=torch.float32, device=dev).unsqueeze(1)
+        rows = logits[rep_rows]
+        penalized = torch.where(rows > 0, rows / pen, rows * pen)
+        logits[rep_rows] = torch.where(seen, penalized, rows)
+    pf_rows = [i for i in range(bs)
+               if params[i].presence_penalty != 0.0 or params[i].frequency_penalty != 0.0]
+    if pf_rows:
+        counts = token_counts([reqs[i].output_ids for i in pf_rows], vocab, dev)
+        freq = torch.tensor([params[i].frequency_penalty for i in pf_rows],
+                            dtype=torch.float32, device=dev).unsqueeze(1)
+        pres = torch.tensor([params[i].presence_penalty for i in pf_rows],
+                            dtype=torch.float32, device=dev).unsqueeze(1)
+        logits[pf_rows] -= freq * counts + pres * (counts > 0).float()
+
+
+def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: set[int]) -> None:
+    """In place on logits [bs, V]: -inf for EOS and stop_token_ids of every request that has
+    produced fewer than `min_new_tokens` tokens."""
+    vocab = logits.shape[1]
+    for i, r in enumerate(reqs):
+        sp = r.sampling_params
+        if len(r.output_ids) < sp.min_new_tokens:
+            banned = sorted(t for t in set(sp.stop_token_ids) | eos_token_ids if 0 <= t < vocab)
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def apply_temperature_and_filters(logits: torch.Tensor,
+                                  params: Sequence[SamplingParams]) -> torch.Tensor:
+    """New tensor from logits [n, V] fp32 of non-greedy rows: divided by temperature, then
+    top_k, top_p and min_p filtered (removed tokens → -inf). At least one token always stays."""
+    n, vocab = logits.shape
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    out = logits / temps.unsqueeze(1)
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    need_k = any(k < vocab for k in ks)
+    need_p = any(p.top_p < 1.0 for p in params)
+    if need_k or need_p:
+        vals, idx = out.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=dev).unsqueeze(0)
+        remove = rank >= torch.tensor(ks, device=dev).unsqueeze(1)
+        if need_p:
+            top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params],
+                                 dtype=torch.float32, device=dev).unsqueeze(1)
+            probs = vals.masked_fill(remove, float("-inf")).softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            remove |= mass_before >= top_p  # the top token has mass_before 0 < top_p: kept
+        out = torch.empty_like(out).scatter_(1, idx, vals.masked_fill(remove, float("-inf")))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        probs = out.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        out = out.masked_fill(probs < threshold, float("-inf"))
+    return out
+
+
+def process_logits(logits: torch.Tensor, reqs: Sequence[Req],
+                   eos_token_ids: set[int]) -> torch.Tensor:
+    """Steps 1-4 of the module docstring on logits [bs, V] fp32; returns a new tensor, or
+    `logits` itself when nothing applies (all greedy, no penalties, min_new_tokens reached).
+
+    Greedy rows carry penalties and the min_new_tokens mask only; their token is the argmax.
+    Non-greedy rows are also tempered and filtered; their token is a draw from softmax(row).
+    """
+    params = [r.sampling_params for r in reqs]
+    penalize = any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                   or p.frequency_penalty != 0.0 for p in params)
+    mask_min = any(len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs)
+    sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
+    if not (penalize or mask_min or sampled):
+        return logits
+    out = logits.clone()
+    if penalize:
+        apply_penalties(out, reqs)
+    if mask_min:
+        apply_min_tokens(out, reqs, eos_token_ids)
+    if sampled:
+        if len(sampled) == len(reqs):
+            out = apply_temperature_and_filters(out, params)
+        else:
+            out[sampled] = apply_temperature_and_filters(out[sampled],
+                                                         [params[i] for i in sampled])
+    return out
+
+
+class Sampler:
+    """Samples one token per request from fp32 logits [bs, V] (see the module docstring).
+
+    eos_token_ids: ids masked by min_new_tokens (stopping on them is the engine's job);
+    vocab_size: V (logits with more columns, e.g. padded, are cut to V; fewer raise ValueError);
+    device: where logits live and generators are made; seed: seed of the generator shared by
+    unseeded requests.
+    """
+
+    def __init__(self, eos_token_ids: set[int], vocab_size: int,
+                 device: torch.device | str, seed: int = 0) -> None:
+        self.eos_token_ids = set(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def _row_generator(self, req: Req) -> torch.Generator | None:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        if req.generator is None:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(seed)
+        return req.generator
+
+    def _draw(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+        """int64 [n]: one Gumbel-max draw per row of processed logits [n, V]."""
+        gens = [self._row_generator(r) for r in reqs]
+        noise = torch.empty_like(logits)
+        unseeded = [i for i, g in enumerate(gens) if g is None]
+        if len(unseeded) == len(gens):
+            noise.exponential_(generator=self.generator)
+        else:
+            if unseeded:
+                shared = torch.empty(len(unseeded), logits.shape[1], device=logits.device)
+                noise[unseeded] = shared.exponential_(generator=self.generator)
+            for i, g in enumerate(gens):
+                if g is not None:
+                    noise[i].exponential_(generator=g)
+        return (logits - noise.clamp_min_(_TINY).log_()).argmax(dim=-1)
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> SampleOutput:
+        """Next token per request. logits: [bs, V'] float (V' >= vocab_size) on `device`;
+        reqs: the bs requests in row order. Raises ValueError on a shape mismatch."""
+        if logits.dim() != 2 or logits.shape[0] != len(reqs):
+            raise ValueError(f"logits must be [{len(reqs)}, V], got {tuple(logits.shape)}")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns < vocab {self.vocab_size}")
+        raw = logits[:, : self.vocab_size].float()
+        processed = process_logits(raw, reqs, self.eos_token_ids)
+        params = [r.sampling_params for r in reqs]
+        sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
+        if len(sampled) == len(reqs):
+            next_ids = self._draw(processed, reqs)
+        else:
+            next_ids = processed.argmax(dim=-1)
+            if sampled:
+                next_ids[sampled] = self._draw(processed[sampled], [reqs[i] for i in sampled])
+
+        lse = torch.logsumexp(raw, dim=-1)
+        chosen_lp = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1) - lse
+        ids_list: list[int] = next_ids.tolist()
+        lp_list: list[float] = chosen_lp.tolist()
+
+        top: list[dict[int, float] | None] = [None] * len(reqs)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            kmax = min(max(params[i].logprobs or 0 for i in want), self.vocab_size)
+            top_vals: list[list[float]] = [[] for _ in want]
+            top_ids: list[list[int]] = [[] for _ in want]
+            if kmax > 0:
+                vals, idx = raw[want].topk(kmax, dim=-1)
+                top_vals = (vals - lse[want].unsqueeze(1)).tolist()
+                top_ids = idx.tolist()
+            for j, i in enumerate(want):
+                k = params[i].logprobs or 0
+                d = dict(zip(top_ids[j][:k], top_vals[j][:k]))
+                d.setdefault(ids_list[i], lp_list[i])
+                top[i] = d
+        return SampleOutput(next_token_ids=ids_list, token_logprobs=lp_list, top_logprobs=top)

@@ -1,0 +1,218 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) over the paged KV pool.
+
+Built by `model_executor.ModelRunner` from an HF config (through `models.registry`); weights
+come from `load_weights` with HF tensor names (q/k/v and gate/up are merged here into
+`qkv_proj` / `gate_up_proj`). Attention goes through `RadixAttention` → the batch's backend,
+which writes K/V into an MHA pool shaped by `kv_pool_layout()`.
+
+Config fields read: vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+num_attention_heads, num_key_value_heads (default = heads), head_dim (default hidden/heads),
+rms_norm_eps, rope_theta / rope_parameters / rope_scaling (default, linear, llama3),
+max_position_embeddings, tie_word_embeddings, attention_bias (Llama) / model_type qwen2 (qkv
+bias), mlp_bias, hidden_act (silu only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from mla_backend.layers.activation import SiluAndMul
+from mla_backend.layers.layernorm import RMSNorm
+from mla_backend.layers.linear import MergedLinear, QKVLinear, ReplicatedLinear
+from mla_backend.layers.logits import LMHead, VocabEmbedding
+from mla_backend.layers.radix_attention import RadixAttention
+from mla_backend.layers.rotary_embedding import get_rope, rope_params_from_config
+
+if TYPE_CHECKING:
+    from mla_backend.config import ModelConfig
+    from mla_backend.model_executor.forward_batch import ForwardBatch
+
+
+def _head_dim(cfg: Any) -> int:
+    hd = getattr(cfg, "head_dim", None)
+    return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
+
+
+def _num_kv_heads(cfg: Any) -> int:
+    kv = getattr(cfg, "num_key_value_heads", None)
+    return int(kv) if kv else cfg.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 hidden_act: str = "silu") -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r} (only silu)")
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias,
+                                         shard_names=("gate", "up"))
+        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, layer_id: int, qkv_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = _num_kv_heads(cfg)
+        self.head_dim = _head_dim(cfg)
+        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads,
+                                  self.num_kv_heads, bias=qkv_bias)
+        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, cfg.hidden_size,
+                                       bias=bool(getattr(cfg, "attention_bias", False)))
+        theta, scaling = rope_params_from_config(cfg)
+        partial = float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0)
+        self.rotary_emb = get_rope(self.head_dim, int(self.head_dim * partial),
+                                   cfg.max_position_embeddings, theta, True, scaling)
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5,
+                                   self.num_kv_heads, layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        """positions [T], hidden [T, hidden] -> [T, hidden]."""
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v, forward_batch)  # [T, H * head_dim]
+        return self.o_proj(o)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_id: int, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, qkv_bias)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size,
+                            bool(getattr(cfg, "mlp_bias", False)),
+                            getattr(cfg, "hidden_act", "silu"))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None,
+                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (layer output before its residual add, residual stream)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, qkv_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(cfg, i, qkv_bias) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, forward_batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+# HF name fragment -> (our merged module fragment, shard id)
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", "gate"),
+    (".up_proj.", ".gate_up_proj.", "up"),
+)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / Mistral causal LM.
+
+    Args:
+        hf_config: the transformers config of the checkpoint.
+        model_config: engine `ModelConfig` (unused by this family; part of the model interface).
+    """
+
+    def __init__(self, hf_config: Any, model_config: ModelConfig | None = None) -> None:
+        super().__init__()
+        self.config = hf_config
+        qkv_bias = hf_config.model_type == "qwen2" or bool(
+            getattr(hf_config, "attention_bias", False))
+        self.model = LlamaModel(hf_config, qkv_bias)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size,
+                              self.model.embed_tokens if self.tie_word_embeddings else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        """input_ids [T] int64, positions [T] int64 -> hidden [T, hidden] after the final norm."""
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab] fp32."""
+        return self.lm_head(hidden)
+
+    def kv_pool_layout(self) -> dict:
+        attn = self.model.layers[0].self_attn
+        return {"kind": "mha", "num_layers": len(self.model.layers),
+                "num_kv_heads": attn.num_kv_heads, "head_dim": attn.head_dim,
+                "v_head_dim": attn.head_dim}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the parameters (cast to each parameter's dtype/device).
+
+        Returns:
+            names of the parameters that were filled (ours, e.g. "...qkv_proj.weight").
+        Raises:
+            KeyError: a tensor name this model does not know.
+            ValueError: a shape mismatch.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # some tied checkpoints store a copy
+            shard = None
+            for hf_frag, our_frag, shard_id in _STACKED:
+                if hf_frag in name:
+                    name, shard = name.replace(hf_frag, our_frag), shard_id
+                    break
+            if name not in params:
+                raise KeyError(f"unexpected checkpoint tensor {name!r}")
+            param = params[name]
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            loader = getattr(owner, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor.to(param.dtype), shard)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: shape {tuple(param.shape)} vs {tuple(tensor.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def post_load_weights(self) -> None:
+        """Nothing to derive for this family."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with q/k/v bias (detected from model_type)."""
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama layout (sliding window handled by capping the context in the runner)."""

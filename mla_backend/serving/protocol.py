@@ -1,0 +1,332 @@
+"""The Triton LLM request/response contract (vLLM-backend names), as pure functions.
+
+Owns the translation between Triton tensors and engine data, with no `pb_utils` dependency so it
+is testable with plain numpy arrays:
+
+- `parse_request(inputs, parameters, rid)`: input tensors (name → numpy array, as the adapter
+  reads them from a `pb_utils.InferenceRequest`) plus the request's `parameters()` JSON →
+  `ParsedRequest` (a `GenerateRequest` for `Engine.add_request` and the `OutputOptions` that decide
+  which output tensors each response carries). Raises `ProtocolError` naming the field.
+- `build_outputs(out, options, prefix, decode)`: one `RequestOutput` from `Engine.step` → output
+  tensors (name → numpy array) that the adapter wraps into `pb_utils.Tensor`s.
+- `merge_outputs(held, out)`: joins a streaming increment whose text is still empty (held back
+  by the detokenizer or a stop-string prefix) with the next one, so that no empty non-final
+  response is sent (genai-perf would time an empty first response as the first token).
+
+Contract (REFERENCE.md §4.1–4.2): sampling fields come from the `sampling_parameters` tensor
+(a JSON object) or, when that tensor is absent, from the request parameters (never merged);
+default max_tokens 16; the prompt is echoed only for non-streaming requests unless
+`exclude_input_in_output` says otherwise; streaming with `exclude_input_in_output` = false is an
+error. Our additions: `input_ids` (token ids instead of `text_input`) and `return_cached_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from mla_backend.request import GenerateRequest, RequestOutput, SamplingParams
+
+
+class ProtocolError(ValueError):
+    """The request's tensors or parameters are malformed; the message names the field.
+
+    The adapter answers it with one INVALID_ARGUMENT error response flagged FINAL.
+    """
+
+
+# BOOL [1] switches: input name → default when the tensor is absent.
+RETURN_FLAGS: tuple[str, ...] = (
+    "return_finish_reason",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+    "return_logprobs",
+    "return_cumulative_logprob",
+    "return_cached_tokens",
+)
+INPUT_NAMES: tuple[str, ...] = (
+    "text_input",
+    "input_ids",
+    "stream",
+    "sampling_parameters",
+    "exclude_input_in_output",
+    *RETURN_FLAGS,
+)
+# Request parameters that Triton's frontends or clients set for themselves, never sampling fields.
+RESERVED_PARAMETERS: frozenset[str] = frozenset(
+    {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "binary_data_output",
+     "headers"}
+)
+# config.pbtxt `parameters` read by the adapter, not by `EngineConfig`.
+ADAPTER_PARAMETERS: tuple[str, ...] = ("REPORT_CUSTOM_METRICS",)
+
+STREAMING_ECHO_ERROR = (
+    "exclude_input_in_output: when streaming, exclude_input_in_output = false is not allowed"
+)
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """Which optional outputs every response of a request carries, and whether to echo."""
+
+    stream: bool = False
+    echo: bool = False  # prepend the prompt text to text_output (non-streaming only)
+    return_finish_reason: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    return_logprobs: bool = False
+    return_cumulative_logprob: bool = False
+    return_cached_tokens: bool = False
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    request: GenerateRequest
+    options: OutputOptions
+
+
+# ---------------------------------------------------------------------------------------- inputs
+def parse_request(
+    inputs: Mapping[str, np.ndarray | None],
+    parameters: str | Mapping[str, Any] | None,
+    rid: str,
+) -> ParsedRequest:
+    """Validate and convert one Triton request.
+
+    Args:
+        inputs: input name → numpy array (absent inputs missing or None). `text_input` /
+            `sampling_parameters`: object or bytes arrays of one UTF-8 element; `input_ids`: int32
+            or int64, any shape (flattened); BOOL switches: one element.
+        parameters: `request.parameters()` (a JSON object string, or an already decoded dict);
+            used for sampling only when the `sampling_parameters` tensor is absent.
+        rid: the engine request id to use (unique per live request).
+    Returns:
+        ParsedRequest.
+    Raises:
+        ProtocolError: naming the field — missing/empty prompt, both prompts given, malformed or
+            non-object JSON, unknown keys, wrong types or out-of-range sampling values, streaming
+            with exclude_input_in_output = false.
+    """
+    present = {k: v for k, v in inputs.items() if v is not None}
+    unknown = sorted(set(present) - set(INPUT_NAMES))
+    if unknown:
+        raise ProtocolError(f"unknown input tensor(s): {', '.join(unknown)}")
+
+    text: str | None = None
+    ids: list[int] | None = None
+    if "text_input" in present and "input_ids" in present:
+        raise ProtocolError("give only one of text_input and input_ids, not both")
+    if "text_input" in present:
+        text = _string_scalar(present["text_input"], "text_input")
+        if text == "":
+            raise ProtocolError("text_input: the prompt is empty")
+    elif "input_ids" in present:
+        ids = _token_ids(present["input_ids"])
+    else:
+        raise ProtocolError("text_input is required (or give input_ids)")
+
+    stream = _bool_scalar(present, "stream", False)
+    sampling = _sampling(present, parameters)
+
+    exclude = present.get("exclude_input_in_output")
+    if exclude is None:
+        echo = not stream
+    else:
+        echo = not _bool_scalar(present, "exclude_input_in_output", True)
+        if stream and echo:
+            raise ProtocolError(STREAMING_ECHO_ERROR)
+    flags = {name: _bool_scalar(present, name, False) for name in RETURN_FLAGS}
+    options = OutputOptions(stream=stream, echo=echo, **flags)
+    request = GenerateRequest(rid=rid, text=text, input_ids=ids, sampling_params=sampling,
+                              stream=stream)
+    return ParsedRequest(request=request, options=options)
+
+
+def _sampling(present: Mapping[str, np.ndarray],
+              parameters: str | Mapping[str, Any] | None) -> SamplingParams:
+    if "sampling_parameters" in present:
+        field = "sampling_parameters"
+        raw = _string_scalar(present["sampling_parameters"], field)
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ProtocolError(f"{field}: malformed JSON ({e.msg} at char {e.pos})") from None
+        if not isinstance(data, dict):
+            raise ProtocolError(f"{field}: must be a JSON object, got {type(data).__name__}")
+    else:
+        field = "parameters"
+        if parameters is None or parameters == "":
+            data = {}
+        elif isinstance(parameters, Mapping):
+            data = dict(parameters)
+        else:
+            try:
+                data = json.loads(parameters)
+            except json.JSONDecodeError as e:
+                raise ProtocolError(f"{field}: malformed JSON ({e.msg})") from None
+            if not isinstance(data, dict):
+                raise ProtocolError(f"{field}: must be a JSON object, got {type(data).__name__}")
+        data = {k: v for k, v in data.items()
+                if k not in RESERVED_PARAMETERS and not k.startswith("triton_")}
+    try:
+        return SamplingParams.from_dict(data)
+    except ValueError as e:
+        raise ProtocolError(f"{field}: {e}") from None
+
+
+def _single(arr: np.ndarray, name: str) -> Any:
+    a = np.asarray(arr)
+    if a.size != 1:
+        raise ProtocolError(f"{name}: expected exactly one element, got shape {list(a.shape)}")
+    return a.reshape(-1)[0]
+
+
+def _string_scalar(arr: np.ndarray, name: str) -> str:
+    v = _single(arr, name)
+    if isinstance(v, (bytes, np.bytes_)):
+        try:
+            return bytes(v).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError(f"{name}: not valid UTF-8") from None
+    if isinstance(v, (str, np.str_)):
+        return str(v)
+    raise ProtocolError(f"{name}: expected a string (TYPE_STRING), got {type(v).__name__}")
+
+
+def _bool_scalar(present: Mapping[str, np.ndarray], name: str, default: bool) -> bool:
+    if name not in present:
+        return default
+    v = _single(present[name], name)
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    raise ProtocolError(f"{name}: expected a BOOL tensor, got {np.asarray(present[name]).dtype}")
+
+
+def _token_ids(arr: np.ndarray) -> list[int]:
+    a = np.asarray(arr)
+    if a.dtype not in (np.int32, np.int64):
+        raise ProtocolError(f"input_ids: expected INT32 or INT64 token ids, got {a.dtype}")
+    ids = [int(t) for t in a.reshape(-1)]
+    if not ids:
+        raise ProtocolError("input_ids: the prompt is empty")
+    if min(ids) < 0:
+        raise ProtocolError(f"input_ids: token ids must be >= 0, got {min(ids)}")
+    return ids
+
+
+# --------------------------------------------------------------------------------------- outputs
+def merge_outputs(held: RequestOutput | None, out: RequestOutput) -> RequestOutput:
+    """Join a held-back streaming increment with the next one of the same request.
+
+    Token ids, text and per-token logprobs concatenate; the counters, finish state and error are
+    taken from the later `out`. Returns `out` itself when nothing is held.
+    """
+    if held is None:
+        return out
+    logprobs = None
+    if held.new_logprobs is not None or out.new_logprobs is not None:
+        logprobs = list(held.new_logprobs or []) + list(out.new_logprobs or [])
+    token_lps = None
+    if held.new_token_logprobs is not None or out.new_token_logprobs is not None:
+        token_lps = list(held.new_token_logprobs or []) + list(out.new_token_logprobs or [])
+    return RequestOutput(
+        rid=out.rid,
+        new_token_ids=list(held.new_token_ids) + list(out.new_token_ids),
+        new_text=held.new_text + out.new_text,
+        finished=out.finished,
+        finish_reason=out.finish_reason,
+        num_input_tokens=out.num_input_tokens,
+        num_output_tokens=out.num_output_tokens,
+        cached_tokens=out.cached_tokens,
+        new_logprobs=logprobs,
+        new_token_logprobs=token_lps,
+        cumulative_logprob=out.cumulative_logprob,
+        error=out.error,
+    )
+
+
+def should_hold(out: RequestOutput, options: OutputOptions) -> bool:
+    """True for a streaming, unfinished increment with no text yet (merge it into the next)."""
+    return options.stream and not out.finished and out.new_text == ""
+
+
+def build_outputs(
+    out: RequestOutput,
+    options: OutputOptions,
+    prefix: str = "",
+    decode: Callable[[int], str] | None = None,
+) -> dict[str, np.ndarray]:
+    """Output tensors for one response (REFERENCE.md §4.1).
+
+    Args:
+        out: the engine's increment (streaming) or final result (non-streaming).
+        options: from `parse_request`.
+        prefix: prompt text to prepend to `text_output` (the echo; non-streaming only).
+        decode: token id → text, for `decoded_token` in logprobs (None → empty strings).
+    Returns:
+        name → numpy array: `text_output` object [1] (always; streaming: the delta), and when
+        asked: `finish_reason` object [1] ("None" until the last response), `num_input_tokens`
+        uint32 [1], `num_output_tokens` uint32 [1] (tokens in this response),
+        `cumulative_logprob` float32 [1], `logprobs` object [1] (a JSON list with one
+        {token_id: {logprob, rank, decoded_token}} per new token, or "null" when the request did
+        not ask for `logprobs`), `cached_tokens` uint32 [1].
+    """
+    text = (prefix + out.new_text) if options.echo else out.new_text
+    tensors: dict[str, np.ndarray] = {"text_output": _obj(text)}
+    if options.return_finish_reason:
+        reason = out.finish_reason.value if (out.finished and out.finish_reason) else "None"
+        tensors["finish_reason"] = _obj(reason)
+    if options.return_num_input_tokens:
+        tensors["num_input_tokens"] = np.array([out.num_input_tokens], dtype=np.uint32)
+    if options.return_num_output_tokens:
+        n = len(out.new_token_ids) if options.stream else out.num_output_tokens
+        tensors["num_output_tokens"] = np.array([n], dtype=np.uint32)
+    if options.return_cumulative_logprob:
+        tensors["cumulative_logprob"] = np.array([out.cumulative_logprob], dtype=np.float32)
+    if options.return_logprobs:
+        tensors["logprobs"] = _obj(logprobs_json(out, decode))
+    if options.return_cached_tokens:
+        tensors["cached_tokens"] = np.array([out.cached_tokens], dtype=np.uint32)
+    return tensors
+
+
+def logprobs_json(out: RequestOutput, decode: Callable[[int], str] | None = None) -> str:
+    """JSON of the per-token candidate logprobs of `out` ("null" if the request did not ask).
+
+    Each entry maps str(token_id) → {"logprob", "rank", "decoded_token"}; rank is 1 + the number
+    of listed candidates with a strictly higher logprob (exact for the top-k candidates; a lower
+    bound for a chosen token outside them).
+    """
+    if out.new_logprobs is None:
+        return "null"
+    entries = []
+    for cands in out.new_logprobs:
+        values = sorted(cands.values(), reverse=True)
+        entry = {}
+        for tid, lp in cands.items():
+            rank = 1 + sum(1 for v in values if v > lp)
+            entry[str(tid)] = {"logprob": float(lp), "rank": rank,
+                               "decoded_token": decode(tid) if decode else ""}
+        entries.append(entry)
+    return json.dumps(entries)
+
+
+def _obj(text: str) -> np.ndarray:
+    return np.array([text.encode("utf-8")], dtype=np.object_)
+
+
+__all__ = [
+    "ADAPTER_PARAMETERS",
+    "INPUT_NAMES",
+    "OutputOptions",
+    "ParsedRequest",
+    "ProtocolError",
+    "build_outputs",
+    "logprobs_json",
+    "merge_outputs",
+    "parse_request",
+    "should_hold",
+]

@@ -1,0 +1,311 @@
+"""`TritonPythonModel`: the Triton Python-backend model that serves an `Engine` (decoupled).
+
+Threading follows Triton's official vLLM backend (REFERENCE.md §4.3):
+
+- Triton's execute thread, `execute()`: parses each request (`protocol.parse_request`),
+  registers it and calls `Engine.add_request`; a bad request gets one INVALID_ARGUMENT error
+  flagged FINAL right there; returns None.
+- engine thread: loops `Engine.wait_for_work` / `Engine.step` and puts each step's
+  `RequestOutput`s on a queue.
+- response thread: the only sender for accepted requests; turns outputs into responses
+  (`protocol.build_outputs`), sends them (each send is a blocking IPC round trip), and polls
+  `is_cancelled()` of live requests → `Engine.abort` + a CANCELLED error flagged FINAL.
+
+NOTE (exactly one FINAL): a request is in `_live` from registration until the response that
+carries its FINAL flag; whoever removes it from `_live` (under `_lock`) sends that FINAL, and
+outputs for an id no longer in `_live` are dropped — nothing is sent after FINAL.
+
+Data: tensors and parameters come from Triton (`pb_utils`), engine settings from config.pbtxt
+`parameters` (`EngineConfig.from_parameters`, `model_path` relative to the model's folder).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import triton_python_backend_utils as pb_utils  # provided by the Python backend stub
+
+from mla_backend.config import EngineConfig
+from mla_backend.engine import Engine, InvalidRequestError
+from mla_backend.request import RequestOutput
+from mla_backend.serving.protocol import (
+    ADAPTER_PARAMETERS,
+    INPUT_NAMES,
+    OutputOptions,
+    ProtocolError,
+    build_outputs,
+    merge_outputs,
+    parse_request,
+    should_hold,
+)
+
+_QUEUE_WAIT_S = 0.05  # the response thread wakes at least this often (s)
+_CANCEL_POLL_S = 0.1  # is_cancelled() of each live request is polled this often (s)
+_FINALIZE_DRAIN_S = 10.0  # how long finalize() waits for aborted requests' final outputs
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+@dataclass
+class _Live:
+    """One accepted request, from registration to its FINAL response."""
+
+    sender: Any  # pb_utils.InferenceResponseSender
+    options: OutputOptions
+    prefix: str = ""  # echoed prompt text (non-streaming with echo)
+    accepted: bool = False  # Engine.add_request returned; the response thread may use `sender`
+    held: RequestOutput | None = None  # streaming increment with no text yet
+    arrival: float = field(default_factory=time.monotonic)  # s, monotonic (for metrics)
+
+
+class TritonPythonModel:
+    """Triton entry points: `initialize`, `execute`, `finalize`."""
+
+    # ------------------------------------------------------------------ initialize
+    def initialize(self, args: dict[str, str]) -> None:
+        """Build the engine from config.pbtxt and start the engine and response threads.
+
+        Raises:
+            pb_utils.TritonModelException / ConfigError: not decoupled, bad parameters, missing
+                weights — the model then fails to load with that message.
+        """
+        self.logger = pb_utils.Logger
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException(
+                "mla_backend models must use model_transaction_policy { decoupled: true }"
+            )
+        self.model_name = args.get("model_name", "")
+        model_dir = args.get("model_repository") or os.path.dirname(__file__)
+        config = EngineConfig.from_parameters(
+            model_config.get("parameters", {}), base_dir=model_dir, ignore=ADAPTER_PARAMETERS
+        )
+        if args.get("model_instance_kind") == "GPU" and config.model.device == "auto":
+            # KIND_GPU: one engine per GPU, on the device Triton assigned to this instance.
+            config = config.replace(device=f"cuda:{args.get('model_instance_device_id', '0')}")
+        t0 = time.monotonic()
+        self.engine = Engine(config)
+        device = getattr(getattr(self.engine, "runner", None), "device", config.model.device)
+        self.logger.log_info(
+            f"[mla_backend] {self.model_name}: loaded {config.model.model_path} on {device} in "
+            f"{time.monotonic() - t0:.1f}s; "
+            f"context {self.engine.context_len} tokens, KV pool {self.engine.max_total_tokens} "
+            f"tokens, radix cache {'on' if config.cache.enable_radix_cache else 'off'}"
+        )
+        self._lock = threading.Lock()
+        self._live: dict[str, _Live] = {}
+        self._outputs: queue.SimpleQueue[list[RequestOutput] | None] = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._accepting = True
+        self._running = True
+        self._engine_thread = threading.Thread(
+            target=self._engine_loop, name="mla-engine", daemon=True
+        )
+        self._response_thread = threading.Thread(
+            target=self._response_loop, name="mla-responses", daemon=True
+        )
+        self._engine_thread.start()
+        self._response_thread.start()
+
+    # ------------------------------------------------------------------ execute
+    def execute(self, requests: list[Any]) -> None:
+        """Hand each request to the engine; never raises; returns None (decoupled)."""
+        for request in requests:
+            try:
+                self._accept(request)
+            except Exception as e:  # noqa: BLE001 - one bad request must not fail the others
+                self.logger.log_error(f"[mla_backend] unexpected error accepting a request: {e!r}")
+        return None
+
+    def _accept(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        rid = f"{request.request_id() or 'req'}#{next(self._ids)}"
+        if not self._accepting:
+            self._send_error(sender, "the model is shutting down", pb_utils.TritonError.UNAVAILABLE)
+            return
+        try:
+            inputs = {}
+            for name in INPUT_NAMES:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy()
+            parsed = parse_request(inputs, request.parameters(), rid)
+        except ProtocolError as e:
+            self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            return
+        except Exception as e:  # noqa: BLE001 - still answer the request, exactly once
+            self._send_error(sender, f"Error reading the request: {e!r}",
+                             pb_utils.TritonError.INTERNAL)
+            return
+        live = _Live(sender=sender, options=parsed.options)
+        with self._lock:
+            self._live[rid] = live
+        try:
+            if parsed.options.echo:  # before add_request: the response may follow at once
+                live.prefix = self._prompt_text(parsed.request)
+            self.engine.add_request(parsed.request)
+        except Exception as e:  # noqa: BLE001
+            with self._lock:
+                self._live.pop(rid, None)
+            if isinstance(e, InvalidRequestError):
+                self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            else:
+                self._send_error(sender, f"Error adding the request: {e!r}",
+                                 pb_utils.TritonError.INTERNAL)
+            return
+        live.accepted = True
+
+    def _prompt_text(self, request: Any) -> str:
+        if request.text is not None:
+            return request.text
+        try:
+            return self.engine.tokenizer.decode(request.input_ids, skip_special_tokens=False)
+        except Exception:  # noqa: BLE001 - ids outside the vocab: add_request rejects them
+            return ""
+
+    # ------------------------------------------------------------------ engine thread
+    def _engine_loop(self) -> None:
+        while self._running:
+            try:
+                if not self.engine.wait_for_work(0.1):
+                    continue
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - report, fail live requests, keep serving
+                self.logger.log_error(f"[mla_backend] engine step failed: {e!r}")
+                self._fail_all(f"Error generating stream: {e!r}")
+                time.sleep(0.01)
+                continue
+            if outputs:
+                self._outputs.put(outputs)
+
+    def _fail_all(self, message: str) -> None:
+        """Abort every live request in the engine and end it with an INTERNAL error (via the
+        response thread, which owns the senders)."""
+        with self._lock:
+            rids = [rid for rid, live in self._live.items() if live.accepted]
+        errors = []
+        for rid in rids:
+            self.engine.abort(rid)
+            errors.append(RequestOutput(rid=rid, new_token_ids=[], new_text="", finished=True,
+                                        error=message))
+        if errors:
+            self._outputs.put(errors)
+
+    # ------------------------------------------------------------------ response thread
+    def _response_loop(self) -> None:
+        last_poll = 0.0
+        while True:
+            try:
+                batch = self._outputs.get(timeout=_QUEUE_WAIT_S)
+            except queue.Empty:
+                batch = []
+            if batch is None:  # finalize() is done with us
+                return
+            for out in batch:
+                try:
+                    self._respond(out)
+                except Exception as e:  # noqa: BLE001
+                    self.logger.log_error(f"[mla_backend] sending a response failed: {e!r}")
+            now = time.monotonic()
+            if now - last_poll >= _CANCEL_POLL_S:
+                last_poll = now
+                self._poll_cancelled()
+
+    def _respond(self, out: RequestOutput) -> None:
+        with self._lock:
+            live = self._live.get(out.rid)
+            if live is None:
+                return  # already ended (cancelled or failed): nothing after FINAL
+            if out.finished:
+                del self._live[out.rid]
+        if out.error is not None:
+            self._send_error(live.sender, out.error, pb_utils.TritonError.INTERNAL)
+            return
+        if not out.finished and should_hold(out, live.options):
+            live.held = merge_outputs(live.held, out)
+            return
+        out = merge_outputs(live.held, out)
+        live.held = None
+        tensors = build_outputs(out, live.options, live.prefix, self._decode_token)
+        response = pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(name, arr) for name, arr in tensors.items()]
+        )
+        live.sender.send(response, flags=_FINAL if out.finished else 0)
+
+    def _poll_cancelled(self) -> None:
+        with self._lock:
+            candidates = [(rid, live) for rid, live in self._live.items() if live.accepted]
+        for rid, live in candidates:
+            try:
+                cancelled = live.sender.is_cancelled()
+            except Exception:  # noqa: BLE001 - the sender is gone: treat as cancelled
+                cancelled = True
+            if not cancelled:
+                continue
+            with self._lock:
+                if self._live.pop(rid, None) is None:
+                    continue  # finished meanwhile; its FINAL was sent
+            self.engine.abort(rid)
+            self._send_error(live.sender, "Request was cancelled", pb_utils.TritonError.CANCELLED)
+            self.logger.log_info(f"[mla_backend] {self.model_name}: request {rid} was cancelled "
+                                 "by the client; aborted")
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    @staticmethod
+    def _send_error(sender: Any, message: str, code: int) -> None:
+        """One error response flagged FINAL (the request's last)."""
+        error = pb_utils.TritonError(message, code)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=_FINAL)
+
+    # ------------------------------------------------------------------ finalize
+    def finalize(self) -> None:
+        """Stop accepting, abort every live request (each gets its final response), join the
+        threads and shut the engine down."""
+        self._accepting = False
+        with self._lock:
+            rids = list(self._live)
+        self.logger.log_info(f"[mla_backend] {self.model_name}: finalize, aborting {len(rids)} "
+                             "live request(s)")
+        for rid in rids:
+            self.engine.abort(rid)
+        deadline = time.monotonic() + _FINALIZE_DRAIN_S
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._live:
+                    break
+            time.sleep(0.02)
+        self._running = False
+        self._engine_thread.join(timeout=5.0)
+        self._outputs.put(None)
+        self._response_thread.join(timeout=5.0)
+        with self._lock:
+            leftovers = list(self._live.items())
+            self._live.clear()
+        for _, live in leftovers:  # the engine never answered: end them ourselves
+            try:
+                self._send_error(live.sender, "the model was unloaded",
+                                 pb_utils.TritonError.UNAVAILABLE)
+            except Exception:  # noqa: BLE001
+                pass
+        self._log_pool_state()
+        self.engine.shutdown()
+
+    def _log_pool_state(self) -> None:
+        """Log the engine's counters and its pool invariant (the engine thread has stopped)."""
+        stats = ""
+        try:
+            stats = " ".join(f"{k}={v}" for k, v in sorted(self.engine.stats().items()))
+            self.engine.check_invariant()
+            verdict = "pool invariant ok"
+        except Exception as e:  # noqa: BLE001
+            verdict = f"pool invariant FAILED: {e!r}"
+        log = self.logger.log_info if verdict.endswith("ok") else self.logger.log_error
+        log(f"[mla_backend] {self.model_name}: unloaded; engine stats: {stats}; {verdict}")

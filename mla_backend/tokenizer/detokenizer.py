@@ -1,0 +1,81 @@
+"""Incremental detokenization: token ids arriving a few at a time → only the new text.
+
+Owned by the engine, one `IncrementalDetokenizer` per request (kept in `Req.detok`); it is fed the
+request's sampled ids (`Req.output_ids` increments) and its output goes to the stop-string matcher
+and then to `RequestOutput.new_text`.
+
+Technique (prefix offset / read offset, as in TGI and vLLM): the text of a token depends on its
+neighbours (SentencePiece drops the leading space of the first token it decodes; byte-level BPE
+splits one UTF-8 character over several tokens). So each step decodes a short window:
+`prefix` = ids[prefix_offset:read_offset] (already emitted, kept as left context) and
+`prefix + new ids`; the new text is the difference. When the window's text ends in U+FFFD (an
+incomplete UTF-8 sequence), nothing is emitted and the offsets stay, so the bytes are decoded
+again together with the next token. The windows are decoded with `clean_up_tokenization_spaces`
+off, so concatenated deltas equal `tokenizer.decode(all_ids, skip_special_tokens=...,
+clean_up_tokenization_spaces=False)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+# Left context taken from the prompt for the first generated tokens (vLLM uses 5 as well).
+PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns ids fed one or more at a time into text deltas.
+
+    tokenizer: a Hugging Face tokenizer (`decode(ids, skip_special_tokens=...,
+    clean_up_tokenization_spaces=...)`). skip_special_tokens: drop special tokens from the text.
+    prompt_ids: the request's prompt; its last few tokens are used as left context (never
+    emitted), so the first generated token keeps its leading space as it would after the prompt.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
+                 prompt_ids: Sequence[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids or [])
+        self.read_offset = len(self.ids)  # ids before this are emitted (or prompt)
+        self.prefix_offset = max(0, self.read_offset - PROMPT_CONTEXT_TOKENS)
+        self.num_prompt_ids = len(self.ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(
+            list(ids),
+            skip_special_tokens=self.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def add(self, ids: Sequence[int]) -> str:
+        """Append token ids; return the text they complete ("" while a UTF-8 character is still
+        incomplete or the ids decode to nothing, e.g. skipped special tokens)."""
+        self.ids.extend(int(t) for t in ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Return text still held back (an incomplete UTF-8 sequence decodes to U+FFFD) when the
+        request ends; later `add` calls continue after it."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if len(self.ids) == self.read_offset:
+            return ""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset:])
+        if len(full_text) <= len(prefix_text):
+            return ""
+        if full_text.endswith(_REPLACEMENT) and not final:
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return full_text[len(prefix_text):]
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The ids fed through `add` (without the prompt)."""
+        return self.ids[self.num_prompt_ids:]

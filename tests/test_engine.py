@@ -1,0 +1,200 @@
+"""Engine-level equivalence tests: our continuous-batching engine vs Hugging Face `generate`,
+cache hit vs cold, chunked vs unchunked, retraction under a tiny pool, stop rules and seeds.
+
+All fp32 on the CPU. HF runs each prompt alone (no padding), greedy; ours runs them together.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mla_backend.config import EngineConfig
+from mla_backend.engine import Engine, InvalidRequestError
+from mla_backend.request import FinishReason, GenerateRequest, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "1, 2, 3, 4,",
+]
+NEW_TOKENS = 32
+# min_new_tokens masks EOS exactly as HF's `min_new_tokens` does, so both run the full length.
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, temperature=0.0)
+
+
+def hf_greedy(model_dir: str, prompts: list[str], n: int) -> list[list[int]]:
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            g = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=tok.eos_token_id)
+        outs.append(g[0, ids.shape[1]:].tolist())
+    return outs
+
+
+def make_engine(path: str, **kw) -> Engine:
+    return Engine(EngineConfig.create(model_path=path, dtype="float32", device="cpu", **kw))
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tiny_deepseek_factory):
+    return tiny_deepseek_factory(seed=1, hidden_size=128, num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def deepseek_hf(deepseek_dir):
+    return hf_greedy(deepseek_dir, PROMPTS, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_llama_factory):
+    return tiny_llama_factory(seed=2)
+
+
+@pytest.fixture(scope="module")
+def llama_hf(llama_dir):
+    return hf_greedy(llama_dir, PROMPTS, NEW_TOKENS)
+
+
+def test_smollm2_paris(smollm2_dir):
+    eng = make_engine(smollm2_dir)
+    res = eng.generate(["The capital of France is"],
+                       SamplingParams(max_new_tokens=2, temperature=0.0))
+    assert res[0].text == " Paris."
+    eng.check_invariant()
+
+
+def test_smollm2_batch_equals_hf(smollm2_dir):
+    expected = hf_greedy(smollm2_dir, PROMPTS, NEW_TOKENS)
+    eng = make_engine(smollm2_dir)
+    got = [r.token_ids for r in eng.generate(PROMPTS, GREEDY)]
+    assert got == expected
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    {"disable_mla": True},
+    {"mla_decompress_min_tokens": 0},
+    {"mla_decompress_min_tokens": 10_000},
+    {"enable_radix_cache": False},
+    {"chunked_prefill_size": 8},
+])
+def test_deepseek_batch_equals_hf(deepseek_dir, deepseek_hf, settings):
+    eng = make_engine(deepseek_dir, **settings)
+    got = [r.token_ids for r in eng.generate(PROMPTS, GREEDY)]
+    assert got == deepseek_hf
+    eng.check_invariant()
+
+
+def test_llama_batch_equals_hf(llama_dir, llama_hf):
+    eng = make_engine(llama_dir, chunked_prefill_size=16)
+    got = [r.token_ids for r in eng.generate(PROMPTS, GREEDY)]
+    assert got == llama_hf
+
+
+@pytest.mark.parametrize("model", ["deepseek", "llama"])
+def test_radix_hit_equals_cold(model, deepseek_dir, deepseek_hf, llama_dir, llama_hf):
+    path, expected = (deepseek_dir, deepseek_hf) if model == "deepseek" else (llama_dir, llama_hf)
+    eng = make_engine(path)
+    first = eng.generate(PROMPTS[:1], GREEDY)[0]
+    assert first.cached_tokens == 0
+    # Same prompt again: all but the last prompt token come from the cache.
+    again = eng.generate(PROMPTS[:1], GREEDY)[0]
+    n_prompt = again.num_input_tokens
+    assert again.cached_tokens == n_prompt - 1
+    assert again.token_ids == first.token_ids == expected[0]
+    # Prompt extended by its own continuation: prefix hit covers prompt + generated tokens.
+    tok = eng.tokenizer
+    longer = tok(PROMPTS[0]).input_ids + first.token_ids[:10]
+    ext = eng.generate([longer], SamplingParams(max_new_tokens=8, temperature=0.0,
+                                                ignore_eos=True))[0]
+    assert ext.cached_tokens >= n_prompt
+    assert ext.token_ids == first.token_ids[10:18]
+    eng.check_invariant()
+
+
+def test_retraction_tiny_pool_same_outputs(deepseek_dir, deepseek_hf):
+    # 4 prompts x (<= 20 + 32) tokens cannot all run at once in 110 slots: decode must retract.
+    eng = make_engine(deepseek_dir, max_total_tokens=110)
+    got = [r.token_ids for r in eng.generate(PROMPTS, GREEDY)]
+    assert got == deepseek_hf
+    eng.check_invariant()
+    st = eng.stats()
+    assert st["free_slots"] + st["evictable_slots"] == st["total_slots"]
+
+
+def test_seeded_sampling_independent_of_batch_mates(llama_dir):
+    sp = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=1234,
+                        ignore_eos=True)
+    eng = make_engine(llama_dir)
+    alone = eng.generate([PROMPTS[2]], sp)[0].token_ids
+    mates = [SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True)] * 3
+    together = eng.generate(PROMPTS[:2] + [PROMPTS[2]] + PROMPTS[3:], mates[:2] + [sp] + mates[2:])
+    assert together[2].token_ids == alone
+    other_seed = eng.generate([PROMPTS[2]], SamplingParams(
+        max_new_tokens=16, temperature=0.9, top_p=0.95, seed=99, ignore_eos=True))[0].token_ids
+    assert other_seed != alone
+
+
+def test_stop_string_and_max_tokens(smollm2_dir):
+    eng = make_engine(smollm2_dir)
+    full = eng.generate(["The capital of France is"],
+                        SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert full.finish_reason == FinishReason.LENGTH and len(full.token_ids) == 6
+    assert full.text.startswith(" Paris.")
+    cut = eng.generate(["The capital of France is"],
+                       SamplingParams(max_new_tokens=6, temperature=0.0, stop=("ris",)))[0]
+    assert cut.text == " Pa" and cut.finish_reason == FinishReason.STOP
+    kept = eng.generate(["The capital of France is"],
+                        SamplingParams(max_new_tokens=6, temperature=0.0, stop=("ris",),
+                                       include_stop_str_in_output=True))[0]
+    assert kept.text == " Paris"
+    eng.check_invariant()
+
+
+def test_streamed_text_equals_final(smollm2_dir):
+    eng = make_engine(smollm2_dir)
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    parts = [o.new_text for o in eng.stream("Write a haiku about the sea:", sp)]
+    final = eng.generate(["Write a haiku about the sea:"], sp)[0].text
+    assert "".join(parts) == final and len(parts) > 1
+
+
+def test_bad_requests_rejected(smollm2_dir):
+    eng = make_engine(smollm2_dir, context_length=64)
+    with pytest.raises(InvalidRequestError, match="text_input"):
+        eng.add_request(GenerateRequest(rid="a", text=""))
+    with pytest.raises(InvalidRequestError, match="input_ids"):
+        eng.add_request(GenerateRequest(rid="b", input_ids=[1, 10**7]))
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        eng.add_request(GenerateRequest(rid="c", text="x", input_ids=[1]))
+    with pytest.raises(InvalidRequestError, match="context"):
+        eng.add_request(GenerateRequest(rid="d", text="hello " * 100))
+    eng.generate(["hi"], SamplingParams(max_new_tokens=2, temperature=0.0))
+    eng.check_invariant()
+
+
+def test_abort_frees_slots(smollm2_dir):
+    eng = make_engine(smollm2_dir, enable_radix_cache=False)
+    total = eng.stats()["free_slots"]
+    eng.add_request(GenerateRequest(rid="x", text="Tell me a story",
+                                    sampling_params=SamplingParams(max_new_tokens=50,
+                                                                   ignore_eos=True),
+                                    stream=True))
+    outs = []
+    for _ in range(4):
+        outs += eng.step()
+    eng.abort("x")
+    outs += eng.step()
+    finals = [o for o in outs if o.finished]
+    assert len(finals) == 1 and finals[0].finish_reason == FinishReason.ABORT
+    for _ in range(3):
+        assert not [o for o in eng.step() if o.rid == "x"]
+    eng.check_invariant()
+    assert eng.stats()["free_slots"] == total
