@@ -123,6 +123,7 @@ def test_retraction_tiny_pool_same_outputs(deepseek_dir, deepseek_hf):
     # 4 prompts x (<= 20 + 32) tokens cannot all run at once in 110 slots: decode must retract.
     eng = make_engine(deepseek_dir, max_total_tokens=110)
     got = [r.token_ids for r in eng.generate(PROMPTS, GREEDY)]
+    assert eng.scheduler.num_retractions > 0
     assert got == deepseek_hf
     eng.check_invariant()
     st = eng.stats()

@@ -8,7 +8,8 @@ The oracle for every other backend, on CPU and GPU. Per layer and per request it
 Handles GQA/MQA (KV heads repeated), v_head_dim != head_dim (MLA absorbed: head_dim 576, value =
 the pool's 512-column view; DeepSeek MHA pool: 192 / 128), and `layer.pool_free` (MLA decompressed
 prefill: attention over the given new k/v of each request only, no pool access).
-Host loops over requests: slow by design, never used for speed.
+Extend loops over requests on the host; decode is batched over requests with a padded slot
+table and a length mask. Clear rather than fast: never the speed path on a GPU.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mla_kernels.reference import attention_ref
+
 from mla_backend.layers.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
@@ -24,42 +27,14 @@ if TYPE_CHECKING:
     from mla_backend.model_executor.forward_batch import ForwardBatch
 
 
-def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, prefix_len: int
-) -> torch.Tensor:
-    """Attention of n queries over S = prefix_len + n keys, causal on the new part; fp32 math.
-
-    Args:
-        q: [n, H, D]; k: [S, KV, D]; v: [S, KV, Dv] with H % KV == 0 (query head h uses KV head
-           h // (H // KV)).
-        scaling: softmax scale.
-        prefix_len: keys before the first query's own position (query j sees keys <= prefix_len+j).
-    Returns:
-        [n, H, Dv] fp32.
-    Raises:
-        ValueError: inconsistent shapes.
-    """
-    n, h, _ = q.shape
-    s, kvh, _ = k.shape
-    if s != prefix_len + n or h % kvh or v.shape[0] != s:
-        raise ValueError(f"bad attention shapes q{tuple(q.shape)} k{tuple(k.shape)} "
-                         f"v{tuple(v.shape)} prefix_len={prefix_len}")
-    group = h // kvh
-    kf = k.float().repeat_interleave(group, dim=1)  # [S, H, D]
-    vf = v.float().repeat_interleave(group, dim=1)  # [S, H, Dv]
-    scores = torch.einsum("nhd,shd->hns", q.float(), kf) * scaling  # [H, n, S]
-    q_pos = torch.arange(n, device=q.device).unsqueeze(1) + prefix_len  # [n, 1]
-    k_pos = torch.arange(s, device=q.device).unsqueeze(0)  # [1, S]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hns,shd->nhd", probs, vf)
-
-
 class TorchNativeAttnBackend(AttentionBackend):
     """Reference backend. Stateless across steps except the per-step slot lists."""
 
     def __init__(self) -> None:
         self._slots: list[torch.Tensor] = []  # per request: [seq_len] int64 slot ids, device
+        # DECODE only: padded slot table [bs, max_seq_len] int64 and its validity mask (bool).
+        self._decode_slots: torch.Tensor | None = None
+        self._decode_valid: torch.Tensor | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Read each request's slot ids once per step (shared by all layers).
@@ -76,6 +51,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         new_slots = [s[p:] for s, p in zip(self._slots, forward_batch.extend_prefix_lens_cpu)]
         if new_slots and not torch.equal(torch.cat(new_slots), forward_batch.out_cache_loc):
             raise ValueError("req_to_token rows do not hold out_cache_loc for the new tokens")
+        self._decode_slots = self._decode_valid = None
+        if forward_batch.forward_mode.is_decode():
+            max_len = max(forward_batch.seq_lens_cpu)
+            self._decode_slots = table[forward_batch.req_pool_indices, :max_len].long()
+            positions = torch.arange(max_len, device=table.device)
+            self._decode_valid = positions[None, :] < forward_batch.seq_lens[:, None]
 
     def _forward(
         self,
@@ -94,7 +75,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 raise ValueError("pool_free attention needs the new k and v")
             for start, n in zip(starts, fb.extend_seq_lens_cpu):
                 sl = slice(start, start + n)
-                out[sl] = causal_attention(q[sl], k[sl], v[sl], layer.scaling, 0).to(q.dtype)
+                out[sl] = attention_ref(q[sl], k[sl], v[sl], layer.scaling, 0).to(q.dtype)
             return out.reshape(q.shape[0], -1)
         pool = fb.token_to_kv_pool
         if save_kv_cache and k is not None:
@@ -107,7 +88,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 raise ValueError(f"request {i}: seq_len {slots.shape[0]} != prefix {prefix_len}"
                                  f" + new {n}")
             sl = slice(start, start + n)
-            o = causal_attention(q[sl], k_buf[slots], v_buf[slots], layer.scaling, prefix_len)
+            o = attention_ref(q[sl], k_buf[slots], v_buf[slots], layer.scaling, prefix_len)
             out[sl] = o.to(q.dtype)
         return out.reshape(q.shape[0], -1)
 
@@ -136,5 +117,25 @@ class TorchNativeAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        """See `AttentionBackend.forward_decode` (an extend of one token per request)."""
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+        """See `AttentionBackend.forward_decode`: one query per request over its whole sequence,
+        batched over requests with a padded slot table and a length mask (fp32 math).
+
+        Returns:
+            [bs, H * v_head_dim], dtype of q.
+        """
+        if layer.pool_free or self._decode_slots is None or self._decode_valid is None:
+            return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+        pool = forward_batch.token_to_kv_pool
+        if save_kv_cache and k is not None:
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        bs, n_heads, _ = q.shape
+        kv_heads = k_buf.shape[1]
+        keys = k_buf[self._decode_slots].float()  # [bs, L, KV, D]
+        values = v_buf[self._decode_slots].float()  # [bs, L, KV, Dv]
+        qg = q.float().reshape(bs, kv_heads, n_heads // kv_heads, -1)  # [bs, KV, G, D]
+        scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * layer.scaling
+        scores = scores.masked_fill(~self._decode_valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bkgl,blkd->bkgd", probs, values)  # [bs, KV, G, Dv]
+        return out.reshape(bs, n_heads * layer.v_head_dim).to(q.dtype)
