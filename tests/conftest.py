@@ -28,31 +28,39 @@ def smollm2_dir() -> str:
     return str(SMOLLM2_DIR)
 
 
-def _factory(tmp_path_factory, smollm2_dir: str, make, prefix: str):
+def _factory(tmp_path_factory, tokenizer_dir: str, make, prefix: str):
     made: dict[str, str] = {}
 
     def build(seed: int = 0, **overrides) -> str:
         key = json.dumps({"seed": seed, **overrides}, sort_keys=True)
         if key not in made:
             out = tmp_path_factory.mktemp(prefix)
-            made[key] = make(str(out), seed=seed, tokenizer_dir=smollm2_dir, **overrides)
+            made[key] = make(str(out), seed=seed, tokenizer_dir=tokenizer_dir, **overrides)
         return made[key]
 
     return build
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_factory(tmp_path_factory, smollm2_dir):
-    from mla_backend.tools.checkpoints import make_tiny_llama
-
-    return _factory(tmp_path_factory, smollm2_dir, make_tiny_llama, "tiny_llama")
+def tokenizer_dir(request) -> str:
+    """Folder with SmolLM2's tokenizer files for the tiny checkpoints: $MLA_TEST_TOKENIZER_DIR when
+    set (the GPU machine, where only the tokenizer travels), else the SmolLM2 folder."""
+    env = os.environ.get("MLA_TEST_TOKENIZER_DIR")
+    return env if env else request.getfixturevalue("smollm2_dir")
 
 
 @pytest.fixture(scope="session")
-def tiny_deepseek_factory(tmp_path_factory, smollm2_dir):
+def tiny_llama_factory(tmp_path_factory, tokenizer_dir):
+    from mla_backend.tools.checkpoints import make_tiny_llama
+
+    return _factory(tmp_path_factory, tokenizer_dir, make_tiny_llama, "tiny_llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_factory(tmp_path_factory, tokenizer_dir):
     from mla_backend.tools.tiny_deepseek import make_tiny_deepseek_v2
 
-    return _factory(tmp_path_factory, smollm2_dir, make_tiny_deepseek_v2, "tiny_deepseek")
+    return _factory(tmp_path_factory, tokenizer_dir, make_tiny_deepseek_v2, "tiny_deepseek")
 
 
 def pytest_configure(config):

@@ -1,0 +1,101 @@
+"""The engine on a CUDA GPU (marker `gpu`, run on the lent H200): the same greedy tokens as Hugging
+Face on the CPU in fp32, bf16 logits close to fp32, and pools sized from free GPU memory.
+
+    MLA_TEST_TOKENIZER_DIR=<folder with SmolLM2's tokenizer files> PYTHONPATH=. \
+        python3 -m pytest -m gpu tests/test_engine_gpu.py
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from mla_backend.config import EngineConfig
+from mla_backend.engine import Engine
+from mla_backend.model_executor.forward_batch import ForwardMode
+from mla_backend.request import SamplingParams
+from tests.test_engine import GREEDY, PROMPTS, hf_greedy
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tiny_deepseek_factory):
+    return tiny_deepseek_factory(seed=1, hidden_size=128, num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_llama_factory):
+    return tiny_llama_factory(seed=2)
+
+
+def _engine(path: str, **kw) -> Engine:
+    # A fixed pool: an engine sized from free memory would hold most of the GPU until collected.
+    kw.setdefault("max_total_tokens", 4096)
+    return Engine(EngineConfig.create(model_path=path, device="cuda", **kw))
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    {"disable_mla": True},
+    {"mla_decompress_min_tokens": 0},
+    {"chunked_prefill_size": 8, "max_total_tokens": 110},
+])
+def test_deepseek_fp32_gpu_equals_hf_cpu(deepseek_dir, settings):
+    expected = hf_greedy(deepseek_dir, PROMPTS, 32)
+    eng = _engine(deepseek_dir, dtype="float32", **settings)
+    assert [r.token_ids for r in eng.generate(PROMPTS, GREEDY)] == expected
+    eng.check_invariant()
+
+
+def test_llama_fp32_gpu_equals_hf_cpu(llama_dir):
+    expected = hf_greedy(llama_dir, PROMPTS, 32)
+    eng = _engine(llama_dir, dtype="float32")
+    assert [r.token_ids for r in eng.generate(PROMPTS, GREEDY)] == expected
+
+
+def _prefill_logits(eng: Engine, ids: list[int]) -> torch.Tensor:
+    """All-position logits of one prompt run as a single EXTEND on the engine's pools."""
+    runner = eng.runner
+    row = runner.req_to_token_pool.alloc(1)[0]
+    slots = runner.token_to_kv_pool_allocator.alloc(len(ids))
+    runner.req_to_token_pool.req_to_token[row, : len(ids)] = slots.to(
+        runner.req_to_token_pool.req_to_token.device, torch.int32)
+    fb = runner.make_forward_batch(ForwardMode.EXTEND, ids, list(range(len(ids))), [row],
+                                   [len(ids)], [0], [len(ids)], slots, return_all_logits=True)
+    logits = runner.forward(fb).float().cpu()
+    runner.token_to_kv_pool_allocator.free(slots)
+    runner.req_to_token_pool.free(row)
+    return logits
+
+
+@pytest.mark.parametrize("model", ["deepseek", "llama"])
+def test_bf16_logits_close_to_fp32(model, deepseek_dir, llama_dir):
+    path = deepseek_dir if model == "deepseek" else llama_dir
+    eng32 = _engine(path, dtype="float32")
+    ids = eng32.tokenizer(PROMPTS[2]).input_ids
+    ref = _prefill_logits(eng32, ids)
+    eng16 = _engine(path, dtype="bfloat16")
+    got = _prefill_logits(eng16, ids)
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
+    assert cos.min() > 0.995, cos.min()
+    res = eng16.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0.0))
+    assert all(r.finish_reason is not None and r.error is None for r in res)
+
+
+def test_pools_sized_from_free_memory(deepseek_dir):
+    gc.collect()
+    torch.cuda.empty_cache()
+    eng = _engine(deepseek_dir, dtype="bfloat16", mem_fraction_static=0.5, max_total_tokens=None)
+    runner = eng.runner
+    total = torch.cuda.get_device_properties(runner.device).total_memory
+    pool_bytes = runner.token_to_kv_pool.cell_bytes() * runner.max_total_num_tokens
+    assert runner.max_total_num_tokens > 100_000
+    assert pool_bytes < 0.5 * total
+    res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert all(len(r.token_ids) >= 1 for r in res)
