@@ -147,6 +147,8 @@ cmd_demo() {
 
 cmd_test() {
   cmd_setup
+  # The venv's bin first: tests find perf_analyzer and the server finds the venv's python3 there.
+  export PATH="$VENV/bin:$PATH"
   exec "$PY" -m pytest -q "$@"
 }
 

@@ -52,7 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--stats", action="store_true", help="print finish reason and token counts")
+    ap.add_argument("--chat", metavar="MODEL_DIR",
+                    help="wrap the prompt in the chat template of the tokenizer in MODEL_DIR (e.g. "
+                         "model_repository/smollm2-135m-instruct/weights); otherwise text_input "
+                         "is sent as is, as with Triton's vLLM backend")
     args = ap.parse_args(argv)
+    prompt = args.prompt
+    if args.chat:
+        from transformers import AutoTokenizer
+
+        prompt = AutoTokenizer.from_pretrained(args.chat).apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(args.url)
@@ -60,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     t0 = time.perf_counter()
     client.async_stream_infer(
-        args.model, build_inputs(args.prompt, sampling, args.stats), request_id="1",
+        args.model, build_inputs(prompt, sampling, args.stats), request_id="1",
         enable_empty_final_response=True,
     )
     first = None

@@ -118,7 +118,14 @@ def test_failed_model_raises_with_log_tail(tmp_path: Path) -> None:
 
 def test_death_during_session_raises(tmp_path: Path) -> None:
     _model(tmp_path / "repo", "echo")
-    with pytest.raises(TritonServerError, match="died"):
-        with TritonServer(tmp_path / "repo") as server:
-            os.kill(server.proc.pid, signal.SIGKILL)
-            server.proc.wait(10)
+    shm = Path("/dev/shm")
+    before = set(shm.glob("triton_python_backend_shm_region_*"))
+    try:
+        with pytest.raises(TritonServerError, match="died"):
+            with TritonServer(tmp_path / "repo") as server:
+                os.kill(server.proc.pid, signal.SIGKILL)
+                server.proc.wait(10)
+    finally:
+        # A killed server cannot remove its stubs' shared-memory regions: remove ours.
+        for region in set(shm.glob("triton_python_backend_shm_region_*")) - before:
+            region.unlink(missing_ok=True)
