@@ -37,10 +37,20 @@ torch_spec() {
   fi
 }
 
+# triton-language kernels: the CUDA build of torch brings its own triton; with the CPU build we add
+# it (its interpreter, TRITON_INTERPRET=1, runs the kernel tests on the CPU).
+triton_spec() {
+  case "$(torch_spec)" in
+    torch==2.13.0) echo "triton==3.6.0" ;;
+    *) echo "" ;;
+  esac
+}
+
 setup_key() {
   {
     echo "v$SETUP_VERSION"
     torch_spec
+    triton_spec
     "$PY" -c 'import sys; print(sys.version)'
     cat requirements.txt requirements-nodeps.txt
   } | sha256sum | cut -d' ' -f1
@@ -75,7 +85,7 @@ pip_install() {
   local key="$1" spec
   spec="$(torch_spec)"
   log "pip install $spec and requirements (first run: about a minute)"
-  "$PY" -m pip install -q "$spec"
+  "$PY" -m pip install -q "$spec" $(triton_spec)
   "$PY" -m pip install -q -r requirements.txt
   "$PY" -m pip install -q --no-deps -r requirements-nodeps.txt
   "$PY" -m pip install -q --no-deps -e .

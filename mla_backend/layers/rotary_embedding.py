@@ -8,6 +8,10 @@ Variants override `_compute_inv_freq` (Llama-3 scaling, linear scaling) or
 Layouts: neox style rotates the two halves of the rotary dims (`rotate_half`, Llama/HF);
 GPT-J style (`is_neox_style=False`) rotates interleaved pairs (DeepSeek's checkpoint layout).
 Only the first `rotary_dim` dims of each head rotate; the rest pass through.
+
+Dispatch: `RotaryEmbedding.forward` runs the triton kernel `mla_kernels.rotary.rotary_embedding`
+over `cos_sin_cache` for CUDA tensors (fp32 math, out of place: inputs are never modified) and
+`forward_native` (pure torch, the form torch.compile traces) on CPU or while compiling.
 """
 
 from __future__ import annotations
@@ -84,7 +88,33 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k by their token's position.
+        """Triton kernel on CUDA, else `forward_native` (same args and results)."""
+        if query.is_cuda and not torch.compiler.is_compiling():
+            return self.forward_cuda(positions, query, key)
+        return self.forward_native(positions, query, key)
+
+    def forward_cuda(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_native` through the triton kernel: new contiguous tensors, inputs unchanged.
+
+        Positions are not range-checked (no host sync); each must be < max_position_embeddings.
+        """
+        from mla_kernels.rotary import rotary_embedding
+
+        t, hs = positions.shape[0], self.head_size
+        q3, k3 = _heads(query, t, hs), _heads(key, t, hs)
+        q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+        rotary_embedding(positions, q3, k3, self.cos_sin_cache, self.is_neox_style,
+                         self.rotary_dim, q_out=q_out.view(t, -1, hs),
+                         k_out=k_out.view(t, -1, hs))
+        return q_out, k_out
+
+    def forward_native(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k by their token's position (pure torch).
 
         Args:
             positions: [T] int64, each < max_position_embeddings.
@@ -105,6 +135,13 @@ class RotaryEmbedding(nn.Module):
         return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, "
                 f"max_pos={self.max_position_embeddings}, base={self.base}, "
                 f"neox={self.is_neox_style}")
+
+
+def _heads(x: torch.Tensor, t: int, head_size: int) -> torch.Tensor:
+    """x [T, H * head_size] or [T, H, head_size] as [T, H, head_size] with a contiguous last dim
+    (a view when possible, e.g. for a column slice of a fused qkv projection)."""
+    x3 = x.reshape(t, -1, head_size)
+    return x3 if x3.numel() == 0 or x3.stride(-1) == 1 else x3.contiguous()
 
 
 class LinearScalingRotaryEmbedding(RotaryEmbedding):

@@ -85,12 +85,24 @@ def kv_cell_bytes(layout: dict, dtype: torch.dtype) -> int:
     return per_layer * elem * layout["num_layers"]
 
 
-def create_attention_backend(name: str) -> AttentionBackend:
-    """Backend by `RunnerConfig.attention_backend` name. Raises ValueError for unknown names."""
+def create_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Backend by `RunnerConfig.attention_backend` name; "auto" is triton on CUDA, torch_native
+    elsewhere. Each backend module is imported here only when chosen.
+
+    Raises:
+        ValueError: unknown name.
+        ImportError: the chosen backend's library (triton) is not installed.
+    """
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch_native"
     if name == "torch_native":
         from mla_backend.layers.attention.torch_native import TorchNativeAttnBackend
 
         return TorchNativeAttnBackend()
+    if name == "triton":
+        from mla_backend.layers.attention.triton_backend import TritonAttnBackend
+
+        return TritonAttnBackend(device)
     raise ValueError(f"unknown attention backend {name!r}")
 
 
@@ -118,7 +130,7 @@ class ModelRunner:
         self.model = self._load_model()
         self.context_len = self._derive_context_len()
         self._init_memory_pools()
-        self.attn_backend = create_attention_backend(config.runner.attention_backend)
+        self.attn_backend = create_attention_backend(config.runner.attention_backend, self.device)
 
     # ------------------------------------------------------------------ construction
     def _load_model(self) -> torch.nn.Module:

@@ -152,4 +152,6 @@ def test_helpers():
     mla = {"kind": "mla", "num_layers": 27, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
     assert kv_cell_bytes(mla, torch.bfloat16) == 576 * 2 * 27  # REFERENCE §2.2
     with pytest.raises(ValueError):
-        create_attention_backend("flashinfer")
+        create_attention_backend("no_such_backend", torch.device("cpu"))
+    auto_cpu = create_attention_backend("auto", torch.device("cpu"))
+    assert type(auto_cpu).__name__ == "TorchNativeAttnBackend"

@@ -1,0 +1,219 @@
+"""Decode attention kernel benchmark on a CUDA GPU: `mla_kernels.decode_attention` vs torch.
+
+For MLA absorbed (16 heads, Lk 576 / Lv 512 as a view of the key pool, bf16) and GQA (32 query
+heads / 8 KV heads, head dim 128, bf16) over batch sizes x context lengths, each config:
+
+1. builds a pool with scattered slots (a random permutation) and uniform context lengths;
+2. checks the kernel against an fp32 torch reference on a few requests (max abs error);
+3. times the kernel (triton.testing.do_bench, median) and a plain torch reference
+   (gather through req_to_token + scaled_dot_product_attention) the same way;
+4. reports achieved bandwidth = (KV bytes read + q read + o written + req_to_token read) / time,
+   against the device-to-device copy bandwidth measured in the same run (torch copy of a 4 GB
+   buffer: 2 x 4 GB moved per copy).
+
+Prints a markdown table. Configs whose pool (plus the reference's gathered copy, when timed) would
+exceed --mem-cap-gb are skipped or run without the torch timing.
+
+    PYTHONPATH=. python3 benchmarks/bench_decode_attention.py [--quick] [--max-kv-splits 64]
+
+Imports only torch, triton, mla_backend (for the `mla_kernels` alias) and the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import triton
+
+import mla_backend  # noqa: F401  (registers `mla_kernels`)
+import mla_kernels.decode_attention as da
+from mla_kernels.decode_attention import (
+    decode_attention_fwd,
+    get_num_kv_splits,
+    num_head_programs,
+)
+
+GB = 1e9
+LAYOUTS = {
+    # name: (q heads, kv heads, Lk, Lv, mla)
+    "mla": (16, 1, 576, 512, True),
+    "gqa": (32, 8, 128, 128, False),
+}
+
+
+def copy_bandwidth(nbytes: int = 4 * 1024 ** 3) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written per second)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").fill_(1.0)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300,
+                                 return_mode="median")
+    return 2 * nbytes / (ms * 1e-3) / GB  # src/dst are freed on return
+
+
+def pool_bytes(layout: str, tokens: int) -> int:
+    _, hkv, lk, lv, mla = LAYOUTS[layout]
+    per_token = lk * 2 if mla else hkv * (lk + lv) * 2
+    return tokens * per_token
+
+
+class Config:
+    """One (layout, bs, ctx) problem on the GPU: pool, metadata, inputs, workspaces."""
+
+    def __init__(self, layout: str, bs: int, ctx: int, max_kv_splits: int, sm_count: int,
+                 seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+        self.layout, self.bs, self.ctx = layout, bs, ctx
+        h, hkv, lk, lv, mla = LAYOUTS[layout]
+        self.h, self.hkv, self.lk, self.lv, self.mla = h, hkv, lk, lv, mla
+        dev, dt = device, dtype
+        torch.manual_seed(seed)
+        tokens = bs * ctx
+        size = tokens + 1  # slot 0 is the padding sink
+        self.k_buffer = torch.empty(size, hkv, lk, dtype=dt, device=dev).normal_()
+        if mla:
+            self.v_buffer = self.k_buffer[..., :lv]
+        else:
+            self.v_buffer = torch.empty(size, hkv, lv, dtype=dt, device=dev).normal_()
+        slots = (torch.randperm(tokens, device=dev) + 1).to(torch.int32).view(bs, ctx)
+        self.req_to_token = torch.zeros(bs, ctx + 8, dtype=torch.int32, device=dev)
+        self.req_to_token[:, :ctx] = slots
+        self.req_pool_indices = torch.randperm(bs, device=dev)  # rows out of order
+        self.seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+        self.q = torch.randn(bs, h, lk, device=dev).to(dt)
+        self.o = torch.empty(bs, h, lv, dtype=dt, device=dev)
+        self.sm_scale = 0.1147 if mla else lk ** -0.5
+        self.max_kv_splits = max_kv_splits
+        self.num_kv_splits = get_num_kv_splits(
+            self.seq_lens, num_head_programs(h, hkv, lv), max_kv_splits, sm_count)
+        self.attn_logits = torch.empty(bs, h, max_kv_splits, lv, dtype=torch.float32,
+                                       device=dev)
+        self.attn_lse = torch.empty(bs, h, max_kv_splits, dtype=torch.float32, device=dev)
+
+    def run_kernel(self) -> None:
+        decode_attention_fwd(self.q, self.k_buffer, self.v_buffer, self.o, self.req_to_token,
+                             self.req_pool_indices, self.seq_lens, self.num_kv_splits,
+                             self.max_kv_splits, self.attn_logits, self.attn_lse, self.sm_scale)
+
+    def bytes_moved(self) -> int:
+        tokens = self.bs * self.ctx
+        elem = self.q.element_size()
+        return (pool_bytes(self.layout, tokens) // 2 * elem + self.q.numel() * elem
+                + self.o.numel() * elem + tokens * 4)
+
+    def torch_ref(self) -> torch.Tensor:
+        """Plain torch decode: gather every request's K/V through req_to_token, then grouped
+        einsums (bf16 matmuls, fp32 softmax; KV heads never expanded). [bs, H, Lv] bf16."""
+        rows = self.req_to_token[self.req_pool_indices.long(), :self.ctx].long()  # [bs, ctx]
+        k = self.k_buffer[rows]  # [bs, ctx, Hkv, Lk]
+        v = k[..., :self.lv] if self.mla else self.v_buffer[rows]
+        q = self.q.view(self.bs, self.hkv, self.h // self.hkv, self.lk)
+        s = torch.einsum("bhgd,blhd->bhgl", q, k).float() * self.sm_scale
+        p = torch.softmax(s, dim=-1).to(v.dtype)
+        return torch.einsum("bhgl,blhd->bhgd", p, v).reshape(self.bs, self.h, self.lv)
+
+    def max_abs_err(self, n_check: int = 4) -> float:
+        """Kernel vs an fp32 reference on the first n_check requests."""
+        self.run_kernel()
+        err = 0.0
+        for i in range(min(n_check, self.bs)):
+            row = int(self.req_pool_indices[i])
+            slots = self.req_to_token[row, :self.ctx].long()
+            k = self.k_buffer[slots].float()  # [ctx, Hkv, Lk]
+            v = self.v_buffer[slots].float()
+            group = self.h // self.hkv
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+            s = torch.einsum("hd,khd->hk", self.q[i].float(), k) * self.sm_scale
+            ref = torch.einsum("hk,khd->hd", torch.softmax(s, dim=-1), v)
+            err = max(err, (self.o[i].float() - ref).abs().max().item())
+        return err
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few configs, shorter timing")
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16, 64, 256])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[512, 4096, 32768])
+    ap.add_argument("--max-kv-splits", type=int, default=64,
+                    help="workspace split dimension passed to get_num_kv_splits / the kernel")
+    ap.add_argument("--mem-cap-gb", type=float, default=60.0,
+                    help="skip configs whose buffers would exceed this many GB")
+    ap.add_argument("--num-warps", type=int, default=None,
+                    help="override decode_attention.STAGE1_NUM_WARPS (tuning)")
+    ap.add_argument("--block-n-wide", type=int, default=None,
+                    help="override decode_attention.BLOCK_N_WIDE, tokens per tile for MLA (tuning)")
+    ap.add_argument("--num-stages", type=int, default=None,
+                    help="override decode_attention.STAGE1_NUM_STAGES (tuning)")
+    ap.add_argument("--k-reuse", action="store_true",
+                    help="MLA: reuse the gathered K tile as the V tile (off by default)")
+    ap.add_argument("--no-k-reuse", action="store_true",
+                    help="MLA: gather V separately instead of reusing the K tile")
+    ap.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
+    args = ap.parse_args(argv)
+
+    if args.block_n_wide is not None:
+        da.BLOCK_N_WIDE = args.block_n_wide
+    if args.num_warps is not None:
+        da.STAGE1_NUM_WARPS = args.num_warps
+    if args.num_stages is not None:
+        da.STAGE1_NUM_STAGES = da.STAGE1_NUM_STAGES_WIDE = args.num_stages
+    if args.no_k_reuse:
+        da.REUSE_K_TILE_AS_V = False
+    if args.k_reuse:
+        da.REUSE_K_TILE_AS_V = True
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode_attention: needs a CUDA GPU")
+    if args.quick:
+        args.batch_sizes, args.contexts = [1, 64], [512, 32768]
+    warmup, rep = (10, 50) if args.quick else (25, 200)
+    props = torch.cuda.get_device_properties(0)
+    sm_count = props.multi_processor_count
+    bw_copy = copy_bandwidth()
+    torch.cuda.empty_cache()
+    print(f"device: {props.name}, {sm_count} SMs; torch {torch.__version__}, "
+          f"triton {triton.__version__}; copy bandwidth {bw_copy:.0f} GB/s; "
+          f"max_kv_splits {args.max_kv_splits}; stage 1: {da.STAGE1_NUM_WARPS} warps, "
+          f"{da.STAGE1_NUM_STAGES} stages ({da.STAGE1_NUM_STAGES_WIDE} for MLA), "
+          f"K tile reuse for MLA V {da.REUSE_K_TILE_AS_V}\n")
+    print("| layout | bs | ctx | splits | max abs err | kernel us | GB/s | % copy BW "
+          "| torch us | torch GB/s | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for layout in args.layouts:
+        for bs in args.batch_sizes:
+            for ctx in args.contexts:
+                tokens = bs * ctx
+                pool = pool_bytes(layout, tokens)
+                h, _, _, lv, _ = LAYOUTS[layout]
+                work = bs * h * args.max_kv_splits * lv * 4
+                if (pool + work) / GB > args.mem_cap_gb:
+                    print(f"| {layout} | {bs} | {ctx} | skipped: pool {pool / GB:.1f} GB "
+                          f"over the cap | | | | | | | |")
+                    continue
+                # the torch reference gathers a second copy of K/V (plus SDPA temporaries)
+                time_torch = not args.no_torch and (2.2 * pool + work) / GB <= args.mem_cap_gb
+                cfg = Config(layout, bs, ctx, args.max_kv_splits, sm_count)
+                err = cfg.max_abs_err()
+                splits = cfg.num_kv_splits[0].item()
+                ms = triton.testing.do_bench(cfg.run_kernel, warmup=warmup, rep=rep,
+                                             return_mode="median")
+                gbs = cfg.bytes_moved() / (ms * 1e-3) / GB
+                if time_torch:
+                    ref_err = (cfg.torch_ref().float() - cfg.o.float()).abs().max().item()
+                    if not math.isfinite(ref_err) or ref_err > 0.1:
+                        print(f"<!-- warning: torch ref vs kernel max err {ref_err:.3g} -->")
+                    ms_t = triton.testing.do_bench(cfg.torch_ref, warmup=warmup, rep=rep,
+                                                   return_mode="median")
+                    torch_cols = (f"{ms_t * 1e3:.1f} | {cfg.bytes_moved() / (ms_t * 1e-3) / GB:.0f}"
+                                  f" | {ms_t / ms:.1f}x")
+                else:
+                    torch_cols = "- | - | -"
+                print(f"| {layout} | {bs} | {ctx} | {splits} | {err:.2e} | {ms * 1e3:.1f} | "
+                      f"{gbs:.0f} | {100 * gbs / bw_copy:.0f}% | {torch_cols} |", flush=True)
+                del cfg
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

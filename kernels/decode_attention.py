@@ -1,0 +1,357 @@
+"""Flash-decoding attention over the paged token-slot pool (one query token per request).
+
+Owns the decode attention op of the Triton attention backend: `get_num_kv_splits` (the on-device
+split-count heuristic) and `decode_attention_fwd` (two triton kernels). Its float32 twin is
+`reference.decode_attention_ref`.
+
+Algorithm (flash-decoding with grouped heads, as in SGLang's Triton backend after PR #2394):
+
+- Stage 1, grid (bs, head programs, max_kv_splits). A *head program* owns up to `BLOCK_H` query
+  heads that all read the same KV head (GQA/MQA/MLA groups), padded to BLOCK_H >= 16 rows so that
+  `tl.dot` has M >= 16; every K/V tile it gathers is reused by all its heads. Request b's sequence
+  is cut into `num_kv_splits[b]` contiguous ranges of equal BLOCK_N-aligned length; a program walks
+  its range through `req_to_token` (slot indices cast to int64 before any stride multiply), keeps
+  an online softmax in fp32 and writes the normalized partial output [Lv] and its natural-log
+  log-sum-exp into the fp32 workspaces. Programs whose split is >= num_kv_splits[b] or starts at or
+  beyond seq_len[b] (empty splits) return without reading anything.
+- Stage 2, grid (bs, H): merges the non-empty splits of each (request, head) by their LSE and
+  writes `o` in o's dtype. A request with seq_len 0 (a padded row) has no non-empty split and gets
+  zeros; its K/V and req_to_token row are never read.
+
+Head dims: the QK dim Lk is handled as one power-of-two part plus, when Lk is the sum of two
+powers of two with the smaller >= 16 (576 = 512 + 64 for MLA absorbed, 192 = 128 + 64,
+96 = 64 + 32, 80 = 64 + 16), a second power-of-two part with its own `tl.dot`; otherwise as
+next_pow2(Lk) with masking. Lv is padded to next_pow2 with masking. The value buffer may be a
+strided view of the key buffer (MLA: `v_buffer = k_buffer[..., :512]`); only the given tensors'
+strides are used (the last dim of q, k, v, o must be contiguous).
+
+No host synchronisation: split counts live on the device, the grids depend only on shapes and
+`max_kv_splits`, so the op can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Smallest number of tokens a split is given by `get_num_kv_splits` (short sequences get fewer
+# splits so that each program still has at least this much work).
+MIN_TOKENS_PER_SPLIT = 64
+# `get_num_kv_splits` aims at this many stage-1 programs per SM.
+PROGRAMS_PER_SM = 4
+# Stage-1 launch settings (SGLang's flash-decoding values; tune on the target GPU).
+STAGE1_NUM_WARPS = 4
+STAGE1_NUM_STAGES = 2
+# Wide (MLA 576) tiles: 3 stages, V gathered separately — best of a sweep on an H200 (2026-11-29,
+# docs/benchmarks.md): 62% vs 46% of copy bandwidth at bs 256, context 4096.
+STAGE1_NUM_STAGES_WIDE = 3
+# Reuse the gathered K tile as the V tile when V is a prefix view of K (MLA absorbed). Off: a
+# separate V gather pipelines better (sweep on an H200, docs/benchmarks.md).
+REUSE_K_TILE_AS_V = False
+# Largest number of fp32 accumulator elements (BLOCK_H x BLOCK_DV) a stage-1 program keeps.
+_MAX_ACC_ELEMS = 8192
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def _split_head_dim(lk: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_DPE) for a QK head dim: the main power-of-two part and the optional second
+    part (0 when absent). Lk = BLOCK_D + BLOCK_DPE exactly when a split exists; otherwise BLOCK_D =
+    next_pow2(Lk) and the tail is masked."""
+    if lk <= 16:
+        return 16, 0
+    if _is_pow2(lk):
+        return lk, 0
+    main = 1 << (lk.bit_length() - 1)
+    rest = lk - main
+    if _is_pow2(rest) and rest >= 16:
+        return main, rest
+    return triton.next_power_of_2(lk), 0
+
+
+def heads_per_program(num_q_heads: int, num_kv_heads: int, v_head_dim: int) -> int:
+    """How many query heads one stage-1 program owns (all share one KV head).
+
+    The whole group (num_q_heads // num_kv_heads) when its fp32 accumulator [BLOCK_H, Lv] fits the
+    register budget, else a fraction of it (e.g. 16 heads per program for MLA's Lv = 512).
+    Raises:
+        ValueError: num_q_heads is not a positive multiple of num_kv_heads.
+    """
+    if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_q_heads} not a multiple of kv heads {num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    cap = max(16, min(64, _MAX_ACC_ELEMS // triton.next_power_of_2(v_head_dim)))
+    return min(group, cap)
+
+
+def num_head_programs(num_q_heads: int, num_kv_heads: int, v_head_dim: int) -> int:
+    """Number of stage-1 head programs per (request, split): the `num_head_groups` argument of
+    `get_num_kv_splits` (equals num_kv_heads unless a group is larger than one program)."""
+    hpp = heads_per_program(num_q_heads, num_kv_heads, v_head_dim)
+    group = num_q_heads // num_kv_heads
+    return num_kv_heads * triton.cdiv(group, hpp)
+
+
+BLOCK_N_WIDE = 32  # KV tokens per tile when the QK head dim is > 256 (MLA 576)
+BLOCK_N_NARROW = 64  # KV tokens per tile otherwise
+
+
+def block_n_for(lk: int) -> int:
+    """KV tokens per stage-1 tile for a QK head dim Lk; splits are aligned to this many tokens."""
+    d, dpe = _split_head_dim(lk)
+    return BLOCK_N_WIDE if d + dpe > 256 else BLOCK_N_NARROW
+
+
+def get_num_kv_splits(seq_lens: torch.Tensor, num_head_groups: int, max_kv_splits: int,
+                      device_sm_count: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """KV splits per request, computed on seq_lens' device with no host synchronisation.
+
+    splits[b] = clamp(min(cdiv(PROGRAMS_PER_SM * device_sm_count, bs * num_head_groups),
+                          cdiv(seq_lens[b], MIN_TOKENS_PER_SPLIT)), 1, max_kv_splits):
+    small batches at long context get many splits (to fill the GPU), short sequences few.
+    Args:
+        seq_lens: [bs] int32/int64, tokens per request (0 allowed for padded rows).
+        num_head_groups: stage-1 head programs per request (`num_head_programs`; the number of
+            KV heads is a fine approximation).
+        max_kv_splits: upper bound (>= 1), the workspace's split dimension.
+        device_sm_count: streaming multiprocessors of the device (any positive number on CPU).
+        out: optional preallocated [bs] int32 result (for CUDA-graph-static buffers).
+    Returns:
+        [bs] int32 on seq_lens' device, values in [1, max_kv_splits].
+    Raises:
+        ValueError: max_kv_splits, num_head_groups or device_sm_count < 1.
+    """
+    if max_kv_splits < 1 or num_head_groups < 1 or device_sm_count < 1:
+        raise ValueError(f"get_num_kv_splits: need max_kv_splits, num_head_groups, "
+                         f"device_sm_count >= 1, got {max_kv_splits}, {num_head_groups}, "
+                         f"{device_sm_count}")
+    bs = seq_lens.shape[0]
+    target = PROGRAMS_PER_SM * device_sm_count
+    per_req = min(max_kv_splits, max(1, triton.cdiv(target, max(bs, 1) * num_head_groups)))
+    by_len = torch.div(seq_lens.to(torch.int64) + (MIN_TOKENS_PER_SPLIT - 1),
+                       MIN_TOKENS_PER_SPLIT, rounding_mode="floor")
+    res = by_len.clamp(1, per_req).to(torch.int32)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+@triton.jit
+def _split_len(seq_len, n_splits, ALIGN: tl.constexpr):
+    """Tokens per split: cdiv(seq_len, n_splits) rounded up to ALIGN (at least ALIGN)."""
+    per = tl.cdiv(seq_len, n_splits)
+    per = tl.cdiv(per, ALIGN) * ALIGN
+    return tl.maximum(per, ALIGN)
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, NumKvSplits, MidO, MidLse,
+    sm_scale,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ls,
+    Lk: tl.constexpr, Lv: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
+    BLOCKS_PER_KV: tl.constexpr, MAX_KV_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    V_IS_K_PREFIX: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hp = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    n_splits = tl.minimum(tl.maximum(tl.load(NumKvSplits + b), 1), MAX_KV_SPLITS)
+    per = _split_len(seq_len, n_splits, BLOCK_N)
+    start = split * per
+    end = tl.minimum(start + per, seq_len)
+    if (split < n_splits) & (start < end):
+        kv_head = hp // BLOCKS_PER_KV
+        offs_h = tl.arange(0, BLOCK_H)
+        local = (hp % BLOCKS_PER_KV) * HEADS_PER_PROG + offs_h
+        mask_h = (offs_h < HEADS_PER_PROG) & (local < GROUP)
+        cur_head = kv_head * GROUP + local
+
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < Lk
+        offs_dv = tl.arange(0, BLOCK_DV)
+        mask_dv = offs_dv < Lv
+        q_row = b.to(tl.int64) * stride_qb + cur_head.to(tl.int64) * stride_qh  # [BLOCK_H]
+        q = tl.load(Q + q_row[:, None] + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        if BLOCK_DPE > 0:
+            offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+            mask_dpe = offs_dpe < Lk
+            qpe = tl.load(Q + q_row[:, None] + offs_dpe[None, :],
+                          mask=mask_h[:, None] & mask_dpe[None, :], other=0.0)
+
+        req_row = tl.load(ReqPoolIdx + b).to(tl.int64)
+        r2t = ReqToToken + req_row * stride_r2t
+        kv_head_k = kv_head.to(tl.int64) * stride_kh
+        kv_head_v = kv_head.to(tl.int64) * stride_vh
+        qk_scale = sm_scale * 1.4426950408889634  # base-2 exponent domain
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+        for start_n in range(start, end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            slot = tl.load(r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k_off = slot[None, :] * stride_kn + kv_head_k  # [1, BLOCK_N]
+            k = tl.load(K + k_off + offs_d[:, None],
+                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)
+            if BLOCK_DPE > 0:
+                kpe = tl.load(K + k_off + offs_dpe[:, None],
+                              mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
+                qk += tl.dot(qpe, kpe.to(qpe.dtype), input_precision=DOT_PRECISION)
+            qk = qk * qk_scale
+            # Every tile has >= 1 valid column, so row maxima stay finite (padded head rows have
+            # q = 0, hence finite scores too).
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if V_IS_K_PREFIX:
+                v = tl.trans(k)  # MLA: the value rows are the first Lv = BLOCK_D key columns
+            else:
+                v = tl.load(V + (slot[:, None] * stride_vn + kv_head_v) + offs_dv[None, :],
+                            mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [N, DV]
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                                input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        mid_row = (b.to(tl.int64) * stride_mb + cur_head.to(tl.int64) * stride_mh
+                   + split.to(tl.int64) * stride_ms)
+        tl.store(MidO + mid_row[:, None] + offs_dv[None, :], acc / l_i[:, None],
+                 mask=mask_h[:, None] & mask_dv[None, :])
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural log
+        lse_row = (b.to(tl.int64) * stride_lb + cur_head.to(tl.int64) * stride_lh
+                   + split.to(tl.int64) * stride_ls)
+        tl.store(MidLse + lse_row, lse, mask=mask_h)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    MidO, MidLse, O, SeqLens, NumKvSplits,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh,
+    Lv: tl.constexpr, MAX_KV_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    n_splits = tl.minimum(tl.maximum(tl.load(NumKvSplits + b), 1), MAX_KV_SPLITS)
+    per = _split_len(seq_len, n_splits, SPLIT_ALIGN)
+    n_valid = tl.minimum(n_splits, tl.cdiv(seq_len, per))  # non-empty splits only
+
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < Lv
+    mid = MidO + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
+    lse_ptr = MidLse + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
+    m = tl.full([1], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s in range(n_valid):
+        lse = tl.load(lse_ptr + s * stride_ls + tl.zeros([1], dtype=tl.int32))
+        part = tl.load(mid + s * stride_ms + offs_dv, mask=mask_dv, other=0.0)
+        m_new = tl.maximum(m, lse)
+        scale_old = tl.exp(m - m_new)
+        w = tl.exp(lse - m_new)
+        acc = acc * scale_old + w * part
+        den = den * scale_old + w
+        m = m_new
+    out = tl.where(den > 0, acc / tl.maximum(den, 1e-30), 0.0)
+    o_ptr = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_dv
+    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_dv)
+
+
+def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                         o: torch.Tensor, req_to_token: torch.Tensor,
+                         req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                         num_kv_splits: torch.Tensor, max_kv_splits: int,
+                         attn_logits: torch.Tensor, attn_lse: torch.Tensor,
+                         sm_scale: float) -> None:
+    """Decode attention of one query token per request over its cached tokens; writes `o`.
+
+    Args:
+        q: [bs, H, Lk] queries (any float dtype; strides along bs and H are free, Lk contiguous).
+        k_buffer: [S, Hkv, Lk] key pool (slot-major); Lk contiguous.
+        v_buffer: [S, Hkv, Lv] value pool; may be a strided view of k_buffer (MLA absorbed:
+            Hkv = 1, Lk = 576, Lv = 512, v_buffer = k_buffer[..., :512]); Lv contiguous.
+            K/V are cast to q's dtype before the dot products (e.g. fp8 pools viewed as fp8).
+        o: [bs, H, Lv] output, written in o's dtype (Lv contiguous).
+        req_to_token: [R, C] int32, slot of token j of the request in row r (row-contiguous).
+        req_pool_indices: [bs] int32/int64, row of each request.
+        seq_lens: [bs] int32/int64, tokens to attend over (includes the query token, whose KV is
+            already in the pool); 0 for padded rows, whose output is zeros.
+        num_kv_splits: [bs] int32 from `get_num_kv_splits` (clamped to [1, max_kv_splits]).
+        max_kv_splits: the split dimension of the workspaces (grid size; host int).
+        attn_logits: [bs, H, max_kv_splits, Lv] fp32 workspace (partial outputs).
+        attn_lse: [bs, H, max_kv_splits] fp32 workspace (partial log-sum-exps, natural log).
+        sm_scale: softmax scale applied to q·k.
+    Raises:
+        ValueError: inconsistent shapes, H not a multiple of Hkv, a non-contiguous last dim, or
+            workspaces too small / not fp32.
+    """
+    bs, num_heads, lk = q.shape
+    _, num_kv_heads, lk_k = k_buffer.shape
+    lv = v_buffer.shape[-1]
+    if lk_k != lk or v_buffer.shape[1] != num_kv_heads or tuple(o.shape) != (bs, num_heads, lv):
+        raise ValueError(f"decode_attention_fwd: shapes q {tuple(q.shape)}, k "
+                         f"{tuple(k_buffer.shape)}, v {tuple(v_buffer.shape)}, o {tuple(o.shape)}")
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o),
+                    ("req_to_token", req_to_token)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"decode_attention_fwd: {name} needs a contiguous last dim")
+    if (attn_logits.dtype != torch.float32 or attn_lse.dtype != torch.float32
+            or attn_logits.shape[0] < bs or attn_logits.shape[1] != num_heads
+            or attn_logits.shape[2] < max_kv_splits or attn_logits.shape[3] < lv
+            or attn_lse.shape[0] < bs or attn_lse.shape[1] != num_heads
+            or attn_lse.shape[2] < max_kv_splits or attn_logits.stride(-1) != 1):
+        raise ValueError(f"decode_attention_fwd: workspaces {tuple(attn_logits.shape)} "
+                         f"{attn_logits.dtype}, {tuple(attn_lse.shape)} {attn_lse.dtype} too small "
+                         f"for bs {bs}, H {num_heads}, splits {max_kv_splits}, Lv {lv}")
+    if bs == 0:
+        return
+    hpp = heads_per_program(num_heads, num_kv_heads, lv)
+    group = num_heads // num_kv_heads
+    blocks_per_kv = triton.cdiv(group, hpp)
+    block_d, block_dpe = _split_head_dim(lk)
+    block_dv = max(16, triton.next_power_of_2(lv))
+    # MLA: v_buffer is k_buffer[..., :Lv] and the first key part is exactly Lv wide, so the loaded
+    # K tile doubles as the V tile (no second gather of the same bytes).
+    v_is_k_prefix = (REUSE_K_TILE_AS_V and v_buffer.data_ptr() == k_buffer.data_ptr()
+                     and v_buffer.stride()[:2] == k_buffer.stride()[:2]
+                     and v_buffer.dtype == k_buffer.dtype and lv == block_d and lv < lk)
+    block_n = block_n_for(lk)
+    block_h = max(16, triton.next_power_of_2(hpp))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    grid = (bs, num_kv_heads * blocks_per_kv, max_kv_splits)
+    _decode_split_kernel[grid](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
+        attn_logits, attn_lse, sm_scale,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2),
+        Lk=lk, Lv=lv, GROUP=group, HEADS_PER_PROG=hpp, BLOCKS_PER_KV=blocks_per_kv,
+        MAX_KV_SPLITS=max_kv_splits, BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv,
+        BLOCK_N=block_n, BLOCK_H=block_h, DOT_PRECISION=precision, V_IS_K_PREFIX=v_is_k_prefix,
+        num_warps=STAGE1_NUM_WARPS,
+        num_stages=STAGE1_NUM_STAGES_WIDE if lk > 256 else STAGE1_NUM_STAGES,
+    )
+    _merge_splits_kernel[(bs, num_heads)](
+        attn_logits, attn_lse, o, seq_lens, num_kv_splits,
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2), o.stride(0), o.stride(1),
+        Lv=lv, MAX_KV_SPLITS=max_kv_splits, BLOCK_DV=block_dv, SPLIT_ALIGN=block_n,
+        num_warps=4 if block_dv >= 256 else 2, num_stages=2,
+    )

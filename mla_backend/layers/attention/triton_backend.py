@@ -1,0 +1,164 @@
+"""`TritonAttnBackend`: attention over the slot pools with our triton-language kernels.
+
+The GPU default (`attention_backend="triton"`, or `"auto"` on CUDA). Per step,
+`init_forward_metadata` turns the `ForwardBatch` into device tensors the kernels read (no host
+synchronisation for decode: the KV split plan is computed on the device); per layer,
+`forward_extend` / `forward_decode` store the new K/V (`mla_kernels.store_kv`) and run
+`mla_kernels.extend_attention` / `mla_kernels.decode_attention` through `req_to_token`.
+
+Layouts follow the pool: MHA/GQA/MQA (`k_buffer` [S, Hkv, Dk], `v_buffer` [S, Hkv, Dv]) and the MLA
+latent pool (one [S, 1, kv_lora_rank + qk_rope_head_dim] buffer whose first kv_lora_rank columns
+are the value view; `set`-side the key row is the only thing written). `layer.pool_free` layers
+(MLA decompressed prefill) attend over the given new K/V only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from mla_backend.layers.attention.base import AttentionBackend
+from mla_kernels.decode_attention import PROGRAMS_PER_SM, decode_attention_fwd, get_num_kv_splits
+from mla_kernels.extend_attention import extend_attention_fwd
+from mla_kernels.store_kv import store_kv
+
+if TYPE_CHECKING:
+    from mla_backend.layers.radix_attention import RadixAttention
+    from mla_backend.model_executor.forward_batch import ForwardBatch
+
+# Most KV splits per request. The workspace is sized per step from the batch size alone (no data
+# dependence): splits beyond cdiv(PROGRAMS_PER_SM * SMs, bs * head groups) are never planned.
+DEFAULT_MAX_KV_SPLITS = 64
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+class TritonAttnBackend(AttentionBackend):
+    """Args:
+        device: where the pools live.
+        max_kv_splits: most KV splits one decoding request is cut into (flash-decoding).
+    """
+
+    def __init__(self, device: torch.device, max_kv_splits: int = DEFAULT_MAX_KV_SPLITS) -> None:
+        self.device = device
+        self.max_kv_splits = max_kv_splits
+        self.sm_count = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda" else 8
+        )
+        # Per-step metadata (filled by init_forward_metadata).
+        self._num_kv_splits: dict[int, torch.Tensor] = {}  # head groups → [bs] int32, device
+        self._prefix_lens: torch.Tensor | None = None  # [bs] int64, device (extend)
+        self._extend_lens: torch.Tensor | None = None  # [bs] int64, device (extend)
+        self._extend_start_loc: torch.Tensor | None = None  # [bs] int64, device (extend)
+        self._max_extend_len = 0
+
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        """Plan one step. Extend: per-request lengths and offsets as device tensors (host lists
+        are already known). Decode: nothing on the host; split plans are made per head-group
+        count on first use in the step (device computation only)."""
+        self._num_kv_splits = {}
+        if forward_batch.forward_mode.is_decode():
+            return
+        fb = forward_batch
+
+        def dev(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+        self._prefix_lens = dev(fb.extend_prefix_lens_cpu)
+        self._extend_lens = dev(fb.extend_seq_lens_cpu)
+        self._extend_start_loc = dev(fb.extend_start_loc_cpu)
+        self._max_extend_len = max(fb.extend_seq_lens_cpu, default=0)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _store(layer: "RadixAttention", fb: "ForwardBatch", k: torch.Tensor,
+               v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new K/V at out_cache_loc; return the layer's (k_buffer, v_buffer)."""
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        latent = _shares_storage(k_buf, v_buf)  # MLA: the value is a view of the key row
+        store_kv(k_buf, None if latent else v_buf, fb.out_cache_loc, k,
+                 None if latent else v)
+        return k_buf, v_buf
+
+    @staticmethod
+    def _value_of(k: torch.Tensor, v: torch.Tensor | None, layer: "RadixAttention") -> torch.Tensor:
+        """New values; for the latent layout without explicit v: the first v_head_dim columns
+        of k (a view)."""
+        return v if v is not None else k[..., : layer.v_head_dim]
+
+    # ------------------------------------------------------------------ forward
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: "RadixAttention",
+        forward_batch: "ForwardBatch",
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """See `AttentionBackend.forward_extend`. Returns [T, H * v_head_dim], dtype of q.
+
+        Raises:
+            ValueError: k is None (the new tokens' keys are needed), or a pool_free layer with
+                a cached prefix.
+        """
+        fb = forward_batch
+        if k is None:
+            raise ValueError("the triton backend needs the new tokens' k for extend")
+        v_new = self._value_of(k, v, layer)
+        o = torch.empty(q.shape[0], layer.num_heads, layer.v_head_dim, dtype=q.dtype,
+                        device=q.device)
+        assert self._prefix_lens is not None and self._extend_lens is not None
+        assert self._extend_start_loc is not None
+        if layer.pool_free:
+            if any(fb.extend_prefix_lens_cpu):
+                raise ValueError("pool_free attention is only valid without a cached prefix")
+            k_buf = v_buf = None
+        elif save_kv_cache:
+            k_buf, v_buf = self._store(layer, fb, k, v)
+        else:
+            k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        extend_attention_fwd(
+            q, k, v_new, o, k_buf, v_buf,
+            fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+            self._prefix_lens, self._extend_lens, self._extend_start_loc,
+            self._max_extend_len, layer.scaling,
+        )
+        return o.reshape(q.shape[0], -1)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: "RadixAttention",
+        forward_batch: "ForwardBatch",
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """See `AttentionBackend.forward_decode`. Returns [bs, H * v_head_dim], dtype of q."""
+        fb = forward_batch
+        if save_kv_cache and k is not None:
+            k_buf, v_buf = self._store(layer, fb, k, v)
+        else:
+            k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        bs = q.shape[0]
+        groups = max(1, k_buf.shape[1])  # programs per request: one per KV head
+        cap = max(1, min(self.max_kv_splits,
+                         -(-PROGRAMS_PER_SM * self.sm_count // (bs * groups))))
+        splits = self._num_kv_splits.get(groups)
+        if splits is None:
+            splits = get_num_kv_splits(fb.seq_lens, groups, cap, self.sm_count)
+            self._num_kv_splits[groups] = splits
+        o = torch.empty(bs, layer.num_heads, layer.v_head_dim, dtype=q.dtype, device=q.device)
+        logits = torch.empty(bs, layer.num_heads, cap, layer.v_head_dim,
+                             dtype=torch.float32, device=q.device)
+        lse = torch.empty(bs, layer.num_heads, cap, dtype=torch.float32, device=q.device)
+        decode_attention_fwd(
+            q, k_buf, v_buf, o, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+            fb.seq_lens, splits, cap, logits, lse, layer.scaling,
+        )
+        return o.reshape(bs, -1)
