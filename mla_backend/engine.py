@@ -360,7 +360,7 @@ class Engine:
         self.scheduler.check_invariant()
 
     def stats(self) -> dict[str, int]:
-        """Pool and queue counters (tokens and requests)."""
+        """Pool and queue counters (tokens and requests; `retractions`: total since start)."""
         return {
             "free_slots": self.runner.token_to_kv_pool_allocator.available_size(),
             "evictable_slots": self.tree_cache.evictable_size(),
@@ -369,6 +369,7 @@ class Engine:
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
             "live": len(self._live),
+            "retractions": self.scheduler.num_retractions,
         }
 
     # ------------------------------------------------------------------ in-process API

@@ -61,7 +61,7 @@ RESERVED_PARAMETERS: frozenset[str] = frozenset(
      "headers"}
 )
 # config.pbtxt `parameters` read by the adapter, not by `EngineConfig`.
-ADAPTER_PARAMETERS: tuple[str, ...] = ("REPORT_CUSTOM_METRICS",)
+ADAPTER_PARAMETERS: tuple[str, ...] = ("REPORT_CUSTOM_METRICS", "LOG_REQUESTS")
 
 STREAMING_ECHO_ERROR = (
     "exclude_input_in_output: when streaming, exclude_input_in_output = false is not allowed"

@@ -9,14 +9,18 @@ Threading follows Triton's official vLLM backend (REFERENCE.md §4.3):
   `RequestOutput`s on a queue.
 - response thread: the only sender for accepted requests; turns outputs into responses
   (`protocol.build_outputs`), sends them (each send is a blocking IPC round trip), and polls
-  `is_cancelled()` of live requests → `Engine.abort` + a CANCELLED error flagged FINAL.
+  `is_cancelled()` of live requests → `Engine.abort` + a CANCELLED error flagged FINAL. It also
+  owns the custom metrics (`metrics.MetricsRecorder`, flushed once per loop iteration) and the
+  per-request INFO log line (config parameter `LOG_REQUESTS`, off by default).
 
 NOTE (exactly one FINAL): a request is in `_live` from registration until the response that
 carries its FINAL flag; whoever removes it from `_live` (under `_lock`) sends that FINAL, and
 outputs for an id no longer in `_live` are dropped — nothing is sent after FINAL.
 
 Data: tensors and parameters come from Triton (`pb_utils`), engine settings from config.pbtxt
-`parameters` (`EngineConfig.from_parameters`, `model_path` relative to the model's folder).
+`parameters` (`EngineConfig.from_parameters`, `model_path` relative to the model's folder);
+adapter-only parameters: `REPORT_CUSTOM_METRICS` (default "true"), `LOG_REQUESTS` (default
+"false").
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import triton_python_backend_utils as pb_utils  # provided by the Python backend
 from mla_backend.config import EngineConfig
 from mla_backend.engine import Engine, InvalidRequestError
 from mla_backend.request import RequestOutput
+from mla_backend.serving.metrics import FinishedRequest, MetricsRecorder
 from mla_backend.serving.protocol import (
     ADAPTER_PARAMETERS,
     INPUT_NAMES,
@@ -49,6 +54,7 @@ from mla_backend.serving.protocol import (
 _QUEUE_WAIT_S = 0.05  # the response thread wakes at least this often (s)
 _CANCEL_POLL_S = 0.1  # is_cancelled() of each live request is polled this often (s)
 _FINALIZE_DRAIN_S = 10.0  # how long finalize() waits for aborted requests' final outputs
+_STATS_POLL_S = 0.2  # engine stats (gauges) are read this often (s)
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -62,6 +68,19 @@ class _Live:
     accepted: bool = False  # Engine.add_request returned; the response thread may use `sender`
     held: RequestOutput | None = None  # streaming increment with no text yet
     arrival: float = field(default_factory=time.monotonic)  # s, monotonic (for metrics)
+    first_token: float | None = None  # s, monotonic: first output with tokens seen
+    prompt_counted: bool = False  # its prompt tokens went into the prompt-token counter
+
+
+def _flag(parameters: dict[str, Any], key: str, default: bool) -> bool:
+    """A "true"/"false" config.pbtxt parameter (case-insensitive; absent or "" → default)."""
+    value = str(parameters.get(key, {}).get("string_value", "")).strip().lower()
+    if value == "":
+        return default
+    if value not in ("true", "false"):
+        raise pb_utils.TritonModelException(f"parameter {key}: expected true or false, "
+                                            f"got {value!r}")
+    return value == "true"
 
 
 class TritonPythonModel:
@@ -83,9 +102,11 @@ class TritonPythonModel:
             )
         self.model_name = args.get("model_name", "")
         model_dir = args.get("model_repository") or os.path.dirname(__file__)
-        config = EngineConfig.from_parameters(
-            model_config.get("parameters", {}), base_dir=model_dir, ignore=ADAPTER_PARAMETERS
-        )
+        params = model_config.get("parameters", {})
+        config = EngineConfig.from_parameters(params, base_dir=model_dir,
+                                              ignore=ADAPTER_PARAMETERS)
+        report_metrics = _flag(params, "REPORT_CUSTOM_METRICS", True)
+        self._log_requests = _flag(params, "LOG_REQUESTS", False)
         if args.get("model_instance_kind") == "GPU" and config.model.device == "auto":
             # KIND_GPU: one engine per GPU, on the device Triton assigned to this instance.
             config = config.replace(device=f"cuda:{args.get('model_instance_device_id', '0')}")
@@ -98,6 +119,11 @@ class TritonPythonModel:
             f"context {self.engine.context_len} tokens, KV pool {self.engine.max_total_tokens} "
             f"tokens, radix cache {'on' if config.cache.enable_radix_cache else 'off'}"
         )
+        self.metrics: MetricsRecorder | None = None
+        if report_metrics:
+            self.metrics = MetricsRecorder(pb_utils, self.model_name,
+                                           str(args.get("model_version", "1")),
+                                           self.engine.context_len)
         self._lock = threading.Lock()
         self._live: dict[str, _Live] = {}
         self._outputs: queue.SimpleQueue[list[RequestOutput] | None] = queue.SimpleQueue()
@@ -199,7 +225,7 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------ response thread
     def _response_loop(self) -> None:
-        last_poll = 0.0
+        last_poll = last_stats = 0.0
         while True:
             try:
                 batch = self._outputs.get(timeout=_QUEUE_WAIT_S)
@@ -216,6 +242,14 @@ class TritonPythonModel:
             if now - last_poll >= _CANCEL_POLL_S:
                 last_poll = now
                 self._poll_cancelled()
+            if self.metrics is not None:
+                try:
+                    if now - last_stats >= _STATS_POLL_S:
+                        last_stats = now
+                        self.metrics.set_engine_stats(self.engine.stats())
+                    self.metrics.flush()
+                except Exception as e:  # noqa: BLE001 - metrics must never stop the responses
+                    self.logger.log_error(f"[mla_backend] updating metrics failed: {e!r}")
 
     def _respond(self, out: RequestOutput) -> None:
         with self._lock:
@@ -227,6 +261,7 @@ class TritonPythonModel:
         if out.error is not None:
             self._send_error(live.sender, out.error, pb_utils.TritonError.INTERNAL)
             return
+        self._account(out, live)
         if not out.finished and should_hold(out, live.options):
             live.held = merge_outputs(live.held, out)
             return
@@ -237,6 +272,38 @@ class TritonPythonModel:
             output_tensors=[pb_utils.Tensor(name, arr) for name, arr in tensors.items()]
         )
         live.sender.send(response, flags=_FINAL if out.finished else 0)
+
+    def _account(self, out: RequestOutput, live: _Live) -> None:
+        """Metrics buffers and the per-request log line for one (non-error) output (no IPC
+        except the log line)."""
+        now = time.monotonic()
+        if live.first_token is None and out.new_token_ids:
+            live.first_token = now
+        if self.metrics is not None:
+            prompt = 0
+            if not live.prompt_counted:
+                live.prompt_counted = True
+                prompt = out.num_input_tokens
+            self.metrics.on_output(prompt, len(out.new_token_ids))
+        if not out.finished:
+            return
+        n = out.num_output_tokens
+        ttft = None if live.first_token is None else live.first_token - live.arrival
+        tpot = None
+        if live.first_token is not None and n > 1:
+            tpot = (now - live.first_token) / (n - 1)
+        done = FinishedRequest(prompt_tokens=out.num_input_tokens, generation_tokens=n,
+                               cached_tokens=out.cached_tokens, e2e_s=now - live.arrival,
+                               ttft_s=ttft, tpot_s=tpot)
+        if self.metrics is not None:
+            self.metrics.on_finished(done)
+        if self._log_requests:
+            reason = out.finish_reason.value if out.finish_reason else "None"
+            self.logger.log_info(
+                f"[mla_backend] {self.model_name}: request {out.rid} finished ({reason}): "
+                f"prompt_tokens={done.prompt_tokens} cached_tokens={done.cached_tokens} "
+                f"output_tokens={n} ttft_s={-1.0 if ttft is None else ttft:.4f} "
+                f"tpot_s={-1.0 if tpot is None else tpot:.4f} e2e_s={done.e2e_s:.4f}")
 
     def _poll_cancelled(self) -> None:
         with self._lock:
@@ -295,6 +362,9 @@ class TritonPythonModel:
                                  pb_utils.TritonError.UNAVAILABLE)
             except Exception:  # noqa: BLE001
                 pass
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         self._log_pool_state()
         self.engine.shutdown()
 

@@ -1,0 +1,195 @@
+"""Triton custom metrics of an mla_backend model (`pb_utils.MetricFamily`), fed with plain numbers.
+
+Owns the metric families and a `MetricsRecorder` that the adapter's response thread feeds:
+
+- `on_output(...)` per `RequestOutput` it handles (token counts, first-token time), and
+  `on_finished(...)` per finished request (latencies): these only append to in-memory buffers;
+- `set_engine_stats(Engine.stats())` for the gauges and the retraction counter;
+- `flush()` once per response-loop iteration: the IPC round trips to the Triton server happen
+  there, batched (one `increment` per counter, one `set` per changed gauge, one `observe` per
+  finished request and histogram).
+
+Names follow Triton's vLLM backend where it has an equivalent (REFERENCE.md §4.5; labels `model`
+and `version`): counters `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`; histograms
+`vllm:time_to_first_token_seconds`, `vllm:time_per_output_token_seconds`,
+`vllm:e2e_request_latency_seconds`, `vllm:request_prompt_tokens`,
+`vllm:request_generation_tokens`. Ours (`mla_backend:` prefix): gauges
+`mla_backend:num_requests_running`, `mla_backend:num_requests_waiting`,
+`mla_backend:kv_cache_usage_ratio` (KV slots held by live requests / pool size, as SGLang's token
+usage: cached-but-evictable slots count as free), counters
+`mla_backend:prefix_cache_hit_tokens_total` and `mla_backend:num_retractions_total`. The server
+exposes them on its metrics port (`/metrics`, Prometheus text format).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+# Histogram bucket upper bounds (seconds), the same as Triton's vLLM backend uses.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+
+
+def token_buckets(max_len: int) -> list[float]:
+    """1-2-5 buckets (1, 2, 5, 10, 20, 50, ...) up to and including the first ≥ `max_len`.
+
+    Args:
+        max_len: the largest count to resolve (the context length, tokens); must be ≥ 1.
+    Raises:
+        ValueError: `max_len` < 1.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    out: list[float] = []
+    exp = 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10**exp
+            out.append(float(v))
+            if v >= max_len:
+                return out
+        exp += 1
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """Per-request numbers, recorded when its final output reaches the response thread."""
+
+    prompt_tokens: int
+    generation_tokens: int
+    cached_tokens: int  # prompt tokens served from the radix cache
+    e2e_s: float  # arrival (execute) → final output, seconds
+    ttft_s: float | None  # arrival → first output with tokens, seconds (None: no token)
+    tpot_s: float | None  # (final − first token) / (generation_tokens − 1), seconds
+
+
+class MetricsRecorder:
+    """The model's metric families and their buffered updates.
+
+    Not thread-safe: call everything from one thread (the adapter's response thread).
+    """
+
+    def __init__(self, pb: Any, model: str, version: str, max_model_len: int):
+        """Create the families (each a registration IPC).
+
+        Args:
+            pb: the `triton_python_backend_utils` module (gives `MetricFamily`).
+            model, version: label values (`model`, `version`), as Triton's vLLM backend.
+            max_model_len: context length in tokens (bounds the token-count histograms).
+        Raises:
+            pb_utils.TritonModelException: the server refused a family (e.g. metrics disabled).
+        """
+        labels = {"model": model, "version": version}
+        MF = pb.MetricFamily
+        self._families: list[Any] = []
+
+        def metric(name: str, desc: str, kind: Any, buckets: list[float] | None = None) -> Any:
+            family = MF(name=name, description=desc, kind=kind)
+            self._families.append(family)  # keep alive: a family must outlive its metrics
+            if buckets is None:
+                return family.Metric(labels=labels)
+            return family.Metric(labels=labels, buckets=buckets)
+
+        C, G, H = MF.COUNTER, MF.GAUGE, MF.HISTOGRAM
+        self.prompt_tokens = metric("vllm:prompt_tokens_total",
+                                    "Number of prefill tokens processed.", C)
+        self.generation_tokens = metric("vllm:generation_tokens_total",
+                                        "Number of generation tokens processed.", C)
+        self.ttft = metric("vllm:time_to_first_token_seconds",
+                           "Histogram of time to first token in seconds.", H, TTFT_BUCKETS)
+        self.tpot = metric("vllm:time_per_output_token_seconds",
+                           "Histogram of time per output token in seconds.", H, TPOT_BUCKETS)
+        self.e2e = metric("vllm:e2e_request_latency_seconds",
+                          "Histogram of end to end request latency in seconds.", H, E2E_BUCKETS)
+        tb = token_buckets(max_model_len)
+        self.request_prompt = metric("vllm:request_prompt_tokens",
+                                     "Number of prefill tokens processed.", H, tb)
+        self.request_generation = metric("vllm:request_generation_tokens",
+                                         "Number of generation tokens processed.", H, tb)
+        self.running = metric("mla_backend:num_requests_running",
+                              "Number of requests in the running batch.", G)
+        self.waiting = metric("mla_backend:num_requests_waiting",
+                              "Number of requests waiting to be scheduled.", G)
+        self.kv_usage = metric("mla_backend:kv_cache_usage_ratio",
+                               "KV pool slots held by live requests / pool size (0..1).", G)
+        self.cache_hits = metric("mla_backend:prefix_cache_hit_tokens_total",
+                                 "Prompt tokens served from the radix prefix cache.", C)
+        self.retractions = metric("mla_backend:num_retractions_total",
+                                  "Running requests retracted to the queue (KV pool full).", C)
+        self._prompt_pending = 0
+        self._gen_pending = 0
+        self._finished: list[FinishedRequest] = []
+        self._stats: Mapping[str, int] | None = None
+        self._gauges_sent: dict[str, float] = {}
+        self._retractions_sent = 0
+
+    # ------------------------------------------------------------------ buffering (no IPC)
+    def on_output(self, new_prompt_tokens: int, new_generation_tokens: int) -> None:
+        """Count tokens of one engine output (prompt tokens once per request, at its first)."""
+        self._prompt_pending += new_prompt_tokens
+        self._gen_pending += new_generation_tokens
+
+    def on_finished(self, req: FinishedRequest) -> None:
+        """Buffer one finished request's latencies and sizes."""
+        self._finished.append(req)
+
+    def set_engine_stats(self, stats: Mapping[str, int]) -> None:
+        """Buffer an `Engine.stats()` snapshot (running, waiting, free/evictable/total slots,
+        retractions)."""
+        self._stats = stats
+
+    # ------------------------------------------------------------------ IPC
+    def flush(self) -> None:
+        """Send the buffered updates to the server (skips counters with nothing new and gauges
+        whose value has not changed)."""
+        if self._prompt_pending:
+            self.prompt_tokens.increment(self._prompt_pending)
+            self._prompt_pending = 0
+        if self._gen_pending:
+            self.generation_tokens.increment(self._gen_pending)
+            self._gen_pending = 0
+        finished, self._finished = self._finished, []
+        hits = 0
+        for r in finished:
+            self.e2e.observe(r.e2e_s)
+            self.request_prompt.observe(float(r.prompt_tokens))
+            self.request_generation.observe(float(r.generation_tokens))
+            if r.ttft_s is not None:
+                self.ttft.observe(r.ttft_s)
+            if r.tpot_s is not None:
+                self.tpot.observe(r.tpot_s)
+            hits += r.cached_tokens
+        if hits:
+            self.cache_hits.increment(hits)
+        stats, self._stats = self._stats, None
+        if stats is not None:
+            total = max(int(stats.get("total_slots", 0)), 1)
+            held = total - int(stats.get("free_slots", 0)) - int(stats.get("evictable_slots", 0))
+            self._set_gauge("running", self.running, float(stats.get("running", 0)))
+            self._set_gauge("waiting", self.waiting, float(stats.get("waiting", 0)))
+            self._set_gauge("kv", self.kv_usage, min(max(held / total, 0.0), 1.0))
+            retractions = int(stats.get("retractions", 0))
+            if retractions > self._retractions_sent:
+                self.retractions.increment(retractions - self._retractions_sent)
+                self._retractions_sent = retractions
+
+    def close(self) -> None:
+        """Drop the metrics, then their families (the stub requires that order). Idempotent."""
+        for name in ("prompt_tokens", "generation_tokens", "ttft", "tpot", "e2e",
+                     "request_prompt", "request_generation", "running", "waiting", "kv_usage",
+                     "cache_hits", "retractions"):
+            if hasattr(self, name):
+                delattr(self, name)
+        self._families.clear()
+
+    def _set_gauge(self, key: str, gauge: Any, value: float) -> None:
+        if self._gauges_sent.get(key) != value:
+            gauge.set(value)
+            self._gauges_sent[key] = value
+
+
+__all__ = ["E2E_BUCKETS", "FinishedRequest", "MetricsRecorder", "TPOT_BUCKETS", "TTFT_BUCKETS",
+           "token_buckets"]

@@ -1,0 +1,198 @@
+"""End-to-end test of the custom metrics and the per-request log line.
+
+A real tritonserver serves two copies of `model_repository/deepseek-v2-tiny` (small pools):
+`deepseek-v2-tiny` with the repository defaults plus `LOG_REQUESTS` "true", and
+`deepseek-v2-tiny-quiet` with `REPORT_CUSTOM_METRICS` "false" (and the default `LOG_REQUESTS`).
+Requests go through HTTP generate and gRPC streaming; the metrics are read from the server's
+metrics port (`/metrics`, Prometheus text) and compared with what the responses reported.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from mla_backend.tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
+from mla_backend.tools.tritonserver import TritonServer
+
+from test_triton_e2e import Stream, grpc_inputs, scalar
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+DSV2, QUIET = "deepseek-v2-tiny", "deepseek-v2-tiny-quiet"
+SETTINGS = {"context_length": "512", "max_total_tokens": "4096", "max_running_requests": "8",
+            "chunked_prefill_size": "256", "max_prefill_tokens": "1024"}
+EXTRA = {DSV2: {"LOG_REQUESTS": "true"}, QUIET: {"REPORT_CUSTOM_METRICS": "false"}}
+TIMEOUT = 120.0
+REPEATED = "The capital of France is a city that"
+
+
+def _set_param(text: str, key: str, value: str) -> str:
+    pattern = rf'(\{{\s*key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"'
+    new, n = re.subn(pattern, rf'\g<1>"{value}"', text)
+    assert n == 1, f"config.pbtxt has no single parameter {key!r}"
+    return new
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    prepare(DEFAULT_MODEL_REPOSITORY)
+    root = tmp_path_factory.mktemp("metrics_repository")
+    src_dir = REPO / "model_repository" / DSV2
+    for name in (DSV2, QUIET):
+        (root / name / "1").mkdir(parents=True)
+        shutil.copy(src_dir / "1" / "model.py", root / name / "1" / "model.py")
+        text = (src_dir / "config.pbtxt").read_text()
+        text = re.sub(r'^name: "[^"]*"', f'name: "{name}"', text, count=1, flags=re.M)
+        text = _set_param(text, "model_path", str(src_dir / "weights"))
+        for key, value in {**SETTINGS, **EXTRA[name]}.items():
+            text = _set_param(text, key, value)
+        (root / name / "config.pbtxt").write_text(text)
+    with TritonServer(root, startup_timeout=300) as srv:
+        yield srv
+
+
+def read_metrics(server) -> dict[tuple[str, str], float]:
+    """(series name, label text) → value, from the Prometheus text on the metrics port."""
+    text = requests.get(server.metrics_url, timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)$", line)
+        if m:
+            out[(m.group(1), m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def series(metrics, name: str, model: str, **labels: str) -> float | None:
+    for (n, lab), v in metrics.items():
+        if n != name or f'model="{model}"' not in lab:
+            continue
+        if all(f'{k}="{val}"' in lab for k, val in labels.items()):
+            return v
+    return None
+
+
+def http_generate(server, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"text_input": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_num_input_tokens": True, "return_num_output_tokens": True,
+            "return_cached_tokens": True}
+    r = requests.post(f"{server.http_url}/v2/models/{model}/generate", json=body,
+                      timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_custom_metrics_match_the_responses(server):
+    base = read_metrics(server)
+    assert series(base, "vllm:prompt_tokens_total", DSV2) in (None, 0.0)
+    prompt_sum = gen_sum = cached_sum = 0
+    n_requests = 0
+    for prompt, max_tokens in [(REPEATED, 6), ("One, two, three,", 1), (REPEATED, 6),
+                               ("The sky is", 9)]:
+        data = http_generate(server, DSV2, prompt, max_tokens)
+        assert data["num_output_tokens"] == max_tokens
+        prompt_sum += data["num_input_tokens"]
+        gen_sum += data["num_output_tokens"]
+        cached_sum += data["cached_tokens"]
+        n_requests += 1
+    s = Stream(server.grpc_url)  # streaming: tokens counted over several responses
+    try:
+        s.send(DSV2, grpc_inputs(prompt=REPEATED, sampling={"max_tokens": 7, "temperature": 0},
+                                 return_num_input_tokens=True, return_num_output_tokens=True,
+                                 return_cached_tokens=True), "streamed")
+        by_rid, errors = s.collect(1)
+    finally:
+        s.close()
+    assert errors == []
+    results = by_rid["streamed"]
+    assert len(results) > 1
+    prompt_sum += scalar(results[0], "num_input_tokens")
+    gen_sum += sum(scalar(r, "num_output_tokens") for r in results)
+    cached_sum += scalar(results[-1], "cached_tokens")
+    n_requests += 1
+    assert cached_sum > 0  # the repeated prompt was served from the radix cache
+
+    deadline = time.monotonic() + 30
+    while True:  # the flush follows the sends; gauges are read every 0.2 s
+        m = read_metrics(server)
+        if (series(m, "vllm:e2e_request_latency_seconds_count", DSV2) == n_requests
+                and series(m, "mla_backend:num_requests_running", DSV2) == 0
+                and series(m, "mla_backend:kv_cache_usage_ratio", DSV2) == 0):
+            break
+        assert time.monotonic() < deadline, {k: v for k, v in m.items() if "mla" in k[0]
+                                             or "vllm" in k[0]}
+        time.sleep(0.1)
+
+    assert series(m, "vllm:prompt_tokens_total", DSV2, version="1") == prompt_sum
+    assert series(m, "vllm:generation_tokens_total", DSV2) == gen_sum
+    assert series(m, "mla_backend:prefix_cache_hit_tokens_total", DSV2) == cached_sum
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+        assert series(m, f"{name}_count", DSV2) == n_requests, name
+        assert series(m, f"{name}_bucket", DSV2, le="+Inf") == n_requests, name
+    # TPOT only for requests with more than one output token (all but the max_tokens=1 one).
+    assert series(m, "vllm:time_per_output_token_seconds_count", DSV2) == n_requests - 1
+    assert series(m, "vllm:request_prompt_tokens_sum", DSV2) == prompt_sum
+    assert series(m, "vllm:request_generation_tokens_sum", DSV2) == gen_sum
+    ttft_sum = series(m, "vllm:time_to_first_token_seconds_sum", DSV2)
+    e2e_sum = series(m, "vllm:e2e_request_latency_seconds_sum", DSV2)
+    assert 0 < ttft_sum < e2e_sum
+    assert series(m, "vllm:request_generation_tokens_bucket", DSV2, le="1") == 1
+    # idle: gauges back to 0, nothing retracted with this pool
+    assert series(m, "mla_backend:num_requests_running", DSV2) == 0
+    assert series(m, "mla_backend:num_requests_waiting", DSV2) == 0
+    assert series(m, "mla_backend:kv_cache_usage_ratio", DSV2) == 0
+    assert series(m, "mla_backend:num_retractions_total", DSV2) == 0
+
+
+def test_kv_usage_gauge_while_running(server):
+    """During a long request the gauges show it running and a KV share strictly in (0, 1)."""
+    long_job = {"max_tokens": 300, "min_tokens": 300, "ignore_eos": True, "temperature": 0}
+    s = Stream(server.grpc_url)
+    seen_usage, seen_running = [], []
+    try:
+        s.send(DSV2, grpc_inputs(sampling=long_job), "long")
+        done = False
+        while not done:
+            r, e = s.responses.get(timeout=TIMEOUT)
+            assert e is None, e
+            done = r.get_response().parameters["triton_final_response"].bool_param
+            m = read_metrics(server)
+            seen_usage.append(series(m, "mla_backend:kv_cache_usage_ratio", DSV2))
+            seen_running.append(series(m, "mla_backend:num_requests_running", DSV2))
+    finally:
+        s.close()
+    assert max(seen_running) == 1
+    assert all(u is not None and 0.0 <= u <= 1.0 for u in seen_usage)
+    assert 0.0 < max(seen_usage) < 1.0
+
+
+def test_metrics_off_and_request_log_lines(server):
+    http_generate(server, QUIET, "Quiet prompt here", 3)
+    for prompt in ("Log me once", "Log me twice"):
+        http_generate(server, DSV2, prompt, 3)
+    pattern = (rf"\[mla_backend\] {DSV2}: request \S+ finished \((\w+)\): "
+               r"prompt_tokens=(\d+) cached_tokens=(\d+) output_tokens=(\d+)")
+    deadline = time.monotonic() + 10.0  # the line is logged right after the final response
+    while True:
+        log = server.log_path.read_text(errors="replace")
+        lines = re.findall(pattern, log)
+        if len(lines) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(lines) >= 2  # one per finished request
+    assert all(reason in ("length", "stop") for reason, *_ in lines)
+    assert f"[mla_backend] {QUIET}: request" not in log  # LOG_REQUESTS defaults to "false"
+    m = read_metrics(server)
+    ours = [k for k in m if k[0].startswith(("vllm:", "mla_backend:"))]
+    assert not [k for k in ours if f'model="{QUIET}"' in k[1]]  # REPORT_CUSTOM_METRICS "false"
+    assert series(m, "nv_inference_request_success", QUIET) == 1  # Triton's own still counted
+    assert series(m, "vllm:prompt_tokens_total", DSV2) is not None
+    bad = [line for line in log.splitlines() if line.startswith("E") and "mla_backend" in line]
+    assert bad == []
