@@ -18,6 +18,7 @@ Per step the engine turns a `ScheduleBatch` into a `ForwardBatch` (`make_forward
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,6 +126,9 @@ class ModelRunner:
         mcfg = config.model
         self.device = resolve_device(mcfg.device)
         self.dtype = resolve_dtype(mcfg.dtype, self.device)
+        if not os.path.isdir(mcfg.model_path):  # else transformers reports a bad 'repo id'
+            raise FileNotFoundError(f"model_path: model folder {mcfg.model_path!r} does not "
+                                    "exist (run `python -m mla_backend.tools.prepare`?)")
         self.hf_config = AutoConfig.from_pretrained(mcfg.model_path)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.model = self._load_model()

@@ -1,0 +1,203 @@
+"""End-to-end overload and model-lifecycle tests on a real tritonserver (issue 5).
+
+One server per module (explicit model control) over a temp repository of deepseek-v2-tiny copies
+(`model_repository/deepseek-v2-tiny/{config.pbtxt,1/model.py}`, absolute `model_path`):
+
+- `dsv2-overload`: a 256-slot KV pool, 8 request slots, context 256. 12 prompts x 64 greedy tokens
+  (about 4x the pool) sent at once must all finish through queueing and retraction, with the text
+  of an unloaded run (an in-process `Engine` with the same settings, one request at a time).
+- `dsv2-two`: `instance_group` count 2 (two engines, two stub processes).
+- `dsv2-noweights`, `dsv2-badint`, `dsv2-tp2`: not loaded at start; loading them through the
+  repository API must fail with a message naming the missing path / the bad key.
+The last test stops the server: every instance logs `pool invariant ok` at unload.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from mla_backend.config import EngineConfig
+from mla_backend.request import SamplingParams
+from mla_backend.tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
+from mla_backend.tools.tritonserver import TritonServer
+
+from test_triton_e2e import Stream, grpc_inputs, is_final, scalar, text_of
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+SRC = REPO / "model_repository" / "deepseek-v2-tiny"
+OVER, TWO = "dsv2-overload", "dsv2-two"
+NOWEIGHTS, BADINT, TP2 = "dsv2-noweights", "dsv2-badint", "dsv2-tp2"
+MISSING = "/nonexistent/mla-backend-weights-xyz"
+SETTINGS = {
+    OVER: {"context_length": "256", "max_total_tokens": "256", "max_running_requests": "8",
+           "chunked_prefill_size": "128", "max_prefill_tokens": "256"},
+    TWO: {"context_length": "512", "max_total_tokens": "1024", "max_running_requests": "4",
+          "chunked_prefill_size": "256", "max_prefill_tokens": "512"},
+}
+BAD = {NOWEIGHTS: {"model_path": MISSING}, BADINT: {"max_total_tokens": "abc"},
+       TP2: {"tensor_parallel_size": "2"}}
+PROMPTS = [f"Story {i}: once upon a time, the {w}" for i, w in enumerate(
+    ["fox", "king", "river", "robot", "garden", "storm", "violin", "lantern", "whale",
+     "mountain", "clock", "desert"])]
+OVER_TOKENS = 64
+JOB = {"max_tokens": OVER_TOKENS, "ignore_eos": True, "temperature": 0}
+TIMEOUT = 300.0
+
+
+def _set_param(text: str, key: str, value: str) -> str:
+    pattern = rf'(\{{\s*key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"'
+    new, n = re.subn(pattern, rf'\g<1>"{value}"', text)
+    assert n == 1, f"config.pbtxt has no single parameter {key!r}"
+    return new
+
+
+def _write_model(root: Path, name: str, params: dict[str, str], count: int = 1) -> None:
+    (root / name / "1").mkdir(parents=True)
+    shutil.copy(SRC / "1" / "model.py", root / name / "1" / "model.py")
+    text = (SRC / "config.pbtxt").read_text()
+    text = re.sub(r'^name: "[^"]*"', f'name: "{name}"', text, count=1, flags=re.M)
+    text, n = re.subn(r"instance_group \[ \{ kind: KIND_CPU, count: 1 \} \]",
+                      f"instance_group [ {{ kind: KIND_CPU, count: {count} }} ]", text)
+    assert n == 1, "config.pbtxt has no single KIND_CPU instance_group"
+    params = {"model_path": str(SRC / "weights"), **params}
+    for key, value in params.items():
+        text = _set_param(text, key, value)
+    (root / name / "config.pbtxt").write_text(text)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    prepare(DEFAULT_MODEL_REPOSITORY)
+    root = tmp_path_factory.mktemp("lifecycle_repository")
+    _write_model(root, OVER, SETTINGS[OVER])
+    _write_model(root, TWO, SETTINGS[TWO], count=2)
+    for name, params in BAD.items():
+        _write_model(root, name, {**SETTINGS[TWO], **params})
+    with TritonServer(root, model_control_mode="explicit", load_models=[OVER, TWO],
+                      wait_models=[OVER, TWO], startup_timeout=300) as srv:
+        yield srv
+
+
+_ENGINES: dict[str, object] = {}
+
+
+def baseline(model: str, prompt: str, sampling: SamplingParams) -> str:
+    """Greedy text of `prompt` alone on an in-process Engine with `model`'s settings."""
+    from mla_backend.engine import Engine
+
+    if model not in _ENGINES:
+        _ENGINES[model] = Engine(EngineConfig.create(model_path=str(SRC / "weights"),
+                                                     **SETTINGS[model]))
+    return _ENGINES[model].generate([prompt], sampling)[0].text
+
+
+def _retractions(server: TritonServer, model: str) -> int:
+    text = requests.get(server.metrics_url, timeout=30).text
+    m = re.search(rf'^mla_backend:num_retractions_total\{{model="{model}",version="1"\}} (\S+)$',
+                  text, re.M)
+    return 0 if m is None else int(float(m.group(1)))
+
+
+def _run_all(server: TritonServer, model: str, prompts: list[str], sampling: dict):
+    """All prompts at once, each on its own gRPC stream; returns (rid → results, errors)."""
+    streams = [Stream(server.grpc_url) for _ in prompts]
+    by_rid: dict[str, list] = {}
+    errors: list[str] = []
+    try:
+        for i, (s, p) in enumerate(zip(streams, prompts)):
+            s.send(model, grpc_inputs(p, sampling=sampling, return_num_output_tokens=True), f"r{i}")
+        for s in streams:
+            got, errs = s.collect(1)
+            by_rid.update(got)
+            errors += errs
+    finally:
+        for s in streams:
+            s.close()
+    return by_rid, errors
+
+
+# ------------------------------------------------------------------------------------ tests
+def test_overload_completes_with_unloaded_outputs_and_retracts(server):
+    sp = SamplingParams(max_new_tokens=OVER_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = [baseline(OVER, p, sp) for p in PROMPTS]
+    engine = _ENGINES[OVER]
+    demand = sum(len(engine.tokenizer(p).input_ids) + OVER_TOKENS for p in PROMPTS)
+    assert demand >= 3.5 * int(SETTINGS[OVER]["max_total_tokens"])  # really overloaded
+    assert _retractions(server, OVER) == 0
+
+    by_rid, errors = _run_all(server, OVER, PROMPTS, JOB)
+    assert errors == []
+    assert sorted(by_rid) == sorted(f"r{i}" for i in range(len(PROMPTS)))
+    for i, want in enumerate(expected):
+        results = by_rid[f"r{i}"]
+        assert [is_final(r) for r in results].count(True) == 1 and is_final(results[-1])
+        assert sum(scalar(r, "num_output_tokens") for r in results) == OVER_TOKENS
+        assert text_of(results) == want, f"prompt {i}: streamed text differs from unloaded run"
+
+    deadline = time.monotonic() + 60  # the adapter flushes metrics from its engine loop
+    while _retractions(server, OVER) == 0:
+        assert time.monotonic() < deadline, "no retraction observed under 4x overload"
+        time.sleep(0.5)
+
+
+def test_bad_models_fail_to_load_naming_the_cause(server):
+    """Three failing loads at once (each spawns a stub); each error names its cause."""
+    needles = {NOWEIGHTS: MISSING, BADINT: "max_total_tokens", TP2: "tensor_parallel_size"}
+
+    def load(model: str) -> requests.Response:
+        return requests.post(f"{server.http_url}/v2/repository/models/{model}/load", json={},
+                             timeout=TIMEOUT)
+
+    with ThreadPoolExecutor(len(needles)) as pool:
+        replies = dict(zip(needles, pool.map(load, needles)))
+    states = server.model_states()
+    for model, needle in needles.items():
+        r = replies[model]
+        assert r.status_code != 200, r.text
+        assert needle in r.json()["error"], (model, r.text)
+        assert states[model][0] == "UNAVAILABLE"
+        ready = requests.get(f"{server.http_url}/v2/models/{model}/ready", timeout=30)
+        assert ready.status_code != 200
+    server.check_alive()
+
+
+def test_two_instances_serve_concurrent_requests(server):
+    log = server.log_path.read_text(errors="replace")
+    assert log.count(f"[mla_backend] {TWO}: loaded") == 2
+    prompts = PROMPTS[:8]
+    job = {"max_tokens": 12, "ignore_eos": True, "temperature": 0}
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [baseline(TWO, p, sp) for p in prompts]
+    by_rid, errors = _run_all(server, TWO, prompts, job)
+    assert errors == []
+    for i, want in enumerate(expected):
+        results = by_rid[f"r{i}"]
+        assert [is_final(r) for r in results].count(True) == 1
+        assert text_of(results) == want
+    # Still healthy: the good models serve after the failed loads.
+    assert server.model_states()[OVER][0] == "READY"
+
+
+def test_unload_drains_every_instance(server):
+    server.stop()
+    log = server.log_path.read_text(errors="replace")
+    for model, instances in ((OVER, 1), (TWO, 2)):
+        lines = re.findall(rf"\[mla_backend\] {re.escape(model)}: unloaded; engine stats: "
+                           r"([^;]*); pool invariant (\w+)", log)
+        assert len(lines) == instances, f"{model}: {lines}"
+        for stats_text, verdict in lines:
+            assert verdict == "ok"
+            stats = {k: int(v) for k, v in (kv.split("=") for kv in stats_text.split())}
+            assert stats["live"] == stats["running"] == stats["waiting"] == 0
+            assert stats["free_slots"] + stats["evictable_slots"] == stats["total_slots"]
+    for model in BAD:
+        assert f"[mla_backend] {model}: unloaded" not in log
