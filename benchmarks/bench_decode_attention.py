@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="skip configs whose buffers would exceed this many GB")
     ap.add_argument("--num-warps", type=int, default=None,
                     help="override decode_attention.STAGE1_NUM_WARPS (tuning)")
+    ap.add_argument("--programs-per-sm", type=int, default=None,
+                    help="override decode_attention.PROGRAMS_PER_SM, the split target (tuning)")
     ap.add_argument("--block-n-wide", type=int, default=None,
                     help="override decode_attention.BLOCK_N_WIDE, tokens per tile for MLA (tuning)")
     ap.add_argument("--num-stages", type=int, default=None,
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
     args = ap.parse_args(argv)
 
+    if args.programs_per_sm is not None:
+        da.PROGRAMS_PER_SM = args.programs_per_sm
     if args.block_n_wide is not None:
         da.BLOCK_N_WIDE = args.block_n_wide
     if args.num_warps is not None:

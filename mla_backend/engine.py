@@ -63,7 +63,6 @@ class _ReqState:
     unsent_logprobs: list[float] = field(default_factory=list)
     unsent_top: list[dict[int, float]] = field(default_factory=list)
     unsent_text: str = ""
-    arrival: float = field(default_factory=time.monotonic)
 
 
 class Engine:

@@ -222,8 +222,8 @@ class RequestOutput:
 
 @dataclass
 class Req:
-    """Scheduler-side state of one request. Owned by the scheduler; the sampler and detokenizer
-    read/append fields as documented.
+    """Scheduler-side state of one request. Owned by the scheduler; the engine appends to
+    `output_ids` and sets `finished_reason`; the sampler fills `generator`.
     """
 
     rid: str
@@ -244,13 +244,9 @@ class Req:
 
     # --- results ---
     finished_reason: FinishReason | None = None
-    finished_len: int | None = None  # output tokens kept when a stop matched (stop str trimming)
     cumulative_logprob: float = 0.0
     # Sampler state: a private generator when `sampling_params.seed` is set (filled lazily).
     generator: torch.Generator | None = None
-    # Detokenizer state (mla_backend.tokenizer.detokenizer): owned by the engine.
-    detok: Any = None
-    sent_offset: int = 0  # output tokens already reported in a RequestOutput
 
     @property
     def seqlen(self) -> int:

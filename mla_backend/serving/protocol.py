@@ -145,17 +145,23 @@ def parse_request(
     return ParsedRequest(request=request, options=options)
 
 
+def _json_object(raw: str, field: str) -> dict[str, Any]:
+    """Parse `raw` as a JSON object. Raises ProtocolError naming `field`."""
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ProtocolError(f"{field}: malformed JSON ({e.msg} at char {e.pos})") from None
+    if not isinstance(data, dict):
+        kind = "null" if data is None else type(data).__name__
+        raise ProtocolError(f"{field}: must be a JSON object, got {kind}")
+    return data
+
+
 def _sampling(present: Mapping[str, np.ndarray],
               parameters: str | Mapping[str, Any] | None) -> SamplingParams:
     if "sampling_parameters" in present:
         field = "sampling_parameters"
-        raw = _string_scalar(present["sampling_parameters"], field)
-        try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ProtocolError(f"{field}: malformed JSON ({e.msg} at char {e.pos})") from None
-        if not isinstance(data, dict):
-            raise ProtocolError(f"{field}: must be a JSON object, got {type(data).__name__}")
+        data = _json_object(_string_scalar(present["sampling_parameters"], field), field)
     else:
         field = "parameters"
         if parameters is None or parameters == "":
@@ -163,12 +169,7 @@ def _sampling(present: Mapping[str, np.ndarray],
         elif isinstance(parameters, Mapping):
             data = dict(parameters)
         else:
-            try:
-                data = json.loads(parameters)
-            except json.JSONDecodeError as e:
-                raise ProtocolError(f"{field}: malformed JSON ({e.msg})") from None
-            if not isinstance(data, dict):
-                raise ProtocolError(f"{field}: must be a JSON object, got {type(data).__name__}")
+            data = _json_object(parameters, field)
         data = {k: v for k, v in data.items()
                 if k not in RESERVED_PARAMETERS and not k.startswith("triton_")}
     try:

@@ -18,10 +18,8 @@ from __future__ import annotations
 import json
 import queue
 import re
-import shutil
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -32,12 +30,11 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import _utils as grpc_utils
 from tritonclient.grpc import service_pb2_grpc
 
-from mla_backend.tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
 from mla_backend.tools.tritonserver import TritonServer
+from serving_helpers import write_model
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = "deepseek-v2-tiny"
 SETTINGS = {"context_length": "512", "max_total_tokens": "384", "max_running_requests": "4",
             "chunked_prefill_size": "256", "max_prefill_tokens": "512"}
@@ -51,24 +48,10 @@ GOOD_STRINGS: dict[str, Any] = {"max_tokens": "8", "temperature": "0", "ignore_e
                                 "top_k": "-1", "skip_special_tokens": "true"}
 
 
-def _set_param(text: str, key: str, value: str) -> str:
-    pattern = rf'(\{{\s*key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"'
-    new, n = re.subn(pattern, rf'\g<1>"{value}"', text)
-    assert n == 1, f"config.pbtxt has no single parameter {key!r}"
-    return new
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    prepare(DEFAULT_MODEL_REPOSITORY)
     root = tmp_path_factory.mktemp("bad_inputs_repository")
-    src = REPO / "model_repository" / MODEL
-    (root / MODEL / "1").mkdir(parents=True)
-    shutil.copy(src / "1" / "model.py", root / MODEL / "1" / "model.py")
-    text = _set_param((src / "config.pbtxt").read_text(), "model_path", str(src / "weights"))
-    for key, value in SETTINGS.items():
-        text = _set_param(text, key, value)
-    (root / MODEL / "config.pbtxt").write_text(text)
+    write_model(root, MODEL, SETTINGS)
     with TritonServer(root, startup_timeout=300) as srv:
         yield srv
 

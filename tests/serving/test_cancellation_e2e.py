@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -37,10 +36,10 @@ import requests
 
 from mla_backend.config import EngineConfig
 from mla_backend.request import SamplingParams
-from mla_backend.tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
 from mla_backend.tools.tritonserver import TritonServer
 
 from test_triton_e2e import Stream, grpc_inputs, is_final, text_of
+from serving_helpers import read_metrics, series, write_model
 
 pytestmark = pytest.mark.e2e
 
@@ -57,24 +56,10 @@ TIMEOUT = 120.0
 SETTLE_S = 30.0  # how long gauges / log lines may take to show a cancellation
 
 
-def _set_param(text: str, key: str, value: str) -> str:
-    pattern = rf'(\{{\s*key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"'
-    new, n = re.subn(pattern, rf'\g<1>"{value}"', text)
-    assert n == 1, f"config.pbtxt has no single parameter {key!r}"
-    return new
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    prepare(DEFAULT_MODEL_REPOSITORY)
     root = tmp_path_factory.mktemp("cancel_repository")
-    (root / MODEL / "1").mkdir(parents=True)
-    shutil.copy(SRC / "1" / "model.py", root / MODEL / "1" / "model.py")
-    text = (SRC / "config.pbtxt").read_text()
-    text = re.sub(r'^name: "[^"]*"', f'name: "{MODEL}"', text, count=1, flags=re.M)
-    for key, value in {"model_path": str(SRC / "weights"), **SETTINGS}.items():
-        text = _set_param(text, key, value)
-    (root / MODEL / "config.pbtxt").write_text(text)
+    write_model(root, MODEL, SETTINGS)
     with TritonServer(root, startup_timeout=300) as srv:
         yield srv
 
@@ -100,13 +85,13 @@ def _long_prompt(tag: str) -> str:
 
 def gauges(server: TritonServer) -> dict[str, float]:
     """running / waiting / kv of MODEL from the metrics port (absent series → -1)."""
-    text = requests.get(server.metrics_url, timeout=30).text
+    metrics = read_metrics(server)
     out = {}
     for key, name in (("running", "mla_backend:num_requests_running"),
                       ("waiting", "mla_backend:num_requests_waiting"),
                       ("kv", "mla_backend:kv_cache_usage_ratio")):
-        m = re.search(rf'^{re.escape(name)}\{{model="{MODEL}",version="1"\}} (\S+)$', text, re.M)
-        out[key] = -1.0 if m is None else float(m.group(1))
+        value = series(metrics, name, MODEL)
+        out[key] = -1.0 if value is None else value
     return out
 
 

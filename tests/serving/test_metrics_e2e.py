@@ -10,21 +10,18 @@ metrics port (`/metrics`, Prometheus text) and compared with what the responses 
 from __future__ import annotations
 
 import re
-import shutil
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
-from mla_backend.tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
 from mla_backend.tools.tritonserver import TritonServer
 
 from test_triton_e2e import Stream, grpc_inputs, scalar
+from serving_helpers import read_metrics, series, write_model
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
 DSV2, QUIET = "deepseek-v2-tiny", "deepseek-v2-tiny-quiet"
 SETTINGS = {"context_length": "512", "max_total_tokens": "4096", "max_running_requests": "8",
             "chunked_prefill_size": "256", "max_prefill_tokens": "1024"}
@@ -33,49 +30,13 @@ TIMEOUT = 120.0
 REPEATED = "The capital of France is a city that"
 
 
-def _set_param(text: str, key: str, value: str) -> str:
-    pattern = rf'(\{{\s*key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"'
-    new, n = re.subn(pattern, rf'\g<1>"{value}"', text)
-    assert n == 1, f"config.pbtxt has no single parameter {key!r}"
-    return new
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    prepare(DEFAULT_MODEL_REPOSITORY)
     root = tmp_path_factory.mktemp("metrics_repository")
-    src_dir = REPO / "model_repository" / DSV2
     for name in (DSV2, QUIET):
-        (root / name / "1").mkdir(parents=True)
-        shutil.copy(src_dir / "1" / "model.py", root / name / "1" / "model.py")
-        text = (src_dir / "config.pbtxt").read_text()
-        text = re.sub(r'^name: "[^"]*"', f'name: "{name}"', text, count=1, flags=re.M)
-        text = _set_param(text, "model_path", str(src_dir / "weights"))
-        for key, value in {**SETTINGS, **EXTRA[name]}.items():
-            text = _set_param(text, key, value)
-        (root / name / "config.pbtxt").write_text(text)
+        write_model(root, name, {**SETTINGS, **EXTRA[name]})
     with TritonServer(root, startup_timeout=300) as srv:
         yield srv
-
-
-def read_metrics(server) -> dict[tuple[str, str], float]:
-    """(series name, label text) → value, from the Prometheus text on the metrics port."""
-    text = requests.get(server.metrics_url, timeout=10).text
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)$", line)
-        if m:
-            out[(m.group(1), m.group(2) or "")] = float(m.group(3))
-    return out
-
-
-def series(metrics, name: str, model: str, **labels: str) -> float | None:
-    for (n, lab), v in metrics.items():
-        if n != name or f'model="{model}"' not in lab:
-            continue
-        if all(f'{k}="{val}"' in lab for k, val in labels.items()):
-            return v
-    return None
 
 
 def http_generate(server, model: str, prompt: str, max_tokens: int) -> dict:

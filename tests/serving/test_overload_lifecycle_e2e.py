@@ -15,7 +15,6 @@ The last test stops the server: every instance logs `pool invariant ok` at unloa
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,10 +24,10 @@ import requests
 
 from mla_backend.config import EngineConfig
 from mla_backend.request import SamplingParams
-from mla_backend.tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
 from mla_backend.tools.tritonserver import TritonServer
 
 from test_triton_e2e import Stream, grpc_inputs, is_final, scalar, text_of
+from serving_helpers import read_metrics, series, write_model
 
 pytestmark = pytest.mark.e2e
 
@@ -53,35 +52,13 @@ JOB = {"max_tokens": OVER_TOKENS, "ignore_eos": True, "temperature": 0}
 TIMEOUT = 300.0
 
 
-def _set_param(text: str, key: str, value: str) -> str:
-    pattern = rf'(\{{\s*key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"'
-    new, n = re.subn(pattern, rf'\g<1>"{value}"', text)
-    assert n == 1, f"config.pbtxt has no single parameter {key!r}"
-    return new
-
-
-def _write_model(root: Path, name: str, params: dict[str, str], count: int = 1) -> None:
-    (root / name / "1").mkdir(parents=True)
-    shutil.copy(SRC / "1" / "model.py", root / name / "1" / "model.py")
-    text = (SRC / "config.pbtxt").read_text()
-    text = re.sub(r'^name: "[^"]*"', f'name: "{name}"', text, count=1, flags=re.M)
-    text, n = re.subn(r"instance_group \[ \{ kind: KIND_CPU, count: 1 \} \]",
-                      f"instance_group [ {{ kind: KIND_CPU, count: {count} }} ]", text)
-    assert n == 1, "config.pbtxt has no single KIND_CPU instance_group"
-    params = {"model_path": str(SRC / "weights"), **params}
-    for key, value in params.items():
-        text = _set_param(text, key, value)
-    (root / name / "config.pbtxt").write_text(text)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    prepare(DEFAULT_MODEL_REPOSITORY)
     root = tmp_path_factory.mktemp("lifecycle_repository")
-    _write_model(root, OVER, SETTINGS[OVER])
-    _write_model(root, TWO, SETTINGS[TWO], count=2)
+    write_model(root, OVER, SETTINGS[OVER])
+    write_model(root, TWO, SETTINGS[TWO], instances=2)
     for name, params in BAD.items():
-        _write_model(root, name, {**SETTINGS[TWO], **params})
+        write_model(root, name, {**SETTINGS[TWO], **params})
     with TritonServer(root, model_control_mode="explicit", load_models=[OVER, TWO],
                       wait_models=[OVER, TWO], startup_timeout=300) as srv:
         yield srv
@@ -101,10 +78,8 @@ def baseline(model: str, prompt: str, sampling: SamplingParams) -> str:
 
 
 def _retractions(server: TritonServer, model: str) -> int:
-    text = requests.get(server.metrics_url, timeout=30).text
-    m = re.search(rf'^mla_backend:num_retractions_total\{{model="{model}",version="1"\}} (\S+)$',
-                  text, re.M)
-    return 0 if m is None else int(float(m.group(1)))
+    value = series(read_metrics(server), "mla_backend:num_retractions_total", model)
+    return 0 if value is None else int(value)
 
 
 def _run_all(server: TritonServer, model: str, prompts: list[str], sampling: dict):

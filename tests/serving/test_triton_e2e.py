@@ -30,8 +30,8 @@ import tritonclient.grpc as grpcclient
 
 from mla_backend.config import EngineConfig
 from mla_backend.request import SamplingParams
-from mla_backend.tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
 from mla_backend.tools.tritonserver import TritonServer, perf_analyzer_env
+from serving_helpers import write_model
 
 pytestmark = pytest.mark.e2e
 
@@ -50,27 +50,11 @@ PROMPT = "The capital of France is"
 TIMEOUT = 120.0
 
 
-def _set_param(text: str, key: str, value: str) -> str:
-    pattern = rf'(\{{\s*key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"'
-    new, n = re.subn(pattern, rf'\g<1>"{value}"', text)
-    assert n == 1, f"config.pbtxt has no single parameter {key!r}"
-    return new
-
-
 @pytest.fixture(scope="module")
 def model_repo(tmp_path_factory) -> Path:
-    prepare(DEFAULT_MODEL_REPOSITORY)
     root = tmp_path_factory.mktemp("model_repository")
     for name, src in SOURCE.items():
-        src_dir = REPO / "model_repository" / src
-        (root / name / "1").mkdir(parents=True)
-        shutil.copy(src_dir / "1" / "model.py", root / name / "1" / "model.py")
-        text = (src_dir / "config.pbtxt").read_text()
-        text = re.sub(r'^name: "[^"]*"', f'name: "{name}"', text, count=1, flags=re.M)
-        text = _set_param(text, "model_path", str(src_dir / "weights"))
-        for key, value in SETTINGS[name].items():
-            text = _set_param(text, key, value)
-        (root / name / "config.pbtxt").write_text(text)
+        write_model(root, name, SETTINGS[name], source=src)
     return root
 
 

@@ -1,0 +1,73 @@
+"""Helpers shared by the end-to-end serving tests (no tests here).
+
+- `write_model`: a copy of one of our model folders (config.pbtxt + 1/model.py) in a temporary
+  model repository, renamed, with engine parameters overridden and `model_path` pointing at the
+  real weights folder (made by `mla_backend.tools.prepare` if missing).
+- `read_metrics` / `series`: the Prometheus text of a server's metrics port as numbers.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import requests
+
+from mla_backend.tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _set_param(text: str, key: str, value: str) -> str:
+    pattern = rf'(\{{\s*key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"'
+    new, n = re.subn(pattern, rf'\g<1>"{value}"', text)
+    assert n == 1, f"config.pbtxt has no single parameter {key!r}"
+    return new
+
+
+def write_model(root: Path, name: str, params: dict[str, str],
+                source: str = "deepseek-v2-tiny", instances: int = 1) -> None:
+    """Write model `name` into repository `root` as a copy of model_repository/<source>.
+
+    Args:
+        params: config.pbtxt parameters to override (values as strings); `model_path`
+            defaults to the source's weights folder (absolute).
+        instances: `count` of the KIND_CPU instance group.
+    Raises:
+        AssertionError: the source config.pbtxt lacks a parameter or the instance group.
+    """
+    prepare(DEFAULT_MODEL_REPOSITORY)
+    src = REPO / "model_repository" / source
+    (root / name / "1").mkdir(parents=True)
+    shutil.copy(src / "1" / "model.py", root / name / "1" / "model.py")
+    text = (src / "config.pbtxt").read_text()
+    text = re.sub(r'^name: "[^"]*"', f'name: "{name}"', text, count=1, flags=re.M)
+    text, n = re.subn(r"instance_group \[ \{ kind: KIND_CPU, count: 1 \} \]",
+                      f"instance_group [ {{ kind: KIND_CPU, count: {instances} }} ]", text)
+    assert n == 1, "config.pbtxt has no single KIND_CPU instance_group"
+    for key, value in {"model_path": str(src / "weights"), **params}.items():
+        text = _set_param(text, key, value)
+    (root / name / "config.pbtxt").write_text(text)
+
+
+def read_metrics(server) -> dict[tuple[str, str], float]:
+    """(series name, label text) → value, from the Prometheus text on the metrics port."""
+    text = requests.get(server.metrics_url, timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)$", line)
+        if m:
+            out[(m.group(1), m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def series(metrics: dict[tuple[str, str], float], name: str, model: str,
+           **labels: str) -> float | None:
+    """Value of series `name` for `model` (and the given labels); None when absent."""
+    for (n, lab), v in metrics.items():
+        if n != name or f'model="{model}"' not in lab:
+            continue
+        if all(f'{k}="{val}"' in lab for k, val in labels.items()):
+            return v
+    return None
