@@ -140,3 +140,29 @@ def store_kv_ref(k_buffer: torch.Tensor, v_buffer: torch.Tensor | None, loc: tor
     k_buffer[loc] = k.to(k_buffer.dtype)
     if v_buffer is not None and v is not None:
         v_buffer[loc] = v.to(v_buffer.dtype)
+
+
+def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed SiLU-gated experts, one expert at a time, in float32 (float64 if x is float64).
+
+    out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t]))
+    with e = topk_ids[t, j].
+    Args:
+        x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I];
+        topk_weights: [T, k]; topk_ids: [T, k] integer ids in [0, E).
+    Returns:
+        [T, H] float32 (float64 if x is float64).
+    """
+    xf = _upcast(x)
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=xf.dtype, device=x.device)
+    for e in range(w13.shape[0]):
+        token, slot = torch.nonzero(topk_ids == e, as_tuple=True)  # pairs routed to expert e
+        if token.numel() == 0:
+            continue
+        gate_up = xf[token] @ w13[e].to(xf.dtype).T  # [n, 2I]
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = act @ w2[e].to(xf.dtype).T  # [n, H]
+        out.index_add_(0, token, y * topk_weights[token, slot].to(xf.dtype)[:, None])
+    return out

@@ -40,6 +40,9 @@ class ModelConfig:
     # DeepSeek MLA: an extend batch with no cached prefix and at least this many new tokens runs the
     # decompressed (normal MHA) prefill; every other batch runs the absorbed path.
     mla_decompress_min_tokens: int = 64
+    # "auto": read the safetensors in model_path; "dummy": random weights of the right shapes
+    # (config.json only; for benchmarks with real shapes and no checkpoint, as vLLM/SGLang).
+    load_format: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,15 @@ class RunnerConfig:
     # "auto" (triton on CUDA, torch_native on CPU), "triton", "torch_native"
     attention_backend: str = "auto"
     seed: int = 0  # seeds weight-independent randomness (sampling without a per-request seed)
+    # CUDA graphs for decode (GPU + triton backend only): batch-size buckets 1, 2, 4, 8, then
+    # steps of 8 up to cuda_graph_max_bs (capped at max_running_requests).
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 160
+    # torch.compile(mode="max-autotune-no-cudagraphs") of the decode forward for graph buckets
+    # <= torch_compile_max_bs (needs CUDA graphs).
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
+    torch_compile_mode: str = "max-autotune-no-cudagraphs"  # torch.compile's mode argument
 
 
 @dataclass(frozen=True)
@@ -142,6 +154,8 @@ class EngineConfig:
         _check(m.context_length is None or m.context_length >= 2, "context_length",
                f"must be >= 2, got {m.context_length}")
         _check(m.mla_decompress_min_tokens >= 0, "mla_decompress_min_tokens", "must be >= 0")
+        _check(m.load_format in ("auto", "dummy"), "load_format",
+               f"must be auto or dummy, got {m.load_format!r}")
         _check(c.max_total_tokens is None or c.max_total_tokens >= 2, "max_total_tokens",
                f"must be >= 2, got {c.max_total_tokens}")
         _check(0.0 < c.mem_fraction_static < 1.0, "mem_fraction_static", "must be in (0, 1)")
@@ -153,6 +167,13 @@ class EngineConfig:
         _check(s.schedule_conservativeness > 0, "schedule_conservativeness", "must be > 0")
         _check(p.tensor_parallel_size == 1, "tensor_parallel_size",
                f"only 1 is supported so far, got {p.tensor_parallel_size}")
+        _check(r.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be >= 1")
+        _check(r.torch_compile_max_bs >= 1, "torch_compile_max_bs", "must be >= 1")
+        _check(r.torch_compile_mode in ("default", "reduce-overhead", "max-autotune",
+                                        "max-autotune-no-cudagraphs"), "torch_compile_mode",
+               f"not a torch.compile mode: {r.torch_compile_mode!r}")
+        _check(not (r.enable_torch_compile and r.disable_cuda_graph), "enable_torch_compile",
+               "needs CUDA graphs (disable_cuda_graph is true)")
         _check(r.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {r.attention_backend!r}")
 

@@ -7,8 +7,13 @@ renormalization (`norm_topk_prob`), times `routed_scaling_factor`, plus always-o
 Weights come from `models.deepseek_v2.load_weights` (HF per-expert names via `weight_loader`);
 input/output are the decoder layer's hidden states.
 
-The expert computation is a plain loop over the experts that received tokens (CPU reference;
-a fused kernel can replace `experts_forward` later without changing the weights).
+Two forms of the routed-expert computation, same math: on CUDA tensors the fused triton grouped
+GEMM `mla_kernels.fused_moe.fused_experts` (tokens sorted by expert on the device, gate/up fused
+with SiLU, then down times the routing weight; no host synchronisation, so it can be captured in a
+CUDA graph), elsewhere `experts_forward`, a plain loop over the experts that received tokens (it
+reads the per-expert counts back to the host). `DeepseekV2MoE(fused_moe=True)` forces the fused
+form (on CPU it runs in triton's interpreter, for tests). The shared experts are a `GatedMLP`
+added to the routed output.
 """
 
 from __future__ import annotations
@@ -125,6 +130,9 @@ class DeepseekV2MoE(nn.Module):
         n_shared_experts: shared expert width multiplier (0: none).
         topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor: routing
             (see `select_experts`).
+        fused_moe: routed experts through the triton `fused_experts` (True), the loop
+            `experts_forward` (False), or the fused form for CUDA tensors only (None, default).
+            The attribute of the same name may be changed after construction.
     Parameters (HF names in brackets): `gate.weight` [E, H] (`mlp.gate.weight`),
     `experts.w13_weight` [E, 2I, H] (`mlp.experts.{e}.gate_proj/up_proj.weight`),
     `experts.w2_weight` [E, H, I] (`mlp.experts.{e}.down_proj.weight`), `shared_experts.*`.
@@ -142,6 +150,7 @@ class DeepseekV2MoE(nn.Module):
         topk_group: int | None = None,
         norm_topk_prob: bool = False,
         routed_scaling_factor: float = 1.0,
+        fused_moe: bool | None = None,
     ) -> None:
         super().__init__()
         if topk_method not in ("greedy", "group_limited_greedy"):
@@ -151,6 +160,7 @@ class DeepseekV2MoE(nn.Module):
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob = norm_topk_prob
         self.routed_scaling_factor = routed_scaling_factor
+        self.fused_moe = fused_moe
         self.gate = ReplicatedLinear(hidden_size, n_routed_experts)
         self.experts = StackedExperts(n_routed_experts, hidden_size, moe_intermediate_size)
         self.shared_experts = (GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts)
@@ -162,10 +172,27 @@ class DeepseekV2MoE(nn.Module):
         weights, ids = select_experts(logits, self.top_k, self.topk_method, self.n_group,
                                       self.topk_group, self.norm_topk_prob,
                                       self.routed_scaling_factor)
-        out = experts_forward(x, self.experts.w13_weight, self.experts.w2_weight, weights, ids)
+        w13, w2 = self.experts.w13_weight, self.experts.w2_weight
+        # The fused form is kept while torch.compile traces, as an opaque call (the loop reads
+        # counts to the host, which a CUDA graph capture would reject).
+        use_fused = x.is_cuda if self.fused_moe is None else self.fused_moe
+        if use_fused:  # no host sync: the form CUDA graphs capture
+            out = _fused_experts_opaque(x, w13, w2, weights, ids)
+        else:
+            out = experts_forward(x, w13, w2, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+@torch.compiler.disable
+def _fused_experts_opaque(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                          weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`mla_kernels.fused_moe.fused_experts`, not traced by torch.compile (inductor compiles the
+    router and the shared experts around it)."""
+    from mla_kernels.fused_moe import fused_experts
+
+    return fused_experts(x, w13, w2, weights, ids)
 
 
 class StackedExperts(nn.Module):

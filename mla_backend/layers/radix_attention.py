@@ -2,6 +2,8 @@
 
 Holds only the layer's geometry (heads, dims, scale, layer_id). Which KV pool buffer it uses is
 decided by `layer_id`; the backend reads/writes that pool through `req_to_token`.
+The backend call is opaque to torch.compile (`torch.compiler.disable`): the backends hold
+per-step Python state and launch their own kernels, so inductor compiles the code around them.
 """
 
 from __future__ import annotations
@@ -61,7 +63,14 @@ class RadixAttention(nn.Module):
             k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if v is not None:
             v = v.reshape(-1, self.num_kv_heads, self.v_head_dim)
-        backend = forward_batch.attn_backend
-        if forward_batch.forward_mode.is_decode():
-            return backend.forward_decode(q, k, v, self, forward_batch, save_kv_cache)
-        return backend.forward_extend(q, k, v, self, forward_batch, save_kv_cache)
+        return _run_backend(self, q, k, v, forward_batch, save_kv_cache)
+
+
+@torch.compiler.disable
+def _run_backend(layer: RadixAttention, q: torch.Tensor, k: torch.Tensor | None,
+                 v: torch.Tensor | None, forward_batch: "ForwardBatch",
+                 save_kv_cache: bool) -> torch.Tensor:
+    backend = forward_batch.attn_backend
+    if forward_batch.forward_mode.is_decode():
+        return backend.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+    return backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)

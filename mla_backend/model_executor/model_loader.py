@@ -1,8 +1,10 @@
-"""Reads checkpoint tensors from a local Hugging Face folder (single or sharded safetensors).
+"""Reads checkpoint tensors from a local Hugging Face folder (single or sharded safetensors),
+or fills a model with random weights (`load_format="dummy"`).
 
 Data comes from `<model_path>/model.safetensors` or the shards listed in
 `model.safetensors.index.json` (else every `*.safetensors` file, sorted); it goes to the model's
 `load_weights` as (HF name, CPU tensor) pairs, one tensor in memory at a time.
+Dummy weights are made on the model's device (benchmarks with real shapes and no checkpoint).
 """
 
 from __future__ import annotations
@@ -49,3 +51,24 @@ def iterate_weights(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, scale: float = 0.02) -> None:
+    """Fill every parameter in place: RMSNorm weights with 1, all others uniform in
+    [-scale, scale] (seeded, on the parameter's device). Deterministic for a given seed and
+    device. Buffers (rotary tables) are left as the constructors made them.
+    """
+    from mla_backend.layers.layernorm import RMSNorm
+
+    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    gens: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) in norm_weights:
+                p.fill_(1.0)
+                continue
+            gen = gens.get(p.device)
+            if gen is None:
+                gen = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            if p.dtype.is_floating_point:
+                p.uniform_(-scale, scale, generator=gen)

