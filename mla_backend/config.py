@@ -68,7 +68,9 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1  # only 1 is implemented
+    # Ranks the model is split over. > 1 needs torch.distributed initialized with that many ranks
+    # (`mla_backend.distributed.init_tensor_parallel`) in every rank's process.
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -165,8 +167,8 @@ class EngineConfig:
         _check(s.max_running_requests is None or s.max_running_requests >= 1,
                "max_running_requests", "must be >= 1")
         _check(s.schedule_conservativeness > 0, "schedule_conservativeness", "must be > 0")
-        _check(p.tensor_parallel_size == 1, "tensor_parallel_size",
-               f"only 1 is supported so far, got {p.tensor_parallel_size}")
+        _check(p.tensor_parallel_size >= 1, "tensor_parallel_size",
+               f"must be >= 1, got {p.tensor_parallel_size}")
         _check(r.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be >= 1")
         _check(r.torch_compile_max_bs >= 1, "torch_compile_max_bs", "must be >= 1")
         _check(r.torch_compile_mode in ("default", "reduce-overhead", "max-autotune",

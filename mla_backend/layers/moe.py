@@ -22,22 +22,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mla_backend.distributed import divide, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from mla_backend.layers.activation import SiluAndMul
-from mla_backend.layers.linear import MergedLinear, ReplicatedLinear
+from mla_backend.layers.linear import (
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); HF names gate_proj/up_proj are merged into `gate_up_proj`
-    (shards "gate", "up"), `down_proj` as in HF.
+    (shards "gate", "up"), `down_proj` as in HF. Tensor parallel: the intermediate dim is split
+    across ranks; `reduce_results=False` leaves the all-reduce to the caller (the MoE sums the
+    shared and routed parts first, then reduces once).
 
     Args of forward: x [T, hidden]. Returns [T, hidden].
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 reduce_results: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2,
-                                         shard_names=("gate", "up"))
-        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                       shard_names=("gate", "up"))
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size,
+                                           reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,7 +172,8 @@ class DeepseekV2MoE(nn.Module):
         self.fused_moe = fused_moe
         self.gate = ReplicatedLinear(hidden_size, n_routed_experts)
         self.experts = StackedExperts(n_routed_experts, hidden_size, moe_intermediate_size)
-        self.shared_experts = (GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts)
+        self.shared_experts = (GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts,
+                                        reduce_results=False)
                                if n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +192,9 @@ class DeepseekV2MoE(nn.Module):
             out = experts_forward(x, w13, w2, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        # Tensor parallel: each rank holds a slice of every expert's intermediate dim, so routed
+        # and shared outputs are partial sums; one all-reduce (a no-op at TP 1).
+        return tensor_model_parallel_all_reduce(out)
 
 
 @torch.compiler.disable
@@ -196,10 +208,14 @@ def _fused_experts_opaque(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 class StackedExperts(nn.Module):
-    """Holds the routed experts' weights stacked over experts (no forward of its own)."""
+    """Holds the routed experts' weights stacked over experts (no forward of its own).
+    Tensor parallel: each rank holds rows [r*I/tp, (r+1)*I/tp) of every gate and up matrix and
+    the same columns of every down matrix (`intermediate_size` is the local I/tp)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.full_intermediate_size = intermediate_size
+        intermediate_size = divide(intermediate_size, get_tp_size())
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
@@ -216,12 +232,19 @@ class StackedExperts(nn.Module):
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert id {expert_id} out of range 0..{self.num_experts - 1}")
         inter = self.intermediate_size
+        start = get_tp_rank() * inter  # this rank's slice of the full intermediate dim
+        full = (self.full_intermediate_size, param.shape[-1] if shard != "down" else 0)
+        if shard == "down":
+            full = (param.shape[1], self.full_intermediate_size)
+        if shard in ("gate", "up", "down") and tuple(loaded.shape) != full:
+            raise ValueError(f"expert {expert_id} {shard}: expected the full HF matrix "
+                             f"{full}, got {tuple(loaded.shape)}")
         if shard == "gate":
-            target = param.data[expert_id, :inter]
+            target, loaded = param.data[expert_id, :inter], loaded.narrow(0, start, inter)
         elif shard == "up":
-            target = param.data[expert_id, inter:]
+            target, loaded = param.data[expert_id, inter:], loaded.narrow(0, start, inter)
         elif shard == "down":
-            target = param.data[expert_id]
+            target, loaded = param.data[expert_id], loaded.narrow(1, start, inter)
         else:
             raise ValueError(f"unknown expert shard {shard!r}")
         if target.shape != loaded.shape:

@@ -140,6 +140,7 @@ class ModelRunner:
             raise FileNotFoundError(f"model_path: model folder {mcfg.model_path!r} does not "
                                     "exist (run `python -m mla_backend.tools.prepare`?)")
         self.hf_config = AutoConfig.from_pretrained(mcfg.model_path)
+        self.tp_rank, self.tp_size = _check_tensor_parallel(config.parallel.tensor_parallel_size)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.model = self._load_model()
         self.context_len = self._derive_context_len()
@@ -319,6 +320,24 @@ class ModelRunner:
             hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
             hidden = select_logit_rows(hidden, forward_batch)
             return self.model.compute_logits(hidden).float()
+
+
+def _check_tensor_parallel(want: int) -> tuple[int, int]:
+    """(rank, size) of the initialized tensor-parallel group, checked against the config.
+
+    Raises:
+        RuntimeError: the config asks for a TP degree the process group does not have.
+    """
+    from mla_backend.distributed import get_tp_rank, get_tp_size
+
+    have = get_tp_size()
+    if have != want:
+        raise RuntimeError(
+            f"tensor_parallel_size={want}, but this process is in a tensor-parallel group of "
+            f"{have}: every rank must call mla_backend.distributed.init_tensor_parallel(rank, "
+            f"{want}, ...) before building the engine (the Triton adapter does not start "
+            "tensor-parallel worker processes yet)")
+    return get_tp_rank(), have
 
 
 def _as_list(x: Any) -> list:

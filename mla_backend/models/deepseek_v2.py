@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch import nn
 
+from mla_backend.distributed import divide, get_tp_size
 from mla_backend.layers.layernorm import RMSNorm
-from mla_backend.layers.linear import MergedLinear, ReplicatedLinear
-from mla_backend.layers.logits import LMHead, VocabEmbedding
+from mla_backend.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from mla_backend.layers.logits import ParallelLMHead, VocabParallelEmbedding
 from mla_backend.layers.moe import DeepseekV2MoE, GatedMLP, StackedExperts
 from mla_backend.layers.radix_attention import RadixAttention
 from mla_backend.layers.rotary_deepseek import (
@@ -58,27 +59,29 @@ class DeepseekV2Attention(nn.Module):
         super().__init__()
         c = hf_config
         self.layer_id = layer_id
-        self.num_heads = c.num_attention_heads
+        # Heads of this tensor-parallel rank; the latent projections are replicated (REFERENCE
+        # §1.8: one latent KV head cannot be split, every rank holds the whole latent pool).
+        self.num_heads = divide(c.num_attention_heads, get_tp_size())
         self.q_lora_rank = c.q_lora_rank
         self.kv_lora_rank = c.kv_lora_rank
         self.qk_nope_head_dim = c.qk_nope_head_dim
         self.qk_rope_head_dim = c.qk_rope_head_dim
         self.v_head_dim = c.v_head_dim
         self.qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
-        hidden, heads = c.hidden_size, self.num_heads
+        hidden, heads, all_heads = c.hidden_size, self.num_heads, c.num_attention_heads
         bias = bool(getattr(c, "attention_bias", False))
         if self.q_lora_rank is None:
-            self.q_proj = ReplicatedLinear(hidden, heads * self.qk_head_dim)
+            self.q_proj = ColumnParallelLinear(hidden, all_heads * self.qk_head_dim)
         else:
             self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=c.rms_norm_eps)
-            self.q_b_proj = ReplicatedLinear(self.q_lora_rank, heads * self.qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, all_heads * self.qk_head_dim)
         self.kv_a_proj_with_mqa = ReplicatedLinear(
             hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=c.rms_norm_eps)
-        self.kv_b_proj = ReplicatedLinear(
-            self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim))
-        self.o_proj = ReplicatedLinear(heads * self.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, all_heads * (self.qk_nope_head_dim + self.v_head_dim))
+        self.o_proj = RowParallelLinear(all_heads * self.v_head_dim, hidden, bias=bias)
 
         theta, yarn = deepseek_rope_config(c)
         self.rotary_emb = DeepseekRotaryEmbedding(self.qk_rope_head_dim, theta, yarn)
@@ -186,7 +189,7 @@ class DeepseekV2Model(nn.Module):
         self.disable_mla = bool(model_config.disable_mla) if model_config is not None else False
         self.decompress_min_tokens = (model_config.mla_decompress_min_tokens
                                       if model_config is not None else 64)
-        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList([
             DeepseekV2DecoderLayer(hf_config, i, self.disable_mla)
             for i in range(hf_config.num_hidden_layers)])
@@ -232,8 +235,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.config = hf_config
         self.model = DeepseekV2Model(hf_config, model_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size,
-                              self.model.embed_tokens if self.tie_word_embeddings else None)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                      self.model.embed_tokens if self.tie_word_embeddings
+                                      else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: "ForwardBatch") -> torch.Tensor:
@@ -249,7 +253,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         c = self.config
         if self.model.disable_mla:
             return {"kind": "mha", "num_layers": c.num_hidden_layers,
-                    "num_kv_heads": c.num_attention_heads,
+                    "num_kv_heads": self.model.layers[0].self_attn.num_heads,  # this rank's
                     "head_dim": c.qk_nope_head_dim + c.qk_rope_head_dim,
                     "v_head_dim": c.v_head_dim}
         return {"kind": "mla", "num_layers": c.num_hidden_layers,
@@ -285,8 +289,16 @@ class DeepseekV2ForCausalLM(nn.Module):
                 continue
             if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
                 stacked = name.endswith("gate_up_proj")
-                pname = name[: name.rindex(".")] + (".w13_weight" if stacked else ".w2_weight")
-                _copy(params[pname], w)
+                prefix = name[: name.rindex(".")]
+                pname = prefix + (".w13_weight" if stacked else ".w2_weight")
+                experts = self.get_submodule(prefix)
+                full_i = experts.full_intermediate_size
+                for e in range(w.shape[0]):  # through the per-expert loader (TP slicing)
+                    if stacked:
+                        experts.weight_loader(params[pname], w[e, :full_i], e, "gate")
+                        experts.weight_loader(params[pname], w[e, full_i:], e, "up")
+                    else:
+                        experts.weight_loader(params[pname], w[e], e, "down")
                 loaded |= {u for u in expected if u.startswith(pname + ":")}
                 continue
             m = re.match(r"^(.*)\.(gate_proj|up_proj)\.weight$", name)
@@ -300,7 +312,12 @@ class DeepseekV2ForCausalLM(nn.Module):
                 if name == "lm_head.weight" and self.tie_word_embeddings:
                     continue
                 raise KeyError(f"unexpected weight {name!r} for DeepseekV2ForCausalLM")
-            _copy(params[name], w)
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            loader = getattr(owner, "weight_loader", None)
+            if loader is not None:  # tensor-parallel layers take the full tensor and slice it
+                loader(params[name], w.to(params[name].dtype))
+            else:
+                _copy(params[name], w)
             loaded.add(name)
         missing = sorted(expected - loaded)
         if missing:
@@ -318,7 +335,7 @@ class DeepseekV2ForCausalLM(nn.Module):
                     units |= {f"{mname}.w13_weight:{e}:gate", f"{mname}.w13_weight:{e}:up",
                               f"{mname}.w2_weight:{e}:down"}
                 covered |= {f"{mname}.w13_weight", f"{mname}.w2_weight"}
-            elif isinstance(mod, MergedLinear):
+            elif hasattr(mod, "shard_offsets"):  # merged (column-parallel) linear layers
                 units |= {f"{mname}.weight:{s}" for s in mod.shard_offsets}
                 covered.add(f"{mname}.weight")
         return units | (set(params) - covered)

@@ -5,6 +5,11 @@ come from `load_weights` with HF tensor names (q/k/v and gate/up are merged here
 `qkv_proj` / `gate_up_proj`). Attention goes through `RadixAttention` → the batch's backend,
 which writes K/V into an MHA pool shaped by `kv_pool_layout()`.
 
+Tensor parallelism (`mla_backend.distributed`; TP 1 when not initialized): q/k/v and gate/up are
+column-parallel (heads and the intermediate dim split across ranks), o_proj and down_proj
+row-parallel (one all-reduce each), the embedding and LM head vocab-parallel. Each rank's pool
+holds its own KV heads. The math is the same at every TP degree.
+
 Config fields read: vocab_size, hidden_size, intermediate_size, num_hidden_layers,
 num_attention_heads, num_key_value_heads (default = heads), head_dim (default hidden/heads),
 rms_norm_eps, rope_theta / rope_parameters / rope_scaling (default, linear, llama3),
@@ -22,8 +27,12 @@ from torch import nn
 
 from mla_backend.layers.activation import SiluAndMul
 from mla_backend.layers.layernorm import RMSNorm
-from mla_backend.layers.linear import MergedLinear, QKVLinear, ReplicatedLinear
-from mla_backend.layers.logits import LMHead, VocabEmbedding
+from mla_backend.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from mla_backend.layers.logits import ParallelLMHead, VocabParallelEmbedding
 from mla_backend.layers.radix_attention import RadixAttention
 from mla_backend.layers.rotary_embedding import get_rope, rope_params_from_config
 
@@ -48,9 +57,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hidden_act!r} (only silu)")
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias,
-                                         shard_names=("gate", "up"))
-        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                       bias=bias, shard_names=("gate", "up"))
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,13 +70,14 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, layer_id: int, qkv_bias: bool) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = _num_kv_heads(cfg)
         self.head_dim = _head_dim(cfg)
-        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads,
-                                  self.num_kv_heads, bias=qkv_bias)
-        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, cfg.hidden_size,
-                                       bias=bool(getattr(cfg, "attention_bias", False)))
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
+                                          _num_kv_heads(cfg), bias=qkv_bias)
+        # Heads of this tensor-parallel rank (all of them at TP 1).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
+                                        bias=bool(getattr(cfg, "attention_bias", False)))
         theta, scaling = rope_params_from_config(cfg)
         partial = float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0)
         self.rotary_emb = get_rope(self.head_dim, int(self.head_dim * partial),
@@ -113,7 +123,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: Any, qkv_bias: bool) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(cfg, i, qkv_bias) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -153,8 +163,9 @@ class LlamaForCausalLM(nn.Module):
             getattr(hf_config, "attention_bias", False))
         self.model = LlamaModel(hf_config, qkv_bias)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size,
-                              self.model.embed_tokens if self.tie_word_embeddings else None)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                      self.model.embed_tokens if self.tie_word_embeddings
+                                      else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
