@@ -61,7 +61,8 @@ RESERVED_PARAMETERS: frozenset[str] = frozenset(
      "headers"}
 )
 # config.pbtxt `parameters` read by the adapter, not by `EngineConfig`.
-ADAPTER_PARAMETERS: tuple[str, ...] = ("REPORT_CUSTOM_METRICS", "LOG_REQUESTS")
+ADAPTER_PARAMETERS: tuple[str, ...] = ("REPORT_CUSTOM_METRICS", "LOG_REQUESTS",
+                                       "STREAM_INTERVAL")
 
 STREAMING_ECHO_ERROR = (
     "exclude_input_in_output: when streaming, exclude_input_in_output = false is not allowed"
@@ -249,6 +250,27 @@ def merge_outputs(held: RequestOutput | None, out: RequestOutput) -> RequestOutp
     )
 
 
+def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Merge the successive increments of each request into one output (`merge_outputs`), at the
+    place of its first one; order across requests and per request is kept. An output with an
+    error, and anything after a request's finished output, stays separate."""
+    merged: list[RequestOutput] = []
+    at: dict[str, int] = {}  # rid → index in `merged` of its open (mergeable) output
+    for out in outputs:
+        i = at.get(out.rid)
+        if i is not None and out.error is None:
+            merged[i] = merge_outputs(merged[i], out)
+        else:
+            at.pop(out.rid, None)
+            i = len(merged)
+            merged.append(out)
+            if out.error is None:
+                at[out.rid] = i
+        if out.finished or out.error is not None:
+            at.pop(out.rid, None)
+    return merged
+
+
 def should_hold(out: RequestOutput, options: OutputOptions) -> bool:
     """True for a streaming, unfinished increment with no text yet (merge it into the next)."""
     return options.stream and not out.finished and out.new_text == ""
@@ -326,6 +348,7 @@ __all__ = [
     "ParsedRequest",
     "ProtocolError",
     "build_outputs",
+    "coalesce",
     "logprobs_json",
     "merge_outputs",
     "parse_request",

@@ -7,11 +7,13 @@ Threading follows Triton's official vLLM backend (REFERENCE.md §4.3):
   flagged FINAL right there; returns None.
 - engine thread: loops `Engine.wait_for_work` / `Engine.step` and puts each step's
   `RequestOutput`s on a queue.
-- response thread: the only sender for accepted requests; turns outputs into responses
-  (`protocol.build_outputs`), sends them (each send is a blocking IPC round trip), and polls
-  `is_cancelled()` of live requests → `Engine.abort` + a CANCELLED error flagged FINAL. It also
-  owns the custom metrics (`metrics.MetricsRecorder`, flushed once per loop iteration) and the
-  per-request INFO log line (config parameter `LOG_REQUESTS`, off by default).
+- response thread: the only sender for accepted requests; takes every step's outputs queued so
+  far, merges the increments of one request into one (`coalesce`: when sending falls behind the
+  engine, a request gets one response carrying several tokens instead of one response per token),
+  turns them into responses (`protocol.build_outputs`), sends them (each send is a blocking IPC
+  round trip), and polls `is_cancelled()` of live requests → `Engine.abort` + a CANCELLED error
+  flagged FINAL. It also owns the custom metrics (`metrics.MetricsRecorder`, flushed once per loop
+  iteration) and the per-request INFO log line (config parameter `LOG_REQUESTS`, off by default).
 
 NOTE (exactly one FINAL): a request is in `_live` from registration until the response that
 carries its FINAL flag; whoever removes it from `_live` (under `_lock`) sends that FINAL, and
@@ -20,7 +22,10 @@ outputs for an id no longer in `_live` are dropped — nothing is sent after FIN
 Data: tensors and parameters come from Triton (`pb_utils`), engine settings from config.pbtxt
 `parameters` (`EngineConfig.from_parameters`, `model_path` relative to the model's folder);
 adapter-only parameters: `REPORT_CUSTOM_METRICS` (default "true"), `LOG_REQUESTS` (default
-"false").
+"false"), `STREAM_INTERVAL` (default "1": a streamed response per token; N > 1: after a
+request's first streamed response, which goes out at once, each carries at least N tokens (the
+last one may carry fewer): N times fewer sends, each an IPC round trip to the server process, for
+N - 1 steps more latency per delta; as SGLang's `stream_interval`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from mla_backend.serving.protocol import (
     OutputOptions,
     ProtocolError,
     build_outputs,
+    coalesce,
     merge_outputs,
     parse_request,
     should_hold,
@@ -69,7 +75,23 @@ class _Live:
     held: RequestOutput | None = None  # streaming increment with no text yet
     arrival: float = field(default_factory=time.monotonic)  # s, monotonic (for metrics)
     first_token: float | None = None  # s, monotonic: first output with tokens seen
+    streamed: bool = False  # a response with tokens was sent (STREAM_INTERVAL applies after it)
     prompt_counted: bool = False  # its prompt tokens went into the prompt-token counter
+
+
+def _positive_int(parameters: dict[str, Any], key: str, default: int) -> int:
+    """An integer >= 1 config.pbtxt parameter (absent or "" → default)."""
+    value = str(parameters.get(key, {}).get("string_value", "")).strip()
+    if value == "":
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise pb_utils.TritonModelException(f"parameter {key}: expected an integer >= 1, "
+                                            f"got {value!r}")
+    return number
 
 
 def _flag(parameters: dict[str, Any], key: str, default: bool) -> bool:
@@ -107,10 +129,19 @@ class TritonPythonModel:
                                               ignore=ADAPTER_PARAMETERS)
         report_metrics = _flag(params, "REPORT_CUSTOM_METRICS", True)
         self._log_requests = _flag(params, "LOG_REQUESTS", False)
+        self._stream_interval = _positive_int(params, "STREAM_INTERVAL", 1)
         if args.get("model_instance_kind") == "GPU" and config.model.device == "auto":
             # KIND_GPU: one engine per GPU, on the device Triton assigned to this instance.
             config = config.replace(device=f"cuda:{args.get('model_instance_device_id', '0')}")
         t0 = time.monotonic()
+        # NOTE (torch threads): the engine is built here, on the stub's main thread, and stepped
+        # on the engine thread, so libgomp holds two OpenMP teams and, seeing more threads than
+        # cores, lets its workers sleep soon after each parallel region (its "throttled" spin).
+        # Building it on the engine thread (one team, full spin) measured ~1.4x faster decode
+        # steps on a 2-core CPU with nothing else running, but made the engine collapse under
+        # CPU contention (another busy process, or a second instance stepping at the same
+        # time): the overload e2e test went from 33 s to a 300 s timeout next to a 1-core busy
+        # loop. See docs/benchmarks.md, "Server-path cost".
         self.engine = Engine(config)
         device = getattr(getattr(self.engine, "runner", None), "device", config.model.device)
         self.logger.log_info(
@@ -233,7 +264,8 @@ class TritonPythonModel:
                 batch = []
             if batch is None:  # finalize() is done with us
                 return
-            for out in batch:
+            batch, stop = self._drain(batch)
+            for out in coalesce(batch):
                 try:
                     self._respond(out)
                 except Exception as e:  # noqa: BLE001
@@ -250,6 +282,24 @@ class TritonPythonModel:
                     self.metrics.flush()
                 except Exception as e:  # noqa: BLE001 - metrics must never stop the responses
                     self.logger.log_error(f"[mla_backend] updating metrics failed: {e!r}")
+            if stop:
+                return
+
+    def _drain(self, batch: list[RequestOutput]) -> tuple[list[RequestOutput], bool]:
+        """`batch` plus every batch queued meanwhile (several engine steps when sending fell
+        behind); True when finalize's stop marker was among them."""
+        batches = [batch]
+        while True:
+            try:
+                more = self._outputs.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:
+                return [out for b in batches for out in b], True
+            batches.append(more)
+        if len(batches) == 1:
+            return batch, False
+        return [out for b in batches for out in b], False
 
     def _respond(self, out: RequestOutput) -> None:
         with self._lock:
@@ -262,7 +312,7 @@ class TritonPythonModel:
             self._send_error(live.sender, out.error, pb_utils.TritonError.INTERNAL)
             return
         self._account(out, live)
-        if not out.finished and should_hold(out, live.options):
+        if not out.finished and self._hold(out, live):
             live.held = merge_outputs(live.held, out)
             return
         out = merge_outputs(live.held, out)
@@ -272,6 +322,18 @@ class TritonPythonModel:
             output_tensors=[pb_utils.Tensor(name, arr) for name, arr in tensors.items()]
         )
         live.sender.send(response, flags=_FINAL if out.finished else 0)
+        live.streamed = live.streamed or bool(out.new_token_ids)
+
+    def _hold(self, out: RequestOutput, live: _Live) -> bool:
+        """Keep this unfinished increment for the next response: it has no text yet, or (with
+        STREAM_INTERVAL > 1, after the first streamed response) fewer tokens are pending than
+        the interval."""
+        if should_hold(out, live.options):
+            return True
+        if self._stream_interval <= 1 or not live.options.stream or not live.streamed:
+            return False
+        pending = len(out.new_token_ids) + (len(live.held.new_token_ids) if live.held else 0)
+        return pending < self._stream_interval
 
     def _account(self, out: RequestOutput, live: _Live) -> None:
         """Metrics buffers and the per-request log line for one (non-error) output (no IPC

@@ -19,23 +19,29 @@ from mla_backend.tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _set_param(text: str, key: str, value: str) -> str:
+def _set_param(text: str, key: str, value: str, add: bool = False) -> str:
     pattern = rf'(\{{\s*key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"'
     new, n = re.subn(pattern, rf'\g<1>"{value}"', text)
+    if n == 0 and add:  # append to the parameters list (its last entry has no comma)
+        entry = f'{{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+        new, n = re.subn(r"(\}\s*\})(\s*\]\s*)$", rf"\g<1>,\n  {entry}\g<2>", text)
     assert n == 1, f"config.pbtxt has no single parameter {key!r}"
     return new
 
 
 def write_model(root: Path, name: str, params: dict[str, str],
-                source: str = "deepseek-v2-tiny", instances: int = 1) -> None:
+                source: str = "deepseek-v2-tiny", instances: int = 1,
+                extra_params: dict[str, str] | None = None) -> None:
     """Write model `name` into repository `root` as a copy of model_repository/<source>.
 
     Args:
         params: config.pbtxt parameters to override (values as strings); `model_path`
             defaults to the source's weights folder (absolute).
         instances: `count` of the KIND_CPU instance group.
+        extra_params: parameters to set, appended when the source config.pbtxt lacks them.
     Raises:
-        AssertionError: the source config.pbtxt lacks a parameter or the instance group.
+        AssertionError: the source config.pbtxt lacks a parameter of `params` or the instance
+            group.
     """
     prepare(DEFAULT_MODEL_REPOSITORY)
     src = REPO / "model_repository" / source
@@ -48,6 +54,8 @@ def write_model(root: Path, name: str, params: dict[str, str],
     assert n == 1, "config.pbtxt has no single KIND_CPU instance_group"
     for key, value in {"model_path": str(src / "weights"), **params}.items():
         text = _set_param(text, key, value)
+    for key, value in (extra_params or {}).items():
+        text = _set_param(text, key, value, add=True)
     (root / name / "config.pbtxt").write_text(text)
 
 

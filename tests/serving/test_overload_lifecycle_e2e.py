@@ -7,8 +7,9 @@ One server per module (explicit model control) over a temp repository of deepsee
   (about 4x the pool) sent at once must all finish through queueing and retraction, with the text
   of an unloaded run (an in-process `Engine` with the same settings, one request at a time).
 - `dsv2-two`: `instance_group` count 2 (two engines, two stub processes).
-- `dsv2-noweights`, `dsv2-badint`, `dsv2-tp2`: not loaded at start; loading them through the
-  repository API must fail with a message naming the missing path / the bad key.
+- `dsv2-noweights`, `dsv2-badint`, `dsv2-tp2`, `dsv2-badinterval`: not loaded at start; loading
+  them through the repository API must fail with a message naming the missing path / the bad key
+  (the last one: the adapter parameter STREAM_INTERVAL "0").
 The last test stops the server: every instance logs `pool invariant ok` at unload.
 """
 
@@ -35,6 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "model_repository" / "deepseek-v2-tiny"
 OVER, TWO = "dsv2-overload", "dsv2-two"
 NOWEIGHTS, BADINT, TP2 = "dsv2-noweights", "dsv2-badint", "dsv2-tp2"
+BADINTERVAL = "dsv2-badinterval"
 MISSING = "/nonexistent/mla-backend-weights-xyz"
 SETTINGS = {
     OVER: {"context_length": "256", "max_total_tokens": "256", "max_running_requests": "8",
@@ -59,6 +61,7 @@ def server(tmp_path_factory):
     write_model(root, TWO, SETTINGS[TWO], instances=2)
     for name, params in BAD.items():
         write_model(root, name, {**SETTINGS[TWO], **params})
+    write_model(root, BADINTERVAL, SETTINGS[TWO], extra_params={"STREAM_INTERVAL": "0"})
     with TritonServer(root, model_control_mode="explicit", load_models=[OVER, TWO],
                       wait_models=[OVER, TWO], startup_timeout=300) as srv:
         yield srv
@@ -125,8 +128,9 @@ def test_overload_completes_with_unloaded_outputs_and_retracts(server):
 
 
 def test_bad_models_fail_to_load_naming_the_cause(server):
-    """Three failing loads at once (each spawns a stub); each error names its cause."""
-    needles = {NOWEIGHTS: MISSING, BADINT: "max_total_tokens", TP2: "tensor_parallel_size"}
+    """Four failing loads at once (each spawns a stub); each error names its cause."""
+    needles = {NOWEIGHTS: MISSING, BADINT: "max_total_tokens", TP2: "tensor_parallel_size",
+               BADINTERVAL: "STREAM_INTERVAL"}
 
     def load(model: str) -> requests.Response:
         return requests.post(f"{server.http_url}/v2/repository/models/{model}/load", json={},
@@ -174,5 +178,5 @@ def test_unload_drains_every_instance(server):
             stats = {k: int(v) for k, v in (kv.split("=") for kv in stats_text.split())}
             assert stats["live"] == stats["running"] == stats["waiting"] == 0
             assert stats["free_slots"] + stats["evictable_slots"] == stats["total_slots"]
-    for model in BAD:
+    for model in (*BAD, BADINTERVAL):
         assert f"[mla_backend] {model}: unloaded" not in log

@@ -12,6 +12,7 @@ from mla_backend.serving.protocol import (
     OutputOptions,
     ProtocolError,
     build_outputs,
+    coalesce,
     logprobs_json,
     merge_outputs,
     parse_request,
@@ -212,3 +213,28 @@ def test_merge_and_hold_streaming_increments():
     assert (m.num_output_tokens, m.cumulative_logprob, m.finished, m.finish_reason) == (
         2, -0.5, True, FinishReason.STOP)
     assert merge_outputs(None, nxt) is nxt
+
+
+def test_coalesce_merges_each_requests_increments_in_order():
+    a1 = out(rid="a", new_token_ids=[1], new_text="A1", num_output_tokens=1)
+    b1 = out(rid="b", new_token_ids=[5], new_text="B1", num_output_tokens=1)
+    a2 = out(rid="a", new_token_ids=[2], new_text="A2", num_output_tokens=2)
+    b2 = out(rid="b", new_token_ids=[6], new_text="B2", num_output_tokens=2, finished=True,
+             finish_reason=FinishReason.LENGTH)
+    a3 = out(rid="a", new_token_ids=[3], new_text="A3", num_output_tokens=3)
+    merged = coalesce([a1, b1, a2, b2, a3])
+    assert [(m.rid, m.new_text, m.new_token_ids, m.finished) for m in merged] == [
+        ("a", "A1A2A3", [1, 2, 3], False), ("b", "B1B2", [5, 6], True)]
+    assert merged[0].num_output_tokens == 3 and merged[1].finish_reason == FinishReason.LENGTH
+    assert coalesce([a1]) == [a1] and coalesce([]) == []
+
+
+def test_coalesce_keeps_errors_and_finals_separate():
+    a1 = out(rid="a", new_token_ids=[1], new_text="A1", num_output_tokens=1)
+    err = out(rid="a", new_token_ids=[], new_text="", finished=True, error="boom")
+    late = out(rid="a", new_token_ids=[2], new_text="A2", num_output_tokens=2)
+    merged = coalesce([a1, err, late])
+    assert [(m.new_text, m.error) for m in merged] == [("A1", None), ("", "boom"), ("A2", None)]
+    done = out(rid="b", new_token_ids=[4], new_text="B", num_output_tokens=1, finished=True)
+    again = out(rid="b", new_token_ids=[5], new_text="C", num_output_tokens=2)
+    assert [m.new_text for m in coalesce([done, again])] == ["B", "C"]

@@ -13,6 +13,7 @@ Models in the temp repository:
 
 from __future__ import annotations
 
+import csv
 import json
 import queue
 import re
@@ -30,8 +31,8 @@ import tritonclient.grpc as grpcclient
 
 from mla_backend.config import EngineConfig
 from mla_backend.request import SamplingParams
-from mla_backend.tools.tritonserver import TritonServer, perf_analyzer_env
-from serving_helpers import write_model
+from mla_backend.tools.tritonserver import TritonServer
+from serving_helpers import read_metrics, series, write_model
 
 pytestmark = pytest.mark.e2e
 
@@ -336,21 +337,70 @@ def test_load_example_concurrent_streams(server):
     assert res.requests == 6 and res.output_tokens == 6 * 8
 
 
-def test_perf_analyzer_short_run(server):
-    exe = shutil.which("perf_analyzer")
-    if exe is None:
-        pytest.skip("perf_analyzer is not installed")
-    cmd = [exe, "-m", DSV2, "-u", server.grpc_url, "-i", "grpc", "--async", "--streaming",
-           "--input-data", str(REPO / "client_examples" / "perf_input.json"),
-           "--concurrency-range", "1:2", "--measurement-mode", "count_windows",
-           "--measurement-request-count", "4", "--stability-percentage", "100",
-           "--max-trials", "10"]
-    proc = subprocess.run(cmd, env=perf_analyzer_env(), capture_output=True, text=True,
-                          timeout=300)
+def _settled_counters(server, model: str) -> tuple[float, float, float, float]:
+    """(Triton's request successes, failures, our finished requests, generated tokens) once the
+    model is idle and its counters stopped moving."""
+    deadline = time.monotonic() + 60
+    last = None
+    while True:
+        m = read_metrics(server)
+        now = (series(m, "nv_inference_request_success", model) or 0.0,
+               sum(v for (n, lab), v in m.items()
+                   if n == "nv_inference_request_failure" and f'model="{model}"' in lab),
+               series(m, "vllm:e2e_request_latency_seconds_count", model) or 0.0,
+               series(m, "vllm:generation_tokens_total", model) or 0.0)
+        idle = (series(m, "mla_backend:num_requests_running", model) == 0
+                and series(m, "mla_backend:num_requests_waiting", model) == 0)
+        if idle and now == last:
+            return now
+        assert time.monotonic() < deadline, f"{model} did not settle: {now}"
+        last = now
+        time.sleep(0.5)
+
+
+def test_perf_analyzer_concurrency_sweep(server, tmp_path):
+    """client_examples/perf_sweep.sh (perf_analyzer, gRPC streaming, concurrency 1, 3, 5, 7)
+    completes with zero errors: every level measured, and every request the server took ended
+    normally with all 32 tokens (Triton counts a request that our model answered with an error as
+    a success, so the check is success count == our finished count, tokens == 32 x finished)."""
+    assert shutil.which("perf_analyzer"), "perf_analyzer missing (./build.sh setup installs it)"
+    script = REPO / "client_examples" / "perf_sweep.sh"
+    inputs = json.loads((REPO / "client_examples" / "perf_input.json").read_text())["data"]
+    tokens = {int(json.loads(d["sampling_parameters"][0])["max_tokens"]) for d in inputs}
+    assert len(tokens) == 1
+    tokens_per_request = tokens.pop()
+    before = _settled_counters(server, DSV2)
+    proc = subprocess.run(["bash", str(script), DSV2, server.grpc_url, str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "Concurrency: 1, throughput" in out and "Concurrency: 2, throughput" in out
-    assert "rror" not in out
+    assert "rror" not in out, out
+    with open(tmp_path / "perf.csv", newline="") as f:
+        rows = {int(r["Concurrency"]): r for r in csv.DictReader(f)}
+    assert sorted(rows) == [1, 3, 5, 7], out  # a level that failed to measure has no row
+    assert all(float(r["Inferences/Second"]) > 0 for r in rows.values())
+
+    after = _settled_counters(server, DSV2)
+    success, failures, finished, generated = (a - b for a, b in zip(after, before))
+    assert failures == 0
+    assert finished == success > 0
+    assert generated == tokens_per_request * finished
+
+    # Every recorded request got responses, and each distinct input (one greedy, one seeded)
+    # streamed the same text every time, at every concurrency.
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert [e["experiment"]["value"] for e in profile["experiments"]] == [1, 3, 5, 7]
+    texts: dict[str, set[str]] = {}
+    n_requests = 0
+    for experiment in profile["experiments"]:
+        for r in experiment["requests"]:
+            assert r["response_timestamps"], r["request_inputs"]
+            text = "".join(o["text_output"] for o in r["response_outputs"])
+            texts.setdefault(r["request_inputs"]["sampling_parameters"], set()).add(text)
+            n_requests += 1
+    assert n_requests <= success
+    assert len(texts) == len(inputs)
+    assert all(len(v) == 1 and "" not in v for v in texts.values()), texts
 
 
 def test_concurrent_http_streams_threads(server):

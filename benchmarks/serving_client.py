@@ -1,0 +1,267 @@
+"""Shared pieces of the serving benchmarks (`serving_overhead.py`, `serving_soak.py`); no benchmark
+here.
+
+- `Job`: one request (prompt, sampling parameters).
+- `stream_load`: a closed-loop gRPC streaming client: `concurrency` requests in flight on ONE
+  gRPC stream (requests multiplexed by id, responses read by tritonclient's stream thread), a
+  finished request is replaced by the next job at once. One stream and one consumer thread keep
+  the client's own CPU use low: on a 2-core machine the client shares the cores with the server.
+- `engine_load`: the same closed loop on an in-process `Engine` (add_request / step).
+- `ProcTree`: RSS and CPU time of a process and all its descendants, from /proc (tritonserver
+  plus its Python-backend stub processes).
+- `system_busy_s`: busy CPU seconds of the whole machine (to spot other programs' load).
+- `temp_repository`: a temp model repository with copies of our model folders and engine
+  settings (`tests/serving/serving_helpers.write_model`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "serving"))
+from serving_helpers import read_metrics, series, write_model  # noqa: E402
+
+__all__ = ["Job", "LoadStats", "ProcTree", "engine_load", "read_metrics", "series",
+           "stream_load", "system_busy_s", "temp_repository"]
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: str
+    sampling: dict[str, Any]  # vLLM-style sampling parameters (max_tokens, temperature, seed, ...)
+
+
+@dataclass
+class LoadStats:
+    requests: int = 0  # requests that ended (normally or with an error)
+    errors: list[str] = field(default_factory=list)
+    output_tokens: int = 0
+    short: int = 0  # requests that ended normally with fewer tokens than max_tokens
+    responses: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU time during the run (the client / in-process engine)
+    latency_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.wall_s if self.wall_s else 0.0
+
+
+def _inputs(job: Job) -> list:
+    import tritonclient.grpc as grpcclient
+
+    values = [
+        ("text_input", np.array([job.prompt.encode()], dtype=np.object_), "BYTES"),
+        ("stream", np.array([True]), "BOOL"),
+        ("exclude_input_in_output", np.array([True]), "BOOL"),
+        ("return_num_output_tokens", np.array([True]), "BOOL"),
+        ("sampling_parameters", np.array([json.dumps(job.sampling).encode()], dtype=np.object_),
+         "BYTES"),
+    ]
+    out = []
+    for name, arr, dtype in values:
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
+                timeout_s: float = 300.0, progress_every: int = 0,
+                on_progress=None) -> LoadStats:
+    """Run `jobs` through one gRPC stream with `concurrency` requests in flight.
+
+    Args:
+        timeout_s: give up when no response arrives for this long (s): the missing requests
+            count as errors.
+        progress_every: call `on_progress(done, stats)` every this many finished requests.
+    Returns:
+        LoadStats (tokens from the server's `num_output_tokens`).
+    """
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    stats = LoadStats()
+    todo = deque(enumerate(jobs))
+    live: dict[str, tuple[float, int, int]] = {}  # rid → (start, tokens so far, max_tokens)
+    cpu0, t0 = time.process_time(), time.perf_counter()
+
+    def send_next() -> None:
+        i, job = todo.popleft()
+        rid = str(i)
+        live[rid] = (time.perf_counter(), 0, int(job.sampling.get("max_tokens", 16)))
+        client.async_stream_infer(model, _inputs(job), request_id=rid,
+                                  enable_empty_final_response=True)
+
+    try:
+        while todo and len(live) < concurrency:
+            send_next()
+        while live:
+            try:
+                result, error = responses.get(timeout=timeout_s)
+            except queue.Empty:
+                stats.errors += [f"request {rid}: no response within {timeout_s} s"
+                                 for rid in live]
+                stats.requests += len(live)
+                live.clear()
+                break
+            if error is not None:
+                # tritonclient drops the request id of a stream error: retire the oldest request
+                # (our adapter ends a request with exactly one error, flagged FINAL).
+                stats.errors.append(str(error))
+                stats.requests += 1
+                live.pop(next(iter(live)))
+            else:
+                stats.responses += 1
+                resp = result.get_response()
+                rid = resp.id
+                start, tokens, max_tokens = live[rid]
+                n = result.as_numpy("num_output_tokens")
+                tokens += int(n[0]) if n is not None else 0
+                if not resp.parameters["triton_final_response"].bool_param:
+                    live[rid] = (start, tokens, max_tokens)
+                    continue
+                del live[rid]
+                stats.requests += 1
+                stats.output_tokens += tokens
+                stats.short += tokens < max_tokens
+                stats.latency_s.append(time.perf_counter() - start)
+            if todo:
+                send_next()
+            if progress_every and on_progress and stats.requests % progress_every == 0:
+                on_progress(stats.requests, stats)
+    finally:
+        stats.wall_s = time.perf_counter() - t0
+        stats.cpu_s = time.process_time() - cpu0
+        client.stop_stream(cancel_requests=bool(live))
+        client.close()
+    return stats
+
+
+def engine_load(engine, jobs: list[Job], concurrency: int) -> LoadStats:
+    """The same closed loop on an in-process Engine (streaming requests, this thread steps)."""
+    from mla_backend.request import GenerateRequest, SamplingParams
+
+    stats = LoadStats()
+    todo = deque(enumerate(jobs))
+    live: dict[str, float] = {}
+    tag = f"bench-{time.monotonic_ns()}"
+    cpu0, t0 = time.process_time(), time.perf_counter()
+
+    def add_next() -> None:
+        i, job = todo.popleft()
+        rid = f"{tag}-{i}"
+        engine.add_request(GenerateRequest(rid=rid, text=job.prompt, stream=True,
+                                           sampling_params=SamplingParams.from_dict(job.sampling)))
+        live[rid] = time.perf_counter()
+
+    while todo and len(live) < concurrency:
+        add_next()
+    while live:
+        for out in engine.step():
+            if out.rid not in live:
+                continue
+            stats.responses += 1
+            stats.output_tokens += len(out.new_token_ids)
+            if not out.finished:
+                continue
+            stats.latency_s.append(time.perf_counter() - live.pop(out.rid))
+            stats.requests += 1
+            if out.error is not None:
+                stats.errors.append(out.error)
+            if todo:
+                add_next()
+    stats.wall_s = time.perf_counter() - t0
+    stats.cpu_s = time.process_time() - cpu0
+    return stats
+
+
+class ProcTree:
+    """A process and its descendants (found through /proc/<pid>/task/*/children)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._ticks = os.sysconf("SC_CLK_TCK")
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def pids(self) -> list[int]:
+        out, stack = [], [self.pid]
+        while stack:
+            pid = stack.pop()
+            out.append(pid)
+            try:
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as f:
+                        stack += [int(c) for c in f.read().split()]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        return out
+
+    def rss_bytes(self) -> dict[int, int]:
+        """pid → resident set size (bytes), for the live processes of the tree."""
+        out = {}
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/statm") as f:
+                    out[pid] = int(f.read().split()[1]) * self._page
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        return out
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds of the live processes of the tree (threads included)."""
+        total = 0
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        return total / self._ticks
+
+    @staticmethod
+    def name(pid: int) -> str:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            return os.path.basename(argv[0].decode(errors="replace"))
+        except (FileNotFoundError, ProcessLookupError):
+            return "?"
+
+
+def system_busy_s() -> float:
+    """CPU seconds the whole machine spent busy since boot (all cores, /proc/stat): the busy time
+    of a run minus that of our processes is what other programs took meanwhile."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def temp_repository(root: Path, models: dict[str, tuple[str, dict[str, str]]],
+                    extra_params: dict[str, dict[str, str]] | None = None) -> Path:
+    """Write `name → (source model, engine parameters)` into the empty folder `root`, with
+    `extra_params[name]` (adapter parameters the source config may lack); returns `root`."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name, (source, params) in models.items():
+        write_model(root, name, params, source=source,
+                    extra_params=(extra_params or {}).get(name))
+    return root
