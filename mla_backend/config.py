@@ -68,8 +68,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    # Ranks the model is split over. > 1 needs torch.distributed initialized with that many ranks
-    # (`mla_backend.distributed.init_tensor_parallel`) in every rank's process.
+    # Ranks the model is split over. > 1: rank 0's ModelRunner spawns the other ranks
+    # (`distributed.tp_workers`), unless the caller already initialized the process group.
     tensor_parallel_size: int = 1
 
 

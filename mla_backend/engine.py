@@ -162,6 +162,12 @@ class Engine:
         for rid in rids:
             self.abort(rid)
 
+    def close(self) -> None:
+        """Shut down and release what outlives the object: tensor-parallel worker processes and
+        the process group (a no-op at TP 1). Call once the engine thread has stopped."""
+        self.shutdown()
+        self.runner.close()
+
     # ------------------------------------------------------------------ engine thread
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration (at most one forward pass).

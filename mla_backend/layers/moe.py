@@ -215,7 +215,7 @@ class StackedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.full_intermediate_size = intermediate_size
-        intermediate_size = divide(intermediate_size, get_tp_size())
+        intermediate_size = divide(intermediate_size, get_tp_size(), "moe_intermediate_size")
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)

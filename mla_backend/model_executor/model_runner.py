@@ -45,6 +45,7 @@ from mla_backend.model_executor.model_loader import init_dummy_weights, iterate_
 from mla_backend.models.registry import get_model_class_for_config
 
 if TYPE_CHECKING:
+    from mla_backend.distributed.tp_workers import TpWorkerGroup
     from mla_backend.model_executor.cuda_graph_runner import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,14 @@ class ModelRunner:
             raise FileNotFoundError(f"model_path: model folder {mcfg.model_path!r} does not "
                                     "exist (run `python -m mla_backend.tools.prepare`?)")
         self.hf_config = AutoConfig.from_pretrained(mcfg.model_path)
+        self.tp_workers = _start_tp_workers(config)
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         self.tp_rank, self.tp_size = _check_tensor_parallel(config.parallel.tensor_parallel_size)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.model = self._load_model()
@@ -147,6 +156,14 @@ class ModelRunner:
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(config.runner.attention_backend, self.device)
         self.cuda_graph_runner = self._init_cuda_graphs()
+        if self.tp_workers is not None:
+            self.tp_workers.wait_ready()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers this runner started (if any) and leave the process
+        group. Idempotent; the runner must not be used afterwards at TP > 1."""
+        if getattr(self, "tp_workers", None) is not None:
+            self.tp_workers.close()
 
     # ------------------------------------------------------------------ construction
     def _load_model(self) -> torch.nn.Module:
@@ -312,6 +329,8 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Run the model: fp32 logits [bs, V] (or [T, V] with `return_all_logits`).
         Decode batches of up to `cuda_graph_runner.max_bs` rows replay a CUDA graph."""
+        if self.tp_workers is not None:
+            self.tp_workers.send_step(forward_batch)  # workers run the same step
         with torch.inference_mode():
             cgr = self.cuda_graph_runner
             if cgr is not None and cgr.can_run(forward_batch):
@@ -320,6 +339,19 @@ class ModelRunner:
             hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
             hidden = select_logit_rows(hidden, forward_batch)
             return self.model.compute_logits(hidden).float()
+
+
+def _start_tp_workers(config: EngineConfig) -> "TpWorkerGroup | None":
+    """TP > 1 with no process group yet (e.g. inside the Triton adapter): spawn ranks 1..N-1 and
+    join the group as rank 0. None at TP 1 or when the caller runs the ranks itself."""
+    want = config.parallel.tensor_parallel_size
+    from mla_backend.distributed import is_tensor_parallel_initialized
+
+    if want <= 1 or is_tensor_parallel_initialized():
+        return None
+    from mla_backend.distributed.tp_workers import TpWorkerGroup
+
+    return TpWorkerGroup(config, want)
 
 
 def _check_tensor_parallel(want: int) -> tuple[int, int]:
@@ -334,9 +366,9 @@ def _check_tensor_parallel(want: int) -> tuple[int, int]:
     if have != want:
         raise RuntimeError(
             f"tensor_parallel_size={want}, but this process is in a tensor-parallel group of "
-            f"{have}: every rank must call mla_backend.distributed.init_tensor_parallel(rank, "
-            f"{want}, ...) before building the engine (the Triton adapter does not start "
-            "tensor-parallel worker processes yet)")
+            f"{have}: either build the engine with no process group (rank 0 then starts the "
+            f"other ranks) or call mla_backend.distributed.init_tensor_parallel(rank, {want}, "
+            "...) in every rank first")
     return get_tp_rank(), have
 
 

@@ -61,7 +61,7 @@ class DeepseekV2Attention(nn.Module):
         self.layer_id = layer_id
         # Heads of this tensor-parallel rank; the latent projections are replicated (REFERENCE
         # §1.8: one latent KV head cannot be split, every rank holds the whole latent pool).
-        self.num_heads = divide(c.num_attention_heads, get_tp_size())
+        self.num_heads = divide(c.num_attention_heads, get_tp_size(), "num_attention_heads")
         self.q_lora_rank = c.q_lora_rank
         self.kv_lora_rank = c.kv_lora_rank
         self.qk_nope_head_dim = c.qk_nope_head_dim

@@ -428,7 +428,7 @@ class TritonPythonModel:
             self.metrics.close()
             self.metrics = None
         self._log_pool_state()
-        self.engine.shutdown()
+        self.engine.close()  # shutdown + stop tensor-parallel workers
 
     def _log_pool_state(self) -> None:
         """Log the engine's counters and its pool invariant (the engine thread has stopped)."""

@@ -93,7 +93,11 @@ def test_smollm2_tp2_is_a_clear_error(workers2, smollm2_dir):
         workers2.run(_run_model, smollm2_dir, {})
 
 
-def test_tp_size_without_a_process_group_is_a_clear_error(tiny_llama_factory):
-    with pytest.raises(RuntimeError, match="tensor_parallel_size=2.*init_tensor_parallel"):
-        Engine(EngineConfig.create(model_path=tiny_llama_factory(seed=5),
-                                   tensor_parallel_size=2))
+def _engine_with_tp(path: str, tp: int) -> None:
+    Engine(EngineConfig.create(model_path=path, tensor_parallel_size=tp, max_total_tokens=64))
+
+
+def test_tp_size_other_than_the_group_is_a_clear_error(workers2, tiny_llama_factory):
+    with pytest.raises(TpRankError, match="tensor_parallel_size=4, but this process is in a "
+                                          "tensor-parallel group of 2"):
+        workers2.run(_engine_with_tp, tiny_llama_factory(seed=5), 4)

@@ -7,9 +7,11 @@ One server per module (explicit model control) over a temp repository of deepsee
   (about 4x the pool) sent at once must all finish through queueing and retraction, with the text
   of an unloaded run (an in-process `Engine` with the same settings, one request at a time).
 - `dsv2-two`: `instance_group` count 2 (two engines, two stub processes).
-- `dsv2-noweights`, `dsv2-badint`, `dsv2-tp2`, `dsv2-badinterval`: not loaded at start; loading
-  them through the repository API must fail with a message naming the missing path / the bad key
-  (the last one: the adapter parameter STREAM_INTERVAL "0").
+- `dsv2-noweights`, `dsv2-badint`, `dsv2-tp3`, `dsv2-badinterval`: not loaded at start; loading
+  them through the repository API must fail with a message naming the missing path / the bad key /
+  the impossible head split (8 heads on 3 ranks) / the adapter parameter STREAM_INTERVAL "0".
+- `dsv2-tp2`: `tensor_parallel_size` 2 — the instance spawns one CPU worker rank (gloo); loaded
+  through the API it streams the same greedy text as the TP 1 engine, and unloads cleanly.
 The last test stops the server: every instance logs `pool invariant ok` at unload.
 """
 
@@ -35,7 +37,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "model_repository" / "deepseek-v2-tiny"
 OVER, TWO = "dsv2-overload", "dsv2-two"
-NOWEIGHTS, BADINT, TP2 = "dsv2-noweights", "dsv2-badint", "dsv2-tp2"
+NOWEIGHTS, BADINT, TP3, TP2 = "dsv2-noweights", "dsv2-badint", "dsv2-tp3", "dsv2-tp2"
 BADINTERVAL = "dsv2-badinterval"
 MISSING = "/nonexistent/mla-backend-weights-xyz"
 SETTINGS = {
@@ -45,7 +47,7 @@ SETTINGS = {
           "chunked_prefill_size": "256", "max_prefill_tokens": "512"},
 }
 BAD = {NOWEIGHTS: {"model_path": MISSING}, BADINT: {"max_total_tokens": "abc"},
-       TP2: {"tensor_parallel_size": "2"}}
+       TP3: {"tensor_parallel_size": "3"}}
 PROMPTS = [f"Story {i}: once upon a time, the {w}" for i, w in enumerate(
     ["fox", "king", "river", "robot", "garden", "storm", "violin", "lantern", "whale",
      "mountain", "clock", "desert"])]
@@ -62,6 +64,7 @@ def server(tmp_path_factory):
     for name, params in BAD.items():
         write_model(root, name, {**SETTINGS[TWO], **params})
     write_model(root, BADINTERVAL, SETTINGS[TWO], extra_params={"STREAM_INTERVAL": "0"})
+    write_model(root, TP2, {**SETTINGS[TWO], "tensor_parallel_size": "2"})
     with TritonServer(root, model_control_mode="explicit", load_models=[OVER, TWO],
                       wait_models=[OVER, TWO], startup_timeout=300) as srv:
         yield srv
@@ -129,7 +132,8 @@ def test_overload_completes_with_unloaded_outputs_and_retracts(server):
 
 def test_bad_models_fail_to_load_naming_the_cause(server):
     """Four failing loads at once (each spawns a stub); each error names its cause."""
-    needles = {NOWEIGHTS: MISSING, BADINT: "max_total_tokens", TP2: "tensor_parallel_size",
+    needles = {NOWEIGHTS: MISSING, BADINT: "max_total_tokens",
+               TP3: "tensor parallel size 3 does not divide num_attention_heads=8",
                BADINTERVAL: "STREAM_INTERVAL"}
 
     def load(model: str) -> requests.Response:
@@ -147,6 +151,26 @@ def test_bad_models_fail_to_load_naming_the_cause(server):
         ready = requests.get(f"{server.http_url}/v2/models/{model}/ready", timeout=30)
         assert ready.status_code != 200
     server.check_alive()
+
+
+def test_tensor_parallel_2_serves_like_tp1_and_unloads(server):
+    url = f"{server.http_url}/v2/repository/models/{TP2}"
+    r = requests.post(f"{url}/load", json={}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    prompts = PROMPTS[:4]
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [baseline(TWO, p, sp) for p in prompts]  # same settings at TP 1
+    by_rid, errors = _run_all(server, TP2, prompts,
+                              {"max_tokens": 12, "ignore_eos": True, "temperature": 0})
+    assert errors == []
+    assert [text_of(by_rid[f"r{i}"]) for i in range(len(prompts))] == expected
+    r = requests.post(f"{url}/unload", json={}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 60
+    pattern = rf"\[mla_backend\] {TP2}: unloaded; engine stats: [^;]*; pool invariant ok"
+    while not re.search(pattern, server.log_path.read_text(errors="replace")):
+        assert time.monotonic() < deadline, "the TP 2 instance did not unload cleanly"
+        time.sleep(0.2)
 
 
 def test_two_instances_serve_concurrent_requests(server):

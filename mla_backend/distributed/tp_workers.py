@@ -1,0 +1,241 @@
+"""Tensor-parallel worker processes driven by rank 0 (the process that runs the scheduler).
+
+Owned by rank 0's `ModelRunner` when `tensor_parallel_size` > 1 and no process group exists yet
+(the Triton adapter's case): `TpWorkerGroup` spawns ranks 1..N-1, joins the group as rank 0
+(rendezvous through a `file://` in a fresh temp folder: no ports or fixed names, so several
+instances can run side by side), and each step sends every worker one plain-data message.
+
+Message per forward (a dict of Python ints/lists, pickled over a pipe):
+- "batch": the `ModelRunner.make_forward_batch` arguments (mode, input_ids, positions,
+  req_pool_indices, seq_lens, prefix_lens, extend_lens, out_cache_loc, return_all_logits);
+- "req_to_token": (row, start, slots) writes that make the worker's `req_to_token` mirror rank
+  0's for this batch: extend sends each request's whole row [0, seq_len) (prefix-cache hits were
+  written by rank 0's cache at admission), decode only the new token's slot.
+Workers hold the same pools; their KV is written by their own forward at `out_cache_loc`, so the
+pools mirror rank 0's. A worker runs the same forward (its collectives meet rank 0's) and drops
+the logits. `None` stops it.
+
+Failure: before each step rank 0 checks every worker is alive and raises `TpWorkerError` naming the
+dead rank and its exit code (the engine fails that batch's requests with the message, and every
+later step fails the same way); a worker dying inside a collective makes rank 0's collective fail
+(gloo: connection closed) or time out after `timeout_s`. `close()` stops and joins the workers
+and destroys the process group.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mla_backend.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+
+if TYPE_CHECKING:
+    from mla_backend.config import EngineConfig
+    from mla_backend.model_executor.forward_batch import ForwardBatch
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class TpWorkerError(RuntimeError):
+    """A tensor-parallel worker died, failed to start, or raised."""
+
+
+def _python_executable() -> str:
+    """The interpreter for spawned workers. Inside Triton's Python-backend stub `sys.executable`
+    is the stub binary, so fall back to the `python3` that runs this environment."""
+    exe = sys.executable or ""
+    if os.path.basename(exe).startswith("python"):
+        return exe
+    found = shutil.which("python3") or shutil.which("python")
+    if not found:
+        raise TpWorkerError("no python3 on PATH to start tensor-parallel workers")
+    return found
+
+
+def _rank_device(config: "EngineConfig", rank: int) -> str:
+    """Device of `rank`: GPU `rank` for "auto"/"cuda" when CUDA exists, else the configured one."""
+    device = config.model.device
+    if device in ("auto", "cuda"):
+        return f"cuda:{rank}" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _worker_main(rank: int, world_size: int, init_method: str, config: "EngineConfig",
+                 conn: Any, timeout_s: float) -> None:
+    """Entry point of rank `rank`: join the group, build the runner, mirror rank 0's steps."""
+    from mla_backend.model_executor.model_runner import ModelRunner
+
+    try:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+        init_tensor_parallel(rank, world_size, init_method, device=_rank_device(config, rank),
+                             timeout=timedelta(seconds=timeout_s))
+        runner = ModelRunner(config)
+        conn.send(("ready", rank))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            r2t = runner.req_to_token_pool.req_to_token
+            for row, start, slots in msg["req_to_token"]:
+                r2t[row, start:start + len(slots)] = torch.tensor(slots, dtype=r2t.dtype)
+            runner.forward(runner.make_forward_batch(**msg["batch"]))
+    except (EOFError, KeyboardInterrupt):
+        pass
+    finally:
+        destroy_tensor_parallel()
+
+
+class TpWorkerGroup:
+    """Ranks 1..world_size-1 as child processes; this process becomes rank 0.
+
+    Args:
+        config: the engine config every rank builds its `ModelRunner` from.
+        world_size: tensor-parallel degree (>= 2).
+        timeout_s: collective and start-up timeout (seconds).
+    Raises:
+        TpWorkerError: a worker failed to start (its traceback in the message).
+    """
+
+    def __init__(self, config: "EngineConfig", world_size: int,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if world_size < 2:
+            raise ValueError(f"TpWorkerGroup needs world_size >= 2, got {world_size}")
+        if _rank_device(config, 0).startswith("cuda"):
+            have = torch.cuda.device_count()
+            if world_size > have:
+                raise TpWorkerError(f"tensor_parallel_size={world_size} needs {world_size} GPUs "
+                                    f"(one per rank); this machine has {have}")
+        self.world_size = world_size
+        self._dir = tempfile.mkdtemp(prefix="mla_tp_")
+        init_method = "file://" + os.path.join(self._dir, "rendezvous")
+        ctx = mp.get_context("spawn")
+        ctx.set_executable(_python_executable())
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._closed = False
+        try:
+            for rank in range(1, world_size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, name=f"mla-tp-rank{rank}", daemon=True,
+                                   args=(rank, world_size, init_method, config, child, timeout_s))
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+            init_tensor_parallel(0, world_size, init_method, device=_rank_device(config, 0),
+                                 timeout=timedelta(seconds=timeout_s))
+        except BaseException:
+            self.close()
+            raise
+
+    def wait_ready(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Block until every worker has built its runner (call after rank 0 built its own: the
+        runners' constructors contain no collectives, but a worker's failure is reported here).
+
+        Raises:
+            TpWorkerError: a worker raised while starting, or did not answer in time.
+        """
+        for rank, conn in enumerate(self._conns, start=1):
+            if not conn.poll(timeout_s):
+                self.close()
+                raise TpWorkerError(f"tensor-parallel worker rank {rank} did not start within "
+                                    f"{timeout_s:.0f} s")
+            kind, detail = conn.recv()
+            if kind != "ready":
+                self.close()
+                raise TpWorkerError(f"tensor-parallel worker rank {rank} failed to start:\n"
+                                    f"{detail}")
+
+    def check_alive(self) -> None:
+        """Raises TpWorkerError naming the first worker that is no longer running."""
+        if self._closed:
+            raise TpWorkerError("the tensor-parallel workers were shut down")
+        for rank, proc in enumerate(self._procs, start=1):
+            if not proc.is_alive():
+                raise TpWorkerError(f"tensor-parallel worker rank {rank} exited (exit code "
+                                    f"{proc.exitcode}); the model must be reloaded")
+
+    def send_step(self, forward_batch: "ForwardBatch") -> None:
+        """Send every worker the message that makes it run `forward_batch` in step.
+
+        Raises:
+            TpWorkerError: a worker is dead (checked first) or its pipe is closed.
+        """
+        self.check_alive()
+        msg = step_message(forward_batch)
+        try:
+            for conn in self._conns:
+                conn.send(msg)
+        except (BrokenPipeError, OSError) as e:
+            raise TpWorkerError(f"lost a tensor-parallel worker: {e!r}") from None
+
+    def pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1 (for supervision and tests)."""
+        return [p.pid for p in self._procs]
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop and join the workers (terminate, then kill, if they do not exit), destroy the
+        process group, remove the rendezvous folder. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        for conn in self._conns:
+            conn.close()
+        destroy_tensor_parallel()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def step_message(fb: "ForwardBatch") -> dict:
+    """The plain-data message for one forward (see the module docstring)."""
+    rows = fb.req_pool_indices.tolist()
+    out_loc = fb.out_cache_loc.tolist()
+    r2t = fb.req_to_token_pool.req_to_token
+    writes = []
+    if fb.forward_mode.is_decode():
+        for i, row in enumerate(rows):
+            writes.append((row, fb.seq_lens_cpu[i] - 1, [out_loc[i]]))
+    else:
+        for i, row in enumerate(rows):
+            writes.append((row, 0, r2t[row, : fb.seq_lens_cpu[i]].tolist()))
+    return {
+        "req_to_token": writes,
+        "batch": {
+            "mode": fb.forward_mode,
+            "input_ids": fb.input_ids.tolist(),
+            "positions": fb.positions.tolist(),
+            "req_pool_indices": rows,
+            "seq_lens": list(fb.seq_lens_cpu),
+            "prefix_lens": list(fb.extend_prefix_lens_cpu),
+            "extend_lens": list(fb.extend_seq_lens_cpu),
+            "out_cache_loc": out_loc,
+            "return_all_logits": fb.return_all_logits,
+        },
+    }
+
+
+__all__ = ["TpWorkerError", "TpWorkerGroup", "step_message"]
