@@ -63,13 +63,13 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 
 
 def compile_counters() -> dict[str, int]:
-    """Dynamo's counts so far in this process: {"unique_graphs", "frames_ok"} (for tests that
+    """Dynamo's counts so far in this process: {"unique_graphs", "calls_captured"} (for tests that
     check no recompilation happens after capture)."""
     from torch._dynamo.utils import counters
 
     stats = counters["stats"]
     return {"unique_graphs": int(stats.get("unique_graphs", 0)),
-            "frames_ok": int(stats.get("calls_captured", 0))}
+            "calls_captured": int(stats.get("calls_captured", 0))}
 
 
 class CudaGraphRunner:
