@@ -16,7 +16,6 @@ here.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import sys
@@ -26,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "serving"))
@@ -63,22 +61,11 @@ class LoadStats:
 
 
 def _inputs(job: Job) -> list:
-    import tritonclient.grpc as grpcclient
+    """gRPC inputs of one streaming request (the e2e tests' builder)."""
+    from test_triton_e2e import grpc_inputs
 
-    values = [
-        ("text_input", np.array([job.prompt.encode()], dtype=np.object_), "BYTES"),
-        ("stream", np.array([True]), "BOOL"),
-        ("exclude_input_in_output", np.array([True]), "BOOL"),
-        ("return_num_output_tokens", np.array([True]), "BOOL"),
-        ("sampling_parameters", np.array([json.dumps(job.sampling).encode()], dtype=np.object_),
-         "BYTES"),
-    ]
-    out = []
-    for name, arr, dtype in values:
-        t = grpcclient.InferInput(name, list(arr.shape), dtype)
-        t.set_data_from_numpy(arr)
-        out.append(t)
-    return out
+    return grpc_inputs(job.prompt, sampling=job.sampling, exclude_input_in_output=True,
+                       return_num_output_tokens=True)
 
 
 def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
