@@ -337,6 +337,23 @@ def logprobs_json(out: RequestOutput, decode: Callable[[int], str] | None = None
     return json.dumps(entries)
 
 
+def check_instance_layout(instance_kind: str | None, tensor_parallel_size: int) -> None:
+    """Model-load check of the instance group against the TP degree.
+
+    Args:
+        instance_kind: Triton's `model_instance_kind` ("GPU", "CPU", "MODEL", or None).
+        tensor_parallel_size: the engine setting.
+    Raises:
+        ValueError: TP > 1 under KIND_GPU (Triton starts one instance per GPU, but one TP instance
+            spans tensor_parallel_size GPUs itself).
+    """
+    if tensor_parallel_size > 1 and instance_kind == "GPU":
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} spans {tensor_parallel_size} GPUs from "
+            "one instance: use instance_group [{ kind: KIND_MODEL }] (KIND_GPU starts one "
+            "instance per GPU)")
+
+
 def _obj(text: str) -> np.ndarray:
     return np.array([text.encode("utf-8")], dtype=np.object_)
 
@@ -348,6 +365,7 @@ __all__ = [
     "ParsedRequest",
     "ProtocolError",
     "build_outputs",
+    "check_instance_layout",
     "coalesce",
     "logprobs_json",
     "merge_outputs",

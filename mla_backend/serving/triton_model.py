@@ -51,6 +51,7 @@ from mla_backend.serving.protocol import (
     OutputOptions,
     ProtocolError,
     build_outputs,
+    check_instance_layout,
     coalesce,
     merge_outputs,
     parse_request,
@@ -130,6 +131,11 @@ class TritonPythonModel:
         report_metrics = _flag(params, "REPORT_CUSTOM_METRICS", True)
         self._log_requests = _flag(params, "LOG_REQUESTS", False)
         self._stream_interval = _positive_int(params, "STREAM_INTERVAL", 1)
+        try:
+            check_instance_layout(args.get("model_instance_kind"),
+                                  config.parallel.tensor_parallel_size)
+        except ValueError as e:
+            raise pb_utils.TritonModelException(str(e)) from None
         if args.get("model_instance_kind") == "GPU" and config.model.device == "auto":
             # KIND_GPU: one engine per GPU, on the device Triton assigned to this instance.
             config = config.replace(device=f"cuda:{args.get('model_instance_device_id', '0')}")

@@ -238,3 +238,14 @@ def test_coalesce_keeps_errors_and_finals_separate():
     done = out(rid="b", new_token_ids=[4], new_text="B", num_output_tokens=1, finished=True)
     again = out(rid="b", new_token_ids=[5], new_text="C", num_output_tokens=2)
     assert [m.new_text for m in coalesce([done, again])] == ["B", "C"]
+
+
+def test_instance_layout_for_tensor_parallel():
+    from mla_backend.serving.protocol import check_instance_layout
+
+    for kind in ("GPU", "CPU", "MODEL", None):
+        check_instance_layout(kind, 1)  # every kind serves TP 1
+    check_instance_layout("MODEL", 2)
+    check_instance_layout("CPU", 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 .*KIND_MODEL"):
+        check_instance_layout("GPU", 2)
