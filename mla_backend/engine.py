@@ -5,6 +5,11 @@ through an inbox), one thread calls `step()`, which drains the inbox, asks the `
 batch, runs it on the `ModelRunner`, samples with the `Sampler`, applies stop rules and the
 incremental detokenizer, hands the batch back to the scheduler and returns `RequestOutput`s.
 Used by the Triton adapter (`mla_backend.serving`), tests and benchmarks.
+
+A failed forward fails its batch's requests and the engine goes on, except a tensor-parallel
+failure (`TpWorkerError`: a worker died, the ranks are out of step): then `failed` holds the
+message, every live request ends with it, the engine runs no more forwards and `add_request`
+raises `EngineFailedError` (the model must be reloaded).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Iterator, Sequence
 from transformers import AutoTokenizer
 
 from mla_backend.config import EngineConfig
+from mla_backend.distributed.tp_workers import TpWorkerError
 from mla_backend.mem_cache.chunk_cache import ChunkCache
 from mla_backend.mem_cache.radix_cache import RadixCache
 from mla_backend.model_executor.model_runner import ModelRunner
@@ -36,6 +42,11 @@ from mla_backend.tokenizer.stop import StopStringMatcher
 
 class InvalidRequestError(ValueError):
     """The client's request is malformed or can never be served; the message names the field."""
+
+
+class EngineFailedError(RuntimeError):
+    """The engine stopped for good (`Engine.failed`: a tensor-parallel worker died); the message
+    says why. The model must be reloaded."""
 
 
 @dataclass
@@ -101,6 +112,8 @@ class Engine:
         self._known_rids: set[str] = set()  # rids accepted and not yet finished (any thread)
         self._rid_lock = threading.Lock()
         self._closed = False
+        # Set once, by the engine thread, on a tensor-parallel failure; read by any thread.
+        self.failed: str | None = None
 
     # ------------------------------------------------------------------ any thread
     def add_request(self, request: GenerateRequest) -> None:
@@ -110,7 +123,10 @@ class Engine:
             InvalidRequestError: empty prompt, both/neither of text and input_ids, token ids outside
                 the vocab, prompt + max_tokens beyond the context length or the KV pool, bad
                 sampling values, duplicate request id, engine shut down.
+            EngineFailedError: the engine has failed (`failed`).
         """
+        if self.failed is not None:
+            raise EngineFailedError(self.failed)
         if self._closed:
             raise InvalidRequestError("the engine is shutting down")
         ids = self._prompt_ids(request)
@@ -162,6 +178,21 @@ class Engine:
         for rid in rids:
             self.abort(rid)
 
+    def check_health(self) -> str | None:
+        """Engine thread, between steps: notice a tensor-parallel worker that died while the
+        engine was idle (a cheap liveness check; nothing at TP 1). Once failed, the next
+        `step()` ends every live request with the message.
+
+        Returns:
+            `failed`: None while healthy, else why the engine stopped.
+        """
+        if self.failed is None:
+            try:
+                self.runner.check_workers()
+            except TpWorkerError as e:
+                self.failed = str(e)
+        return self.failed
+
     def close(self) -> None:
         """Shut down and release what outlives the object: tensor-parallel worker processes and
         the process group (a no-op at TP 1). Call once the engine thread has stopped."""
@@ -174,9 +205,13 @@ class Engine:
 
         Returns:
             Outputs produced in this step: increments of streaming requests, final outputs of
-            finished, aborted and failed requests.
+            finished, aborted and failed requests. Once `failed` is set, only the final error
+            outputs of whatever is still live (no forward).
         """
         outputs: list[RequestOutput] = []
+        if self.failed is not None:
+            self._fail_all_live(outputs)
+            return outputs
         self._drain_inbox(outputs)
         for req in self.scheduler.take_rejected():
             st = self._live.get(req.rid)
@@ -188,6 +223,11 @@ class Engine:
             return outputs
         try:
             finished = self._run_batch(batch, outputs)
+        except TpWorkerError as e:  # fatal: the ranks are out of step
+            self.scheduler.process_batch_result(batch, [True] * len(batch.reqs), failed=True)
+            self.failed = str(e)
+            self._fail_all_live(outputs)
+            return outputs
         except Exception as e:  # noqa: BLE001 - fail the batch's requests, keep the engine alive
             for req in batch.reqs:
                 st = self._live.get(req.rid)
@@ -323,6 +363,20 @@ class Engine:
                 st.req.finished_reason = FinishReason.ABORT
                 outputs.append(self._emit(st))
 
+    def _fail_all_live(self, outputs: list[RequestOutput]) -> None:
+        """After `failed` was set: end every live request (and any still in the inbox) with the
+        message, and release what the scheduler holds for them, so the pools balance."""
+        assert self.failed is not None
+        self._drain_inbox(outputs)
+        for rid, st in list(self._live.items()):
+            self.scheduler.abort_request(rid)
+            outputs.append(self._final_error(st, self.failed))
+        # The batch boundary: the scheduler releases the aborted running requests here; with
+        # nothing left waiting or running there is no batch to run.
+        batch = self.scheduler.get_next_batch()
+        if batch is not None:
+            self.scheduler.process_batch_result(batch, [True] * len(batch.reqs), failed=True)
+
     def _forget(self, rid: str) -> None:
         self._live.pop(rid, None)
         with self._rid_lock:
@@ -431,4 +485,4 @@ class Engine:
                         return
 
 
-__all__ = ["Engine", "GenerateResult", "InvalidRequestError"]
+__all__ = ["Engine", "EngineFailedError", "GenerateResult", "InvalidRequestError"]

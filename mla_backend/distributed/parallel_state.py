@@ -111,9 +111,16 @@ def init_tensor_parallel(
         if not dist.is_available():
             raise RuntimeError("torch.distributed is not available in this torch build")
         kwargs = {} if timeout is None else {"timeout": timeout}
-        dist.init_process_group(backend=backend or _pick_backend(device), init_method=init_method,
+        chosen = backend or _pick_backend(device)
+        dist.init_process_group(backend=chosen, init_method=init_method,
                                 rank=rank, world_size=world_size, **kwargs)
         owns = True
+        if chosen == "nccl":
+            # NCCL builds its communicator at the first collective. Do that now, outside any
+            # CUDA-graph capture (capturing a collective on an unbuilt communicator fails).
+            warm = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(warm)
+            torch.cuda.synchronize()
     _TP_RANK, _TP_SIZE, _INITIALIZED, _OWNS_PROCESS_GROUP = rank, world_size, True, owns
 
 

@@ -15,11 +15,14 @@ Workers hold the same pools; their KV is written by their own forward at `out_ca
 pools mirror rank 0's. A worker runs the same forward (its collectives meet rank 0's) and drops
 the logits. `None` stops it.
 
-Failure: before each step rank 0 checks every worker is alive and raises `TpWorkerError` naming the
-dead rank and its exit code (the engine fails that batch's requests with the message, and every
-later step fails the same way); a worker dying inside a collective makes rank 0's collective fail
-(gloo: connection closed) or time out after `timeout_s`. `close()` stops and joins the workers
-and destroys the process group.
+Failure (any is fatal: the ranks are out of step, the model must be reloaded): before each step
+rank 0 checks every worker is alive (`check_alive`); a worker dying inside a step makes rank 0's
+collective fail (gloo: connection reset) or time out after `timeout_s`, and `step_failed` turns
+that error into one naming the dead rank and how it ended, e.g. "tensor-parallel worker rank 1
+(pid 123) exited (signal 9, SIGKILL); the model must be reloaded". The first failure sticks:
+every later `check_alive` / `send_step` raises the same `TpWorkerError` (the engine then fails
+every request and stops stepping). `close()` stops and joins the workers and destroys the
+process group.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -45,7 +50,20 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 class TpWorkerError(RuntimeError):
-    """A tensor-parallel worker died, failed to start, or raised."""
+    """A tensor-parallel worker died, failed to start, or raised; or a step failed on rank 0
+    after the workers were sent it (the ranks are out of step)."""
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    """"signal 9, SIGKILL" / "exit code 1" for a `multiprocessing.Process.exitcode`."""
+    if exitcode is None:
+        return "exit status unknown"
+    if exitcode < 0:
+        try:
+            return f"signal {-exitcode}, {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 def _python_executable() -> str:
@@ -73,6 +91,11 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: "EngineCo
     """Entry point of rank `rank`: join the group, build the runner, mirror rank 0's steps."""
     from mla_backend.model_executor.model_runner import ModelRunner
 
+    hang_dump_s = float(os.environ.get("MLA_TP_HANG_DUMP_S", "0") or 0)
+    if hang_dump_s > 0:  # debugging aid: print this worker's stacks every N seconds
+        import faulthandler
+
+        faulthandler.dump_traceback_later(hang_dump_s, repeat=True)
     try:
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
         init_tensor_parallel(rank, world_size, init_method, device=_rank_device(config, rank),
@@ -125,6 +148,7 @@ class TpWorkerGroup:
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._closed = False
+        self._failure: str | None = None  # the first fatal error; every later step raises it
         try:
             for rank in range(1, world_size):
                 parent, child = ctx.Pipe()
@@ -141,8 +165,10 @@ class TpWorkerGroup:
             raise
 
     def wait_ready(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        """Block until every worker has built its runner (call after rank 0 built its own: the
-        runners' constructors contain no collectives, but a worker's failure is reported here).
+        """Block until every worker has built its runner (call after rank 0 built its own; a
+        worker's start-up failure is reported here). On CPU the runners' constructors contain no
+        collectives; on CUDA they do (NCCL warm-up, pool sizing, graph capture), so a worker
+        that fails before those leaves rank 0 waiting in them until `timeout_s`.
 
         Raises:
             TpWorkerError: a worker raised while starting, or did not answer in time.
@@ -158,20 +184,52 @@ class TpWorkerGroup:
                 raise TpWorkerError(f"tensor-parallel worker rank {rank} failed to start:\n"
                                     f"{detail}")
 
-    def check_alive(self) -> None:
-        """Raises TpWorkerError naming the first worker that is no longer running."""
-        if self._closed:
-            raise TpWorkerError("the tensor-parallel workers were shut down")
+    def dead_worker(self) -> str | None:
+        """The message naming the first worker that is no longer running (rank, pid and how it
+        ended), or None while all run. Cheap (a non-blocking waitpid per worker)."""
         for rank, proc in enumerate(self._procs, start=1):
             if not proc.is_alive():
-                raise TpWorkerError(f"tensor-parallel worker rank {rank} exited (exit code "
-                                    f"{proc.exitcode}); the model must be reloaded")
+                return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited "
+                        f"({_how_it_ended(proc.exitcode)}); the model must be reloaded")
+        return None
+
+    def check_alive(self) -> None:
+        """Raises TpWorkerError: the group was closed, an earlier step failed (the same message
+        again), or a worker is no longer running (naming it; the failure sticks)."""
+        if self._closed:
+            raise TpWorkerError("the tensor-parallel workers were shut down")
+        if self._failure is None:
+            self._failure = self.dead_worker()
+        if self._failure is not None:
+            raise TpWorkerError(self._failure)
+
+    def step_failed(self, error: BaseException, wait_s: float = 2.0) -> TpWorkerError:
+        """The error to raise when rank 0's part of a step raised after `send_step`: the workers
+        ran (or are stuck in) that step, so the ranks are out of step for good. Names the dead
+        worker when one exited (waiting up to `wait_s` seconds for it to be reaped: a killed
+        worker's sockets close before its exit status exists), else quotes `error`. The failure
+        sticks: every later `check_alive` / `send_step` raises the same message.
+
+        Returns:
+            the TpWorkerError (the caller raises it from `error`).
+        """
+        if self._failure is None:
+            deadline = time.monotonic() + wait_s
+            message = self.dead_worker()
+            while message is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+                message = self.dead_worker()
+            self._failure = message or (
+                f"tensor-parallel step failed on rank 0 ({error!r}); the ranks are out of step; "
+                "the model must be reloaded")
+        return TpWorkerError(self._failure)
 
     def send_step(self, forward_batch: "ForwardBatch") -> None:
         """Send every worker the message that makes it run `forward_batch` in step.
 
         Raises:
-            TpWorkerError: a worker is dead (checked first) or its pipe is closed.
+            TpWorkerError: see `check_alive` (checked first); or a worker's pipe is closed
+                (naming the dead worker, as `step_failed`).
         """
         self.check_alive()
         msg = step_message(forward_batch)
@@ -179,7 +237,7 @@ class TpWorkerGroup:
             for conn in self._conns:
                 conn.send(msg)
         except (BrokenPipeError, OSError) as e:
-            raise TpWorkerError(f"lost a tensor-parallel worker: {e!r}") from None
+            raise self.step_failed(e) from e
 
     def pids(self) -> list[int]:
         """Process ids of ranks 1..N-1 (for supervision and tests)."""

@@ -226,6 +226,12 @@ class ModelRunner:
                         f"{total / 2**30:.2f} GiB, mem_fraction_static="
                         f"{cache_cfg.mem_fraction_static}; raise it or set max_total_tokens")
             rows = rows or min(max(total_tokens // 2, 1), GPU_DEFAULT_MAX_RUNNING_REQUESTS)
+            if self.tp_size > 1:
+                # Every rank mirrors rank 0's slot and row indices: all ranks take the smallest
+                # pool any of them can hold (free memory differs a little between GPUs).
+                sizes = torch.tensor([total_tokens, rows], dtype=torch.int64, device=self.device)
+                torch.distributed.all_reduce(sizes, op=torch.distributed.ReduceOp.MIN)
+                total_tokens, rows = (int(v) for v in sizes.tolist())
         self.max_total_num_tokens = int(total_tokens)
         self.max_running_requests = int(rows)
         width = min(self.context_len, self.max_total_num_tokens) + REQ_TO_TOKEN_MARGIN
@@ -326,11 +332,33 @@ class ModelRunner:
             return_all_logits=return_all_logits,
         )
 
+    def check_workers(self) -> None:
+        """Between steps: notice a tensor-parallel worker that died while idle (a no-op at TP 1
+        and when the caller runs the other ranks itself).
+
+        Raises:
+            TpWorkerError: a worker exited or an earlier step failed (see `TpWorkerGroup`).
+        """
+        if self.tp_workers is not None:
+            self.tp_workers.check_alive()
+
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Run the model: fp32 logits [bs, V] (or [T, V] with `return_all_logits`).
-        Decode batches of up to `cuda_graph_runner.max_bs` rows replay a CUDA graph."""
-        if self.tp_workers is not None:
-            self.tp_workers.send_step(forward_batch)  # workers run the same step
+        Decode batches of up to `cuda_graph_runner.max_bs` rows replay a CUDA graph.
+
+        Raises:
+            TpWorkerError: with workers (TP > 1 started here), a worker is dead or this step
+                failed after they were sent it (fatal: the ranks are out of step).
+        """
+        if self.tp_workers is None:
+            return self._forward(forward_batch)
+        self.tp_workers.send_step(forward_batch)  # workers run the same step
+        try:
+            return self._forward(forward_batch)
+        except Exception as e:  # noqa: BLE001 - e.g. gloo's "connection reset" from a dead rank
+            raise self.tp_workers.step_failed(e) from e
+
+    def _forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         with torch.inference_mode():
             cgr = self.cuda_graph_runner
             if cgr is not None and cgr.can_run(forward_batch):

@@ -19,6 +19,15 @@ NOTE (exactly one FINAL): a request is in `_live` from registration until the re
 carries its FINAL flag; whoever removes it from `_live` (under `_lock`) sends that FINAL, and
 outputs for an id no longer in `_live` are dropped — nothing is sent after FINAL.
 
+A tensor-parallel worker that dies (`Engine.failed`, noticed at the next step or within 0.1 s
+when idle) is fatal. The engine thread stops; every live request and every later one ends with
+one UNAVAILABLE error carrying the message ("tensor-parallel worker rank 1 (pid N) exited
+(signal 9, SIGKILL); the model must be reloaded"); and the model asks Triton to unload it
+(`pb_utils.unload_model`), so `v2/models/<name>/ready` turns false while the server and its
+other models keep serving; load it again to recover. That needs `--model-control-mode=explicit`:
+in the other modes Triton refuses, the failure is logged, and the model stays loaded (and
+"ready": this Triton, 2.51, has no per-instance health check) but fails every request at once.
+
 Data: tensors and parameters come from Triton (`pb_utils`), engine settings from config.pbtxt
 `parameters` (`EngineConfig.from_parameters`, `model_path` relative to the model's folder);
 adapter-only parameters: `REPORT_CUSTOM_METRICS` (default "true"), `LOG_REQUESTS` (default
@@ -42,7 +51,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils  # provided by the Python backend stub
 
 from mla_backend.config import EngineConfig
-from mla_backend.engine import Engine, InvalidRequestError
+from mla_backend.engine import Engine, EngineFailedError, InvalidRequestError
 from mla_backend.request import RequestOutput
 from mla_backend.serving.metrics import FinishedRequest, MetricsRecorder
 from mla_backend.serving.protocol import (
@@ -150,11 +159,13 @@ class TritonPythonModel:
         # loop. See docs/benchmarks.md, "Server-path cost".
         self.engine = Engine(config)
         device = getattr(getattr(self.engine, "runner", None), "device", config.model.device)
+        workers = getattr(getattr(self.engine, "runner", None), "tp_workers", None)
         self.logger.log_info(
             f"[mla_backend] {self.model_name}: loaded {config.model.model_path} on {device} in "
             f"{time.monotonic() - t0:.1f}s; "
             f"context {self.engine.context_len} tokens, KV pool {self.engine.max_total_tokens} "
             f"tokens, radix cache {'on' if config.cache.enable_radix_cache else 'off'}"
+            + ("" if workers is None else f"; tensor-parallel worker pids {workers.pids()}")
         )
         self.metrics: MetricsRecorder | None = None
         if report_metrics:
@@ -167,6 +178,7 @@ class TritonPythonModel:
         self._ids = itertools.count()
         self._accepting = True
         self._running = True
+        self._fatal: str | None = None  # Engine.failed, once the engine thread has seen it
         self._engine_thread = threading.Thread(
             target=self._engine_loop, name="mla-engine", daemon=True
         )
@@ -189,8 +201,9 @@ class TritonPythonModel:
     def _accept(self, request: Any) -> None:
         sender = request.get_response_sender()
         rid = f"{request.request_id() or 'req'}#{next(self._ids)}"
-        if not self._accepting:
-            self._send_error(sender, "the model is shutting down", pb_utils.TritonError.UNAVAILABLE)
+        if not self._accepting or self._fatal is not None:
+            self._send_error(sender, self._fatal or "the model is shutting down",
+                             pb_utils.TritonError.UNAVAILABLE)
             return
         try:
             inputs = {}
@@ -218,6 +231,8 @@ class TritonPythonModel:
                 self._live.pop(rid, None)
             if isinstance(e, InvalidRequestError):
                 self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            elif isinstance(e, EngineFailedError):
+                self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
             else:
                 self._send_error(sender, f"Error adding the request: {e!r}",
                                  pb_utils.TritonError.INTERNAL)
@@ -236,7 +251,7 @@ class TritonPythonModel:
     def _engine_loop(self) -> None:
         while self._running:
             try:
-                if not self.engine.wait_for_work(0.1):
+                if not self.engine.wait_for_work(0.1) and self.engine.check_health() is None:
                     continue
                 outputs = self.engine.step()
             except Exception as e:  # noqa: BLE001 - report, fail live requests, keep serving
@@ -244,8 +259,28 @@ class TritonPythonModel:
                 self._fail_all(f"Error generating stream: {e!r}")
                 time.sleep(0.01)
                 continue
+            if self.engine.failed is not None:  # before its error outputs reach the responder
+                self._fatal = self.engine.failed
             if outputs:
                 self._outputs.put(outputs)
+            if self._fatal is not None:
+                self._on_engine_failed()
+                return  # no more steps: the model must be reloaded
+
+    def _on_engine_failed(self) -> None:
+        """Log the fatal error and ask Triton to unload this model (see the module docstring);
+        requests are failed by the response thread (`_fail_live`)."""
+        self.logger.log_error(f"[mla_backend] {self.model_name}: {self._fatal}; failing every "
+                              "request and unloading the model")
+        threading.Thread(target=self._unload_self, name="mla-unload", daemon=True).start()
+
+    def _unload_self(self) -> None:
+        try:
+            pb_utils.unload_model(self.model_name)  # returns once Triton has taken the request
+        except Exception as e:  # noqa: BLE001 - not explicit model control: stay, fail fast
+            self.logger.log_error(
+                f"[mla_backend] {self.model_name}: could not unload itself ({e}); the model "
+                "stays loaded and fails every request; reload it or restart the server")
 
     def _fail_all(self, message: str) -> None:
         """Abort every live request in the engine and end it with an INTERNAL error (via the
@@ -276,6 +311,8 @@ class TritonPythonModel:
                     self._respond(out)
                 except Exception as e:  # noqa: BLE001
                     self.logger.log_error(f"[mla_backend] sending a response failed: {e!r}")
+            if self._fatal is not None:
+                self._fail_live(self._fatal)
             now = time.monotonic()
             if now - last_poll >= _CANCEL_POLL_S:
                 last_poll = now
@@ -315,7 +352,9 @@ class TritonPythonModel:
             if out.finished:
                 del self._live[out.rid]
         if out.error is not None:
-            self._send_error(live.sender, out.error, pb_utils.TritonError.INTERNAL)
+            code = (pb_utils.TritonError.UNAVAILABLE if out.error == self._fatal
+                    else pb_utils.TritonError.INTERNAL)
+            self._send_error(live.sender, out.error, code)
             return
         self._account(out, live)
         if not out.finished and self._hold(out, live):
@@ -372,6 +411,18 @@ class TritonPythonModel:
                 f"prompt_tokens={done.prompt_tokens} cached_tokens={done.cached_tokens} "
                 f"output_tokens={n} ttft_s={-1.0 if ttft is None else ttft:.4f} "
                 f"tpot_s={-1.0 if tpot is None else tpot:.4f} e2e_s={done.e2e_s:.4f}")
+
+    def _fail_live(self, message: str) -> None:
+        """The engine has failed: end every accepted request the engine's own final outputs
+        did not reach (e.g. one added while it was failing) with one UNAVAILABLE error."""
+        with self._lock:
+            rids = [rid for rid, live in self._live.items() if live.accepted]
+            ended = [self._live.pop(rid) for rid in rids]
+        for live in ended:
+            try:
+                self._send_error(live.sender, message, pb_utils.TritonError.UNAVAILABLE)
+            except Exception as e:  # noqa: BLE001
+                self.logger.log_error(f"[mla_backend] sending a response failed: {e!r}")
 
     def _poll_cancelled(self) -> None:
         with self._lock:

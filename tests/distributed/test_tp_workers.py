@@ -1,8 +1,9 @@
 """Rank 0 driving tensor-parallel worker processes (`distributed.tp_workers`), as the Triton adapter
 does: `Engine(tensor_parallel_size=2)` in this process spawns rank 1, mirrors every step to it,
 and gives the same greedy tokens as TP 1 (with chunked prefill and a radix-cache hit, whose prefix
-slots only rank 0's cache knows); a killed worker fails requests with a clear error, no hang;
-`close()` stops the worker and leaves the process group.
+slots only rank 0's cache knows); a killed worker (between steps, or inside a step: rank 0's gloo
+collective then fails) fails every live request with one message naming it, no hang, and the
+engine runs no more forwards; `close()` stops the worker and leaves the process group.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import pytest
 
 from mla_backend.config import EngineConfig
 from mla_backend.distributed import get_tp_size, is_tensor_parallel_initialized
-from mla_backend.engine import Engine
-from mla_backend.request import SamplingParams
+from mla_backend.engine import Engine, EngineFailedError
+from mla_backend.request import FinishReason, SamplingParams
 
 SHARED = "The history of the city goes back many centuries, and its old town"
 PROMPTS = [SHARED + " is", SHARED + " has", "def fib(n):"]
@@ -50,22 +51,83 @@ def test_worker_driven_tp2_equals_tp1(deepseek):
     assert not is_tensor_parallel_initialized() and get_tp_size() == 1
 
 
-def test_dead_worker_fails_requests_clearly(deepseek):
+def _killed_message(pid: int) -> str:
+    return (f"tensor-parallel worker rank 1 (pid {pid}) exited (signal 9, SIGKILL); the model "
+            "must be reloaded")
+
+
+def _count_forwards(eng: Engine, monkeypatch, kill_at: int | None = None) -> list[int]:
+    """Wrap rank 0's model forward: returns the list of calls (batch sizes); SIGKILLs the worker
+    at call number `kill_at`, after the step was sent to it and before rank 0's collectives."""
+    calls: list[int] = []
+    real = eng.runner._forward
+    pid = eng.runner.tp_workers.pids()[0]
+
+    def forward(fb):
+        calls.append(fb.batch_size)
+        if len(calls) == kill_at:
+            os.kill(pid, signal.SIGKILL)
+        return real(fb)
+
+    monkeypatch.setattr(eng.runner, "_forward", forward)
+    return calls
+
+
+def test_worker_dead_between_steps_fails_requests_clearly(deepseek, monkeypatch):
     eng = Engine(EngineConfig.create(model_path=deepseek, max_total_tokens=1024,
                                      tensor_parallel_size=2))
     try:
-        pid = eng.runner.tp_workers.pids()[0]
+        workers = eng.runner.tp_workers
+        pid = workers.pids()[0]
+        calls = _count_forwards(eng, monkeypatch)
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and eng.runner.tp_workers._procs[0].is_alive():
+        while workers.dead_worker() is None:
+            assert time.monotonic() < deadline, "the killed worker was not reaped"
             time.sleep(0.05)
         t0 = time.monotonic()
         outs = eng.generate(["hello", "world"], GREEDY)
         assert time.monotonic() - t0 < 30
         for o in outs:
-            assert o.finish_reason is not None
-            assert o.error and "tensor-parallel worker rank 1 exited" in o.error
+            assert o.error == _killed_message(pid)
+            assert o.finish_reason is FinishReason.ABORT and o.token_ids == []
+        assert calls == []  # the step was refused before rank 0 ran anything
+        assert eng.failed == _killed_message(pid) and eng.check_health() == eng.failed
+        with pytest.raises(EngineFailedError, match=r"rank 1 \(pid \d+\) exited \(signal 9"):
+            eng.generate(["again"], GREEDY)
+        assert eng.step() == [] and calls == []  # no more forwards
         eng.check_invariant()  # the failed batch's slots and rows came back
+        assert eng.stats()["live"] == eng.stats()["running"] == eng.stats()["waiting"] == 0
+    finally:
+        eng.close()
+    assert not is_tensor_parallel_initialized()
+
+
+def test_worker_killed_inside_a_step_fails_every_live_request(deepseek, monkeypatch):
+    """Rank 0's all-reduce meets a dead peer (gloo: connection reset): every request — the
+    batch's and the one still waiting — ends with the message naming the worker."""
+    eng = Engine(EngineConfig.create(model_path=deepseek, max_total_tokens=1024,
+                                     max_running_requests=2, tensor_parallel_size=2))
+    try:
+        workers = eng.runner.tp_workers
+        pid = workers.pids()[0]
+        calls = _count_forwards(eng, monkeypatch, kill_at=3)
+        seen: list[BaseException] = []
+        real_step_failed = workers.step_failed
+        monkeypatch.setattr(workers, "step_failed",
+                            lambda e, **kw: seen.append(e) or real_step_failed(e, **kw))
+        t0 = time.monotonic()
+        outs = eng.generate(["one", "two", "three"], GREEDY)
+        assert time.monotonic() - t0 < 30
+        assert len(calls) == 3  # the failed forward was the last one
+        assert len(seen) == 1 and "gloo" in str(seen[0])  # the collective's own error
+        for o in outs:
+            assert o.error == _killed_message(pid)
+            assert o.finish_reason is FinishReason.ABORT
+        assert [len(o.token_ids) for o in outs] == [2, 2, 0]  # 2 steps ran; "three" waited
+        assert eng.failed == _killed_message(pid)
+        eng.check_invariant()
+        assert eng.stats()["live"] == eng.stats()["running"] == eng.stats()["waiting"] == 0
     finally:
         eng.close()
     assert not is_tensor_parallel_initialized()

@@ -1,0 +1,260 @@
+"""Tensor parallelism on several GPUs (issue 8): TP=N vs TP=1 correctness and scaling numbers.
+
+Run on a machine with at least max(--tp) GPUs (NCCL; NVLink multicast stays off as the machine
+sets it: NCCL_NVLS_ENABLE=0). Prints markdown tables and writes every number to `--out`.
+
+- correctness: a *checkpoint on disk* (so every TP degree loads the same weights) with the real
+  published widths but few layers — DeepSeek-V2-Lite's (`tools.tiny_deepseek` weights: N(0, 0.02)
+  matrices, LM head std 3/sqrt(hidden), so greedy choices are well separated) and
+  Llama-3.1-8B's (`tools.checkpoints.make_tiny_llama`, std 0.02) — in bf16 with CUDA graphs. Each
+  TP degree generates greedily for the same random prompts with top-5 logprobs; reported: tokens
+  equal to TP=1 (and where the first difference is, with TP=1's top-1/top-2 logprob margin
+  there) and the largest difference of the chosen tokens' logprobs over the common prefix.
+- scaling: the full published shapes with random weights (`load_format="dummy"`): peak output
+  throughput on ShareGPT lengths (all requests at once, radix off) and bs-1 decode step time,
+  per TP degree.
+
+    PYTHONPATH=. python3 benchmarks/bench_tp.py --tokenizer-dir TOK --tp 1 2 --out tp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import bench_suite as suite  # noqa: E402
+from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
+
+from mla_backend.config import EngineConfig  # noqa: E402
+from mla_backend.engine import Engine  # noqa: E402
+from mla_backend.request import SamplingParams  # noqa: E402
+from mla_backend.tools.model_shapes import DEEPSEEK_V2_LITE, shape_config, write_shape_model  # noqa: E402
+
+T0 = time.perf_counter()
+DEVICE, DTYPE = "cuda", "bfloat16"  # --device cpu (gloo, float32) only smoke-tests the script
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def release() -> None:
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def write_checkpoints(root: str, tokenizer_dir: str, layers: int,
+                      overrides: dict[str, Any]) -> dict[str, str]:
+    """Few-layer checkpoints with the published widths, bf16 safetensors."""
+    from safetensors.torch import save_file
+
+    from mla_backend.tools.checkpoints import make_tiny_llama
+    from mla_backend.tools.tiny_deepseek import (_TOKENIZER_FILES, tiny_deepseek_v2_config,
+                                                 tiny_deepseek_v2_state_dict)
+
+    out = {}
+    t = time.perf_counter()
+    ds = os.path.join(root, "dsv2-lite-few")
+    os.makedirs(ds)
+    cfg = tiny_deepseek_v2_config(**{**DEEPSEEK_V2_LITE, "num_hidden_layers": layers,
+                                      **overrides.get("deepseek-v2-lite", {})})
+    sd = {k: v.to(torch.bfloat16) for k, v in tiny_deepseek_v2_state_dict(cfg, seed=0).items()}
+    save_file(sd, os.path.join(ds, "model.safetensors"), metadata={"format": "pt"})
+    del sd
+    with open(os.path.join(ds, "config.json"), "w") as f:
+        json.dump(dict(cfg, torch_dtype="bfloat16"), f)
+    for name in _TOKENIZER_FILES:
+        if os.path.exists(os.path.join(tokenizer_dir, name)):
+            shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(ds, name))
+    out["deepseek-v2-lite"] = ds
+    log(f"wrote {ds} in {time.perf_counter() - t:.0f} s")
+    t = time.perf_counter()
+    lcfg = shape_config("llama-3.1-8b", **{"num_hidden_layers": layers,
+                                           **overrides.get("llama-3.1-8b", {})})
+    keep = {k: v for k, v in lcfg.items() if k not in ("architectures", "model_type",
+                                                       "torch_dtype", "transformers_version")}
+    ll = make_tiny_llama(os.path.join(root, "llama-8b-few"), seed=0, init_std=0.02, **keep)
+    for name in _TOKENIZER_FILES:
+        if os.path.exists(os.path.join(tokenizer_dir, name)):
+            shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(ll, name))
+    out["llama-3.1-8b"] = ll
+    log(f"wrote {ll} in {time.perf_counter() - t:.0f} s")
+    return out
+
+
+def correctness(model_dir: str, tps: list[int], n_prompts: int, new_tokens: int,
+                vocab: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    prompts = [suite.random_prompt(gen, 16 + 24 * i, vocab) for i in range(n_prompts)]
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
+    runs: dict[int, Any] = {}
+    for tp in tps:
+        t = time.perf_counter()
+        eng = Engine(EngineConfig.create(model_path=model_dir, dtype=DTYPE, device=DEVICE,
+                                         tensor_parallel_size=tp, cuda_graph_max_bs=16,
+                                         max_running_requests=16, context_length=2048,
+                                         max_total_tokens=65536))
+        up = time.perf_counter() - t
+        res = _generate_with_logprobs(eng, prompts, sp)
+        eng.close()
+        del eng
+        release()
+        runs[tp] = res
+        log(f"  TP={tp}: up in {up:.0f} s, {sum(len(r[0]) for r in res)} tokens")
+    report: dict[str, Any] = {}
+    base = runs[tps[0]]
+    for tp in tps[1:]:
+        equal, first_diff, lp_err, margins = 0, [], 0.0, []
+        for (bt, blp, btop), (ot, olp, _) in zip(base, runs[tp]):
+            n = 0
+            while n < min(len(bt), len(ot)) and bt[n] == ot[n]:
+                n += 1
+            if n == len(bt) == len(ot):
+                equal += 1
+            else:
+                first_diff.append(n)
+                top = sorted(btop[n].values(), reverse=True)
+                margins.append(top[0] - top[1] if len(top) > 1 else float("nan"))
+            for j in range(n):
+                lp_err = max(lp_err, abs(blp[j] - olp[j]))
+        report[f"tp{tp}"] = {"prompts": len(base), "equal": equal, "first_diff_at": first_diff,
+                             "tp1_top2_margin_at_diff": margins,
+                             "max_abs_logprob_diff": lp_err}
+    return report
+
+
+def _generate_with_logprobs(eng: Engine, prompts: list[list[int]], sp: SamplingParams):
+    """Per prompt: (token ids, chosen-token logprobs, per-step top-5 {id: logprob})."""
+    from mla_backend.request import GenerateRequest
+
+    rids = [f"c{i}" for i in range(len(prompts))]
+    acc = {r: ([], [], []) for r in rids}
+    for r, p in zip(rids, prompts):
+        eng.add_request(GenerateRequest(rid=r, input_ids=p, sampling_params=sp, stream=True))
+    while eng.has_work():
+        for o in eng.step():
+            if o.rid not in acc:
+                continue
+            if o.error:
+                raise RuntimeError(o.error)
+            toks, lps, tops = acc[o.rid]
+            toks += o.new_token_ids
+            lps += o.new_token_logprobs or []
+            tops += [dict(t) for t in (o.new_logprobs or [])]
+    return [acc[r] for r in rids]
+
+
+def scaling(model: str, tokenizer_dir: str, tps: list[int], n_requests: int,
+            graph_max_bs: int, lengths: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    root = tempfile.mkdtemp(prefix="tpshape_")
+    mdir = write_shape_model(os.path.join(root, model), model, tokenizer_dir, **overrides)
+    vocab = int(shape_config(model, **overrides)["vocab_size"])
+    pairs = load_length_pairs(lengths, n_requests, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [suite.random_prompt(gen, p, vocab) for p, _ in pairs]
+    outs = [o for _, o in pairs]
+    res: dict[str, Any] = {}
+    for tp in tps:
+        t = time.perf_counter()
+        eng = suite.make_engine(mdir, tensor_parallel_size=tp, enable_radix_cache=False,
+                                cuda_graph_max_bs=graph_max_bs)
+        up = time.perf_counter() - t
+        suite.run_requests(eng, prompts[:16], [8] * 16)  # warm-up
+        bs1 = suite.decode_step_ms(eng, 1, 128, 48, vocab)
+        r = suite.run_requests(eng, prompts, outs)
+        res[f"tp{tp}"] = {"startup_s": up, "kv_tokens": eng.max_total_tokens,
+                          "bs1_ms_per_step": bs1, "bs1_tok_s": 1000 / bs1,
+                          "output_tokens": r["output_tokens"], "seconds": r["seconds"],
+                          "output_tok_s": r["output_tokens"] / r["seconds"],
+                          "errors": r["errors"], "retractions": eng.stats().get("retractions", 0)}
+        log(f"  {model} TP={tp}: {res[f'tp{tp}']}")
+        eng.close()
+        del eng
+        release()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokenizer-dir", required=True)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--sections", nargs="+", default=["correctness", "scaling"])
+    ap.add_argument("--layers", type=int, default=3, help="layers of the correctness checkpoints")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--scaling-models", nargs="+", default=["deepseek-v2-lite", "llama-3.1-8b"])
+    ap.add_argument("--num-requests", type=int, nargs="+", default=[1000, 500],
+                    help="per scaling model")
+    ap.add_argument("--graph-max-bs", type=int, default=160)
+    ap.add_argument("--lengths", default=str(DEFAULT_PATH))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--shape-overrides", default="{}",
+                    help='JSON {model: {config key: value}} (CPU smoke runs: small widths)')
+    args = ap.parse_args()
+    global DEVICE, DTYPE
+    DEVICE, DTYPE = args.device, "bfloat16" if args.device == "cuda" else "float32"
+    suite.DEVICE = DEVICE
+    overrides = json.loads(args.shape_overrides)
+    res: dict[str, Any] = {"gpus": [torch.cuda.get_device_name(i)
+                                    for i in range(torch.cuda.device_count())]
+                           if DEVICE == "cuda" else "cpu",
+                           "torch": torch.__version__,
+                           "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
+
+    def save() -> None:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=2, default=str)
+
+    if "correctness" in args.sections:
+        root = tempfile.mkdtemp(prefix="tpckpt_")
+        dirs = write_checkpoints(root, args.tokenizer_dir, args.layers, overrides)
+        for name, d in dirs.items():
+            vocab = int(json.load(open(os.path.join(d, "config.json")))["vocab_size"])
+            try:
+                res.setdefault("correctness", {})[name] = correctness(
+                    d, args.tp, args.prompts, args.new_tokens, vocab)
+            except Exception as e:  # keep the other numbers
+                res.setdefault("correctness", {})[name] = {"error": repr(e)[:2000]}
+            log(f"correctness {name}: {res['correctness'][name]}")
+            save()
+    if "scaling" in args.sections:
+        for model, n in zip(args.scaling_models, args.num_requests):
+            try:
+                res.setdefault("scaling", {})[model] = scaling(
+                    model, args.tokenizer_dir, args.tp, n, args.graph_max_bs, args.lengths,
+                    overrides.get(model, {}))
+            except Exception as e:
+                res.setdefault("scaling", {})[model] = {"error": repr(e)[:2000]}
+            log(f"scaling {model}: done")
+            save()
+    # tables
+    if "scaling" in res:
+        print("\n| model | TP | KV tokens | bs-1 ms/step | bs-1 tok/s | requests' output tok/s |")
+        print("|---|---|---|---|---|---|")
+        for model, per in res["scaling"].items():
+            for tp, r in per.items():
+                if isinstance(r, dict) and "bs1_ms_per_step" in r:
+                    print(f"| {model} | {tp[2:]} | {r['kv_tokens']:,} | {r['bs1_ms_per_step']:.2f} | "
+                          f"{r['bs1_tok_s']:.0f} | {r['output_tok_s']:,.0f} |")
+    save()
+
+
+if __name__ == "__main__":
+    main()
