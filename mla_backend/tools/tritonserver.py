@@ -46,6 +46,10 @@ from types import TracebackType
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PROMPT = "What is multi-head latent attention?"
+# `demo` prompts per model (others get DEFAULT_PROMPT): deepseek-v2-tiny was trained on State of
+# the Union addresses and Moby-Dick (checkpoints/deepseek-v2-tiny/README.md), so it is given the
+# opening those addresses share.
+DEMO_PROMPTS = {"deepseek-v2-tiny": "Fellow-Citizens of the Senate and House of Representatives:"}
 
 
 class TritonServerError(RuntimeError):
@@ -546,13 +550,14 @@ def _demo(args: argparse.Namespace) -> int:
               f"log {server.log_path}", flush=True)
         for model in models:
             print(f"\n=== {model} ===", flush=True)
+            prompt = args.prompt or DEMO_PROMPTS.get(model, DEFAULT_PROMPT)
             if client.is_file():
                 cmd = [sys.executable, str(client), "--url", server.grpc_url, "--model", model,
-                       "--prompt", args.prompt, "--max-tokens", str(args.max_tokens)]
+                       "--prompt", prompt, "--max-tokens", str(args.max_tokens)]
                 print("$ python " + shlex.join([os.path.relpath(client)] + cmd[2:]), flush=True)
                 subprocess.run(cmd, check=True, timeout=300)
             else:
-                _stream_http(server, model, args.prompt, args.max_tokens)
+                _stream_http(server, model, prompt, args.max_tokens)
             server.check_alive()
     print("\nserver stopped", flush=True)
     return 0
@@ -573,7 +578,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("extra", nargs=argparse.REMAINDER, help="-- then more tritonserver flags")
     demo = sub.add_parser("demo", help="start a server on free ports, stream a prompt per model")
     demo.add_argument("--model-repository", default=str(REPO_ROOT / "model_repository"))
-    demo.add_argument("--prompt", default=DEFAULT_PROMPT)
+    demo.add_argument("--prompt", default=None,
+                      help="one prompt for every model (default: DEMO_PROMPTS, else DEFAULT_PROMPT)")
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--timeout", type=float, default=300.0, help="start-up timeout (s)")
     args = parser.parse_args(argv)

@@ -2,8 +2,8 @@
 depend on batch mates, arrival order or prefill chunking.
 
 One server (module scope) over a temp repository with two copies of
-`model_repository/deepseek-v2-tiny` (random weights: its text is gibberish, but every token is a
-real argmax / seeded draw over 49152 logits):
+`model_repository/deepseek-v2-tiny` (the small model trained by the project; every token is a
+real argmax / seeded draw over its 8192 logits):
 
 - `dsv2-det`: 4 request slots (16 requests in flight must queue, so batch mates change from run to
   run), chunked_prefill_size 256 (no prompt here is chunked), radix cache on;
