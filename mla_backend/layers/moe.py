@@ -1,9 +1,18 @@
 """DeepSeek mixture of experts: router, routed experts, shared experts; and the dense gated MLP.
 
 Owns the expert weights (stacked per layer as `w13_weight` [E, 2I, H] = gate ‖ up and
-`w2_weight` [E, H, I], the layout fused MoE kernels want) and the routing math of DeepSeek-V2
-(REFERENCE §1.6): softmax scores, `greedy` or `group_limited_greedy` top-k, optional
-renormalization (`norm_topk_prob`), times `routed_scaling_factor`, plus always-on shared experts.
+`w2_weight` [E, H, I], the layout fused MoE kernels want) and the routing math (REFERENCE §1.6):
+
+| scoring_func | topk_method          | experts chosen by                          | model   |
+|--------------|----------------------|--------------------------------------------|---------|
+| softmax      | greedy               | top-k of the softmax                       | V2-Lite |
+| softmax      | group_limited_greedy | groups by best member, then top-k          | V2      |
+| sigmoid      | noaux_tc             | sigmoid + e_score_correction_bias; groups  | V3      |
+|              |                      | by the sum of their top-2; then top-k      |         |
+
+The weights are the chosen experts' scores (for noaux_tc the sigmoid WITHOUT the bias),
+then optional renormalization (`norm_topk_prob`), times `routed_scaling_factor`; plus always-on
+shared experts. `select_experts` does the softmax rows, `select_experts_noaux_tc` the sigmoid row.
 Weights come from `models.deepseek_v2.load_weights` (HF per-expert names via `weight_loader`);
 input/output are the decoder layer's hidden states.
 
@@ -92,9 +101,69 @@ def select_experts(
         masked = scores.masked_fill(score_mask == 0, 0.0)
         weights, ids = torch.topk(masked, k=top_k, dim=-1, sorted=False)
     else:
-        raise ValueError(f"unsupported topk_method {topk_method!r} "
-                         "(greedy and group_limited_greedy are implemented)")
+        raise ValueError(f"unsupported topk_method {topk_method!r} for softmax scoring "
+                         "(greedy and group_limited_greedy; noaux_tc is select_experts_noaux_tc)")
     if norm_topk_prob and top_k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def select_experts_noaux_tc(
+    router_logits: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: sigmoid scores, auxiliary-loss-free bias, group-limited top-k.
+
+    Source: transformers `modeling_deepseek_v3.DeepseekV3TopkRouter.forward` (the oracle of the
+    tests); DeepSeek-V3 technical report (arXiv 2412.19437) §2.1.2, eqs. 13-16 and §2.3.2
+    node-limited routing (a group is a node; a group scores the sum of its best K_r / M = 2).
+
+        s = sigmoid(logits)                        # affinities
+        c = s + e_score_correction_bias            # used only to CHOOSE experts
+        group score = sum of the top-2 c in each of n_group contiguous groups
+        keep the topk_group best groups; ids = top-k of c inside them (others -inf)
+        weights = s[ids] (no bias); / sum (norm_topk_prob); * routed_scaling_factor
+
+    Args:
+        router_logits: [T, E] (any float dtype; math in fp32).
+        e_score_correction_bias: [E] (fp32 in the checkpoint; read as fp32).
+        top_k: experts per token.
+        n_group, topk_group: E is split into `n_group` contiguous groups of E / n_group (>= 2)
+            experts; the best `topk_group` groups compete.
+        norm_topk_prob: divide the chosen weights by their sum (+1e-20), for any top_k (as HF).
+        routed_scaling_factor: multiplies the weights after normalization (2.5 in V3).
+    Returns:
+        (weights [T, top_k] fp32, ids [T, top_k] int64), in no particular order within a row.
+    Raises:
+        ValueError: n_group does not divide E into groups of at least 2, or the kept groups hold
+            fewer than top_k experts.
+    """
+    scores = router_logits.float().sigmoid()  # [T, E]
+    num_tokens, num_experts = scores.shape
+    if not n_group or num_experts % n_group or num_experts // n_group < 2:
+        raise ValueError(f"n_group {n_group} must divide the {num_experts} experts into groups "
+                         "of at least 2 (a group scores the sum of its top-2)")
+    per_group = num_experts // n_group
+    topk_group = topk_group or n_group
+    if topk_group * per_group < top_k:
+        raise ValueError(f"top_k {top_k} exceeds the {topk_group * per_group} experts of "
+                         f"{topk_group} groups")
+    choice = scores + e_score_correction_bias.float()  # [T, E]
+    group_scores = choice.view(num_tokens, n_group, per_group).topk(2, dim=-1).values.sum(-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False).indices  # [T, g]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(num_tokens, -1)
+    # NOTE: -inf, not 0: biased scores may be negative, and a 0 would let an expert of a dropped
+    # group win over them.
+    choice = choice.masked_fill(~score_mask, float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False).indices  # [T, k]
+    weights = scores.gather(1, ids)  # un-biased affinities of the chosen experts
+    if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids
 
@@ -130,21 +199,50 @@ def experts_forward(
     return out
 
 
+class NoAuxRouterGate(ReplicatedLinear):
+    """Router of `noaux_tc` (DeepSeek-V3): a replicated linear hidden -> E plus the per-expert
+    `e_score_correction_bias`, both kept in fp32 whatever the model dtype (as transformers'
+    `_keep_in_fp32_modules_strict`; the checkpoint stores the bias in fp32, and a bf16 bias would
+    shift expert choices).
+
+    Parameters: `weight` [E, H] fp32 (`mlp.gate.weight`), `e_score_correction_bias` [E] fp32
+    (`mlp.gate.e_score_correction_bias`). Both are filled through `weight_loader`.
+    """
+
+    def __init__(self, in_features: int, num_experts: int) -> None:
+        super().__init__(in_features, num_experts)
+        self.weight = nn.Parameter(torch.empty(num_experts, in_features, dtype=torch.float32),
+                                   requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+
+# (scoring_func, topk_method) pairs that DeepseekV2MoE routes.
+ROUTING_METHODS = (("softmax", "greedy"), ("softmax", "group_limited_greedy"),
+                   ("sigmoid", "noaux_tc"))
+
+
 class DeepseekV2MoE(nn.Module):
-    """Routed + shared experts of one DeepSeek-V2 decoder layer.
+    """Routed + shared experts of one DeepSeek-V2 / V3 decoder layer.
 
     Args:
         hidden_size, moe_intermediate_size: expert sizes.
         n_routed_experts, num_experts_per_tok: E and top-k.
         n_shared_experts: shared expert width multiplier (0: none).
         topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor: routing
-            (see `select_experts`).
+            (see `select_experts`, and `select_experts_noaux_tc` for "noaux_tc").
         fused_moe: routed experts through the triton `fused_experts` (True), the loop
             `experts_forward` (False), or the fused form for CUDA tensors only (None, default).
             The attribute of the same name may be changed after construction.
-    Parameters (HF names in brackets): `gate.weight` [E, H] (`mlp.gate.weight`),
-    `experts.w13_weight` [E, 2I, H] (`mlp.experts.{e}.gate_proj/up_proj.weight`),
-    `experts.w2_weight` [E, H, I] (`mlp.experts.{e}.down_proj.weight`), `shared_experts.*`.
+        scoring_func: "softmax" (V2) or "sigmoid" (V3, only with topk_method "noaux_tc"); one of
+            `ROUTING_METHODS`.
+    Parameters (HF names in brackets): `gate.weight` [E, H] (`mlp.gate.weight`; fp32 with
+    noaux_tc, see `NoAuxRouterGate`), `gate.e_score_correction_bias` [E] fp32 (noaux_tc only,
+    `mlp.gate.e_score_correction_bias`), `experts.w13_weight` [E, 2I, H]
+    (`mlp.experts.{e}.gate_proj/up_proj.weight`), `experts.w2_weight` [E, H, I]
+    (`mlp.experts.{e}.down_proj.weight`), `shared_experts.*`.
+    Raises:
+        ValueError: a (scoring_func, topk_method) pair outside `ROUTING_METHODS`.
     """
 
     def __init__(
@@ -160,17 +258,21 @@ class DeepseekV2MoE(nn.Module):
         norm_topk_prob: bool = False,
         routed_scaling_factor: float = 1.0,
         fused_moe: bool | None = None,
+        scoring_func: str = "softmax",
     ) -> None:
         super().__init__()
-        if topk_method not in ("greedy", "group_limited_greedy"):
-            raise ValueError(f"unsupported topk_method {topk_method!r}")
+        if (scoring_func, topk_method) not in ROUTING_METHODS:
+            raise ValueError(f"unsupported routing: scoring_func {scoring_func!r} with "
+                             f"topk_method {topk_method!r}; supported {ROUTING_METHODS}")
         self.top_k = num_experts_per_tok
         self.topk_method = topk_method
+        self.scoring_func = scoring_func
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob = norm_topk_prob
         self.routed_scaling_factor = routed_scaling_factor
         self.fused_moe = fused_moe
-        self.gate = ReplicatedLinear(hidden_size, n_routed_experts)
+        self.gate = (NoAuxRouterGate(hidden_size, n_routed_experts) if topk_method == "noaux_tc"
+                     else ReplicatedLinear(hidden_size, n_routed_experts))
         self.experts = StackedExperts(n_routed_experts, hidden_size, moe_intermediate_size)
         self.shared_experts = (GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts,
                                         reduce_results=False)
@@ -179,9 +281,14 @@ class DeepseekV2MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         logits = F.linear(x.float(), self.gate.weight.float())  # [T, E] fp32
-        weights, ids = select_experts(logits, self.top_k, self.topk_method, self.n_group,
-                                      self.topk_group, self.norm_topk_prob,
-                                      self.routed_scaling_factor)
+        if self.topk_method == "noaux_tc":
+            weights, ids = select_experts_noaux_tc(
+                logits, self.gate.e_score_correction_bias, self.top_k, self.n_group,
+                self.topk_group, self.norm_topk_prob, self.routed_scaling_factor)
+        else:
+            weights, ids = select_experts(logits, self.top_k, self.topk_method, self.n_group,
+                                          self.topk_group, self.norm_topk_prob,
+                                          self.routed_scaling_factor)
         w13, w2 = self.experts.w13_weight, self.experts.w2_weight
         # The fused form is kept while torch.compile traces, as an opaque call (the loop reads
         # counts to the host, which a CUDA graph capture would reject).
@@ -248,4 +355,5 @@ class StackedExperts(nn.Module):
         target.copy_(loaded)
 
 
-__all__ = ["DeepseekV2MoE", "GatedMLP", "StackedExperts", "experts_forward", "select_experts"]
+__all__ = ["ROUTING_METHODS", "DeepseekV2MoE", "GatedMLP", "NoAuxRouterGate", "StackedExperts",
+           "experts_forward", "select_experts", "select_experts_noaux_tc"]

@@ -1,4 +1,5 @@
-"""DeepSeek-V2 / V2-Lite (`DeepseekV2ForCausalLM`) with Multi-head Latent Attention.
+"""DeepSeek-V2 / V2-Lite (`DeepseekV2ForCausalLM`) and DeepSeek-V3 (`DeepseekV3ForCausalLM`)
+with Multi-head Latent Attention.
 
 Owns the model math. Built by `model_executor.model_runner` from the HF config (through
 `models.registry`), filled by `load_weights` from the checkpoint's safetensors (HF names), then
@@ -19,11 +20,17 @@ Attention paths (REFERENCE §1.2), chosen once per batch by `DeepseekV2Model.att
 Absorbed MQA: H query heads, 1 KV head of kv_lora + rope dims, V = the first kv_lora columns.
 Softmax scale in every path: qk_head_dim^-0.5 x mscale(factor, mscale_all_dim)^2 (never
 (kv_lora+rope)^-0.5). RoPE: interleaved pairs with DeepSeek YaRN (`layers.rotary_deepseek`).
+
+V3 is the same model math with other routing (`MoERouting`, REFERENCE §1.6): V2 routes by
+softmax (`greedy` / `group_limited_greedy`), V3 by sigmoid + `e_score_correction_bias`
+(`noaux_tc`), chosen from the config by `DeepseekV2ForCausalLM.moe_routing`, which
+`DeepseekV3ForCausalLM` overrides. Block-FP8 V3 checkpoints are not supported yet.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
@@ -46,6 +53,19 @@ if TYPE_CHECKING:
     from mla_backend.model_executor.forward_batch import ForwardBatch
 
 ABSORBED, DECOMPRESSED, MHA = "absorbed", "decompressed", "mha"
+
+
+@dataclass(frozen=True)
+class MoERouting:
+    """Routing of the MoE layers (see `layers.moe.ROUTING_METHODS`); filled by
+    `DeepseekV2ForCausalLM.moe_routing` from the HF config, read by every MoE layer."""
+
+    scoring_func: str  # "softmax" (V2) | "sigmoid" (V3)
+    topk_method: str  # "greedy" | "group_limited_greedy" (V2) | "noaux_tc" (V3)
+    n_group: int | None
+    topk_group: int | None
+    norm_topk_prob: bool
+    routed_scaling_factor: float
 
 
 class DeepseekV2Attention(nn.Module):
@@ -150,22 +170,21 @@ class DeepseekV2Attention(nn.Module):
 
 
 class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, layer_id: int, disable_mla: bool) -> None:
+    """MLA + (dense MLP for layers < first_k_dense_replace, else MoE routed by `routing`)."""
+
+    def __init__(self, hf_config: Any, layer_id: int, disable_mla: bool,
+                 routing: MoERouting) -> None:
         super().__init__()
         c = hf_config
         self.self_attn = DeepseekV2Attention(c, layer_id, disable_mla)
         n_routed = getattr(c, "n_routed_experts", None)
         if (n_routed and layer_id >= c.first_k_dense_replace
                 and layer_id % (getattr(c, "moe_layer_freq", 1) or 1) == 0):
-            scoring = getattr(c, "scoring_func", "softmax")
-            if scoring != "softmax":
-                raise ValueError(f"unsupported scoring_func {scoring!r} (softmax only)")
             self.mlp: nn.Module = DeepseekV2MoE(
                 c.hidden_size, c.moe_intermediate_size, n_routed, c.num_experts_per_tok,
-                getattr(c, "n_shared_experts", 0) or 0, c.topk_method or "greedy",
-                getattr(c, "n_group", None), getattr(c, "topk_group", None),
-                bool(getattr(c, "norm_topk_prob", False)),
-                float(getattr(c, "routed_scaling_factor", 1.0) or 1.0))
+                getattr(c, "n_shared_experts", 0) or 0, routing.topk_method,
+                routing.n_group, routing.topk_group, routing.norm_topk_prob,
+                routing.routed_scaling_factor, scoring_func=routing.scoring_func)
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
@@ -184,14 +203,15 @@ class DeepseekV2DecoderLayer(nn.Module):
 
 
 class DeepseekV2Model(nn.Module):
-    def __init__(self, hf_config: Any, model_config: "ModelConfig | None") -> None:
+    def __init__(self, hf_config: Any, model_config: "ModelConfig | None",
+                 routing: MoERouting) -> None:
         super().__init__()
         self.disable_mla = bool(model_config.disable_mla) if model_config is not None else False
         self.decompress_min_tokens = (model_config.mla_decompress_min_tokens
                                       if model_config is not None else 64)
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList([
-            DeepseekV2DecoderLayer(hf_config, i, self.disable_mla)
+            DeepseekV2DecoderLayer(hf_config, i, self.disable_mla, routing)
             for i in range(hf_config.num_hidden_layers)])
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
 
@@ -233,11 +253,29 @@ class DeepseekV2ForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, model_config: "ModelConfig | None" = None) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = DeepseekV2Model(hf_config, model_config)
+        self.model = DeepseekV2Model(hf_config, model_config, self.moe_routing(hf_config))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
                                       self.model.embed_tokens if self.tie_word_embeddings
                                       else None)
+
+    @classmethod
+    def moe_routing(cls, hf_config: Any) -> MoERouting:
+        """V2 routing from the config (transformers' DeepseekV2Config fields): softmax scores,
+        `topk_method` greedy (default) or group_limited_greedy.
+
+        Raises:
+            ValueError: a `scoring_func` other than softmax.
+        """
+        c = hf_config
+        scoring = getattr(c, "scoring_func", None) or "softmax"
+        if scoring != "softmax":
+            raise ValueError(f"unsupported scoring_func {scoring!r} for {cls.__name__} "
+                             "(softmax only; sigmoid/noaux_tc is DeepseekV3ForCausalLM)")
+        return MoERouting(scoring, getattr(c, "topk_method", None) or "greedy",
+                          getattr(c, "n_group", None), getattr(c, "topk_group", None),
+                          bool(getattr(c, "norm_topk_prob", False)),
+                          float(getattr(c, "routed_scaling_factor", 1.0) or 1.0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: "ForwardBatch") -> torch.Tensor:
@@ -264,8 +302,8 @@ class DeepseekV2ForCausalLM(nn.Module):
 
         Accepts the original per-expert names (`mlp.experts.{e}.gate_proj.weight`) and the
         transformers-5 stacked ones (`mlp.experts.gate_up_proj` [E, 2I, H],
-        `mlp.experts.down_proj` [E, H, I]). Skips rotary buffers and layers beyond
-        num_hidden_layers (e.g. V3's MTP layer).
+        `mlp.experts.down_proj` [E, H, I]), and V3's `mlp.gate.e_score_correction_bias`.
+        Skips rotary buffers and layers beyond num_hidden_layers (V3's MTP layer).
         Raises:
             KeyError: an unknown weight name. ValueError: a shape mismatch, or parameters that
                 no weight filled.
@@ -279,6 +317,12 @@ class DeepseekV2ForCausalLM(nn.Module):
                 continue
             m = _LAYER_RE.match(name)
             if m and int(m.group(1)) >= n_layers:
+                # DeepSeek-V3 checkpoints carry `num_nextn_predict_layers` (1) Multi-Token
+                # Prediction modules as `model.layers.{num_hidden_layers}.*` (enorm, hnorm,
+                # eh_proj, shared_head, a full decoder layer). They predict the token after next
+                # for training and speculative decoding; the next-token logits never read them,
+                # and we do not run speculative decoding, so they are not loaded (transformers
+                # ignores them too: `_keys_to_ignore_on_load_unexpected`).
                 continue
             m = _EXPERT_RE.match(name)
             if m:
@@ -353,18 +397,67 @@ def _copy(param: torch.Tensor, w: torch.Tensor) -> None:
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
-    """Placeholder so the registry names a class: V3 needs `noaux_tc` routing (sigmoid scores,
-    `e_score_correction_bias`) and FP8 block weights, not implemented yet.
+    """DeepSeek-V3 causal LM, bf16 / fp32 weights: the V2 model with V3 routing.
 
+    Differences from V2 (transformers `modeling_deepseek_v3.py`; DeepSeek-V3 report §2.1.2):
+    MoE routing `noaux_tc` with sigmoid scores and the per-expert `e_score_correction_bias`
+    (`layers.moe.select_experts_noaux_tc`; router weight and bias kept in fp32),
+    `norm_topk_prob` (true in V3) and `routed_scaling_factor` (2.5) from the config. The rest
+    (MLA with q_lora_rank, DeepSeek YaRN, first_k_dense_replace dense layers, shared experts) is
+    V2's code. The MTP layer of the checkpoint is skipped (see `load_weights`).
+
+    Args: as `DeepseekV2ForCausalLM`.
     Raises:
-        NotImplementedError: always, on construction.
+        ValueError: a config V3 cannot mean (another scoring_func / topk_method,
+            `rope_interleave` false, `moe_layer_freq` != 1).
+        NotImplementedError: a quantized (block-FP8) checkpoint (`quantization_config`), not
+            supported yet.
     """
 
     def __init__(self, hf_config: Any, model_config: "ModelConfig | None" = None) -> None:
-        raise NotImplementedError("DeepSeek-V3 (noaux_tc routing, FP8 weights) is not supported "
-                                  "yet; DeepSeek-V2 / V2-Lite are")
+        quant = getattr(hf_config, "quantization_config", None) or {}
+        quant_method = (quant.get("quant_method") if isinstance(quant, dict)
+                        else getattr(quant, "quant_method", None))
+        if quant_method:
+            # TODO(issue 6, FP8 part): block-wise FP8 linear layers (weight_scale_inv).
+            raise NotImplementedError(f"DeepSeek-V3 with quantization {quant_method!r} is not "
+                                      "supported yet; use a bf16 / fp32 checkpoint")
+        if getattr(hf_config, "rope_interleave", True) is False:
+            # transformers then rotates halves (NeoX) instead of interleaved pairs.
+            raise ValueError("rope_interleave=false is not supported (DeepSeek rope rotates "
+                             "interleaved pairs)")
+        if (getattr(hf_config, "moe_layer_freq", 1) or 1) != 1:
+            # transformers' V3 makes every layer >= first_k_dense_replace an MoE layer.
+            raise ValueError(f"moe_layer_freq {hf_config.moe_layer_freq} is not supported for "
+                             "DeepSeek-V3 (1: every layer from first_k_dense_replace on is MoE)")
+        super().__init__(hf_config, model_config)
+
+    @classmethod
+    def moe_routing(cls, hf_config: Any) -> MoERouting:
+        """V3 routing: sigmoid + `noaux_tc` always (transformers' DeepseekV3 reads neither
+        `scoring_func` nor `topk_method`; the published config.json says these two), with
+        `n_group`, `topk_group`, `norm_topk_prob`, `routed_scaling_factor` from the config
+        (DeepseekV3Config defaults 8, 4, true, 2.5 where absent).
+
+        Raises:
+            ValueError: the config names another scoring_func or topk_method.
+        """
+        c = hf_config
+        scoring = getattr(c, "scoring_func", None) or "sigmoid"
+        method = getattr(c, "topk_method", None) or "noaux_tc"
+        if (scoring, method) != ("sigmoid", "noaux_tc"):
+            raise ValueError(f"DeepseekV3ForCausalLM routes with scoring_func 'sigmoid' and "
+                             f"topk_method 'noaux_tc'; the config says {scoring!r}, {method!r}")
+
+        def field(name: str, default: Any) -> Any:
+            value = getattr(c, name, None)
+            return default if value is None else value
+
+        return MoERouting(scoring, method, int(field("n_group", 8)), int(field("topk_group", 4)),
+                          bool(field("norm_topk_prob", True)),
+                          float(field("routed_scaling_factor", 2.5)))
 
 
 EntryClass = DeepseekV2ForCausalLM
 
-__all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "EntryClass"]
+__all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "EntryClass", "MoERouting"]

@@ -1,4 +1,4 @@
-"""Tiny random DeepSeek-V2 checkpoints: deterministic HF folders for tests and the demo model.
+"""Tiny random DeepSeek-V2 / V3 checkpoints: deterministic HF folders for tests and the demo model.
 
 Not part of the engine. `make_tiny_deepseek_v2` writes a folder that both transformers'
 `DeepseekV2ForCausalLM` and `mla_backend.models.deepseek_v2` load:
@@ -17,6 +17,15 @@ Weight scales are chosen so that activations stay O(1) and neither the router no
 produce near-ties: matrices N(0, 0.02), router N(0, 0.1), LM head N(0, 3 / sqrt(hidden))
 (logit std ~3), embeddings N(0, 1), RMSNorm weights 1 + N(0, 0.1) (so a misplaced norm weight
 changes the output).
+
+`make_tiny_deepseek_v3` writes the DeepSeek-V3 equivalent (`model_type` "deepseek_v3",
+`DeepseekV3ForCausalLM`; defaults `TINY_DEEPSEEK_V3_DEFAULTS`): the same tensors, with the
+projection matrices at N(0, 1 / sqrt(fan_in)) instead of 0.02 so that every layer, and so the
+routing, changes the logits by O(1) (see `_rescale_projections`); plus, per MoE layer,
+`mlp.gate.e_score_correction_bias` [E] fp32 ~ N(0, 0.1) (comparable to the spread of the
+sigmoid scores: a model that ignores the bias routes ~3/4 of the tokens to another expert set);
+plus one MTP layer `model.layers.{num_hidden_layers}.*`, as the published V3 checkpoint carries
+(models must skip it).
 """
 
 from __future__ import annotations
@@ -189,6 +198,13 @@ def make_tiny_deepseek_v2(
     """
     cfg = tiny_deepseek_v2_config(**config_overrides)
     sd = tiny_deepseek_v2_state_dict(cfg, seed)
+    return _write_folder(out_dir, cfg, sd, tokenizer_dir)
+
+
+def _write_folder(out_dir: str, cfg: dict[str, Any], sd: dict[str, torch.Tensor],
+                  tokenizer_dir: str | None) -> str:
+    """Write config.json, generation_config.json, model.safetensors (+ tokenizer files) to a temp
+    folder beside `out_dir`, then swap it in. Returns `out_dir`, absolute."""
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -219,5 +235,130 @@ def make_tiny_deepseek_v2(
     return out_dir
 
 
-__all__ = ["TINY_DEEPSEEK_V2_DEFAULTS", "make_tiny_deepseek_v2", "tiny_deepseek_v2_config",
-           "tiny_deepseek_v2_state_dict"]
+# ---------------------------------------------------------------------------------- DeepSeek-V3
+# Defaults of a tiny DeepSeek-V3: the V2 tiny sizes with V3's architecture choices (published
+# DeepSeek-V3 config.json: q_lora_rank set, 1 shared expert, sigmoid / noaux_tc routing with
+# groups, norm_topk_prob true, routed_scaling_factor 2.5, YaRN mscale 1.0 / 1.0, one MTP layer).
+TINY_DEEPSEEK_V3_DEFAULTS: dict[str, Any] = {
+    **TINY_DEEPSEEK_V2_DEFAULTS,
+    "q_lora_rank": 96,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "topk_method": "noaux_tc",
+    "n_group": 4,
+    "topk_group": 2,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "num_nextn_predict_layers": 1,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}
+
+E_SCORE_CORRECTION_BIAS_STD = 0.1
+
+
+def tiny_deepseek_v3_config(**overrides: Any) -> dict[str, Any]:
+    """The config.json dict of a tiny DeepSeek-V3: `TINY_DEEPSEEK_V3_DEFAULTS` updated by
+    `overrides`.
+
+    Raises:
+        ValueError: inconsistent sizes (see `tiny_deepseek_v2_config`), groups of fewer than 2
+            experts (a noaux_tc group scores its top-2), or top-k above the experts of
+            topk_group groups.
+    """
+    merged = json.loads(json.dumps({**TINY_DEEPSEEK_V3_DEFAULTS, **overrides}))
+    if "num_attention_heads" in overrides and "num_key_value_heads" not in overrides:
+        merged["num_key_value_heads"] = merged["num_attention_heads"]
+    cfg = tiny_deepseek_v2_config(**merged)  # the size checks
+    n_exp, n_group = cfg["n_routed_experts"], cfg["n_group"] or 1
+    if n_exp // n_group < 2:
+        raise ValueError(f"{n_exp} experts in {n_group} groups: a group needs at least 2")
+    if (cfg["topk_group"] or n_group) * (n_exp // n_group) < cfg["num_experts_per_tok"]:
+        raise ValueError("num_experts_per_tok exceeds the experts in topk_group groups")
+    cfg["model_type"] = "deepseek_v3"
+    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
+    return cfg
+
+
+def _rescale_projections(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """N(0, 0.02) projection matrices -> N(0, 1 / sqrt(fan_in)) (same draws, scaled), so each
+    attention / MLP / expert output is O(1) against the O(1) residual stream. With 0.02 a tiny
+    layer adds ~1% to the residual and routing mistakes move the logits by ~0.03 without
+    changing a token; at this scale they change tokens. Embeddings, LM head, norms and the
+    router keep their scales."""
+    out = {}
+    for name, w in sd.items():
+        keep = (w.dim() != 2 or name.endswith(("embed_tokens.weight", "mlp.gate.weight"))
+                or name == "lm_head.weight")
+        out[name] = w if keep else (w * (w.shape[1] ** -0.5 / 0.02)).contiguous()
+    return out
+
+
+def tiny_deepseek_v3_state_dict(cfg: dict[str, Any], seed: int = 0,
+                                mtp: bool = True) -> dict[str, torch.Tensor]:
+    """Deterministic random fp32 weights for a V3 `cfg`, keyed by the original checkpoint names.
+
+    The V2 tensors (`tiny_deepseek_v2_state_dict`), plus `mlp.gate.e_score_correction_bias`
+    [E] fp32 per MoE layer, plus (when `mtp`) `num_nextn_predict_layers` MTP layers
+    `model.layers.{num_hidden_layers + j}.*`: a full decoder layer and `enorm`, `hnorm`,
+    `eh_proj` [hidden, 2 hidden], `shared_head.norm` (the published checkpoint also stores copies
+    of the embedding and LM head there; they are left out to keep the file small).
+    """
+    sd = _rescale_projections(tiny_deepseek_v2_state_dict(cfg, seed))
+    gen = torch.Generator().manual_seed(seed + 7919)  # V3-only tensors: their own stream
+    n_layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    for name in [k for k in sd if k.endswith(".mlp.gate.weight")]:
+        sd[name[: -len("weight")] + "e_score_correction_bias"] = (
+            torch.randn(cfg["n_routed_experts"], generator=gen) * E_SCORE_CORRECTION_BIAS_STD)
+    n_mtp = int(cfg.get("num_nextn_predict_layers") or 0) if mtp else 0
+    if n_mtp:
+        deeper = _rescale_projections(tiny_deepseek_v2_state_dict(
+            {**cfg, "num_hidden_layers": n_layers + n_mtp}, seed + 1))
+        for j in range(n_layers, n_layers + n_mtp):
+            p = f"model.layers.{j}."
+            sd.update({k: v for k, v in deeper.items() if k.startswith(p)})
+            sd[p + "mlp.gate.e_score_correction_bias"] = (
+                torch.randn(cfg["n_routed_experts"], generator=gen) * E_SCORE_CORRECTION_BIAS_STD)
+            for norm in ("enorm", "hnorm", "shared_head.norm"):
+                sd[f"{p}{norm}.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+            sd[p + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.02
+    return sd
+
+
+def make_tiny_deepseek_v3(
+    out_dir: str, seed: int = 0, tokenizer_dir: str | None = None, mtp: bool = True,
+    **config_overrides: Any
+) -> str:
+    """Write a deterministic random DeepSeek-V3 HF folder at `out_dir` (replaced atomically).
+
+    Loadable by transformers' `DeepseekV3ForCausalLM` (which warns about the MTP layer's unused
+    weights) and by `mla_backend.models.deepseek_v2.DeepseekV3ForCausalLM`.
+
+    Args:
+        out_dir, seed, tokenizer_dir: as `make_tiny_deepseek_v2`.
+        mtp: write the MTP layer(s) (`num_nextn_predict_layers`) as the published checkpoint has.
+        config_overrides: config.json keys, e.g. `n_group=2, topk_group=1`, `q_lora_rank=None`,
+            `first_k_dense_replace=2`, `norm_topk_prob=False`.
+    Returns:
+        `out_dir`, absolute.
+    Raises:
+        ValueError: inconsistent config (see `tiny_deepseek_v3_config`).
+        FileNotFoundError: `tokenizer_dir` given but holds no tokenizer files.
+    """
+    cfg = tiny_deepseek_v3_config(**config_overrides)
+    return _write_folder(out_dir, cfg, tiny_deepseek_v3_state_dict(cfg, seed, mtp), tokenizer_dir)
+
+
+__all__ = ["TINY_DEEPSEEK_V2_DEFAULTS", "TINY_DEEPSEEK_V3_DEFAULTS", "make_tiny_deepseek_v2",
+           "make_tiny_deepseek_v3", "tiny_deepseek_v2_config", "tiny_deepseek_v2_state_dict",
+           "tiny_deepseek_v3_config", "tiny_deepseek_v3_state_dict"]

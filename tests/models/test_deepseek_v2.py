@@ -72,6 +72,27 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     return out.sequences[0, len(prompt):].tolist(), torch.stack(out.scores, dim=1)[0]
 
 
+def assert_absorbed_matches_hf(h, hf, prompts: list[list[int]], lens: tuple[int, ...],
+                               n: int = 32) -> None:
+    """Harness `h` (absorbed path) vs HF `hf`: ragged-batch prefill logits, then `n` greedy tokens
+    and their step logits per prompt, within ATOL/RTOL; the continuations are not all equal."""
+    new_tokens, prefill, step_logits = h.greedy(prompts, max_new_tokens=n)
+    assert h.last_path == "absorbed"
+    start = 0
+    with torch.inference_mode():
+        for p, k in zip(prompts, lens):
+            ref = hf(torch.tensor([p])).logits[0]
+            torch.testing.assert_close(prefill[start:start + k], ref, atol=ATOL, rtol=RTOL)
+            start += k
+    for i, p in enumerate(prompts):
+        ref_tokens, ref_scores = _hf_greedy(hf, p, n)
+        assert new_tokens[i] == ref_tokens
+        torch.testing.assert_close(step_logits[i], ref_scores, atol=ATOL, rtol=RTOL)
+        _check_gap(ref_scores)
+    # The model is not degenerate: the greedy continuations differ between prompts.
+    assert len({tuple(t) for t in new_tokens}) > 1
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_matches_hf_prefill_and_greedy(tiny_deepseek_factory, variant):
     path = tiny_deepseek_factory(seed=1, **{**SMALL, **VARIANTS[variant]})
@@ -80,22 +101,7 @@ def test_matches_hf_prefill_and_greedy(tiny_deepseek_factory, variant):
     lens = (5, 17, 1, 11)
     prompts = _prompts(vocab, lens, seed=2)
     h = DeepseekHarness(path, decompress_min_tokens=10**9)  # absorbed everywhere
-    new_tokens, prefill, step_logits = h.greedy(prompts, max_new_tokens=32)
-    assert h.last_path == "absorbed"
-
-    start = 0
-    with torch.inference_mode():
-        for p, n in zip(prompts, lens):
-            ref = hf(torch.tensor([p])).logits[0]
-            torch.testing.assert_close(prefill[start:start + n], ref, atol=ATOL, rtol=RTOL)
-            start += n
-    for i, p in enumerate(prompts):
-        ref_tokens, ref_scores = _hf_greedy(hf, p, 32)
-        assert new_tokens[i] == ref_tokens
-        torch.testing.assert_close(step_logits[i], ref_scores, atol=ATOL, rtol=RTOL)
-        _check_gap(ref_scores)
-    # The model is not degenerate: the greedy continuations differ between prompts.
-    assert len({tuple(t) for t in new_tokens}) > 1
+    assert_absorbed_matches_hf(h, hf, prompts, lens)
 
 
 def test_default_tiny_config_matches_hf(tiny_deepseek_factory):
