@@ -22,16 +22,19 @@ outputs for an id no longer in `_live` are dropped — nothing is sent after FIN
 A tensor-parallel worker that dies (`Engine.failed`, noticed at the next step or within 0.1 s
 when idle) is fatal. The engine thread stops; every live request and every later one ends with
 one UNAVAILABLE error carrying the message ("tensor-parallel worker rank 1 (pid N) exited
-(signal 9, SIGKILL); the model must be reloaded"); and the model asks Triton to unload it
-(`pb_utils.unload_model`), so `v2/models/<name>/ready` turns false while the server and its
-other models keep serving; load it again to recover. That needs `--model-control-mode=explicit`:
-in the other modes Triton refuses, the failure is logged, and the model stays loaded (and
-"ready": this Triton, 2.51, has no per-instance health check) but fails every request at once.
+(signal 9, SIGKILL); the model must be reloaded"). The model stays loaded and "ready" (this
+Triton, 2.51, has no per-instance health check) but fails every request at once. With the
+adapter parameter UNLOAD_ON_FATAL_ERROR "true" — only for servers started with
+`--model-control-mode=explicit` — the model also asks Triton to unload it
+(`pb_utils.unload_model`), so `v2/models/<name>/ready` turns false while the server and its other
+models keep serving; load it again to recover. Not by default: outside explicit mode that call
+aborted the whole tritonserver 2.51 process (boost::interprocess::lock_exception in
+libtriton_python.so when the next request arrived).
 
 Data: tensors and parameters come from Triton (`pb_utils`), engine settings from config.pbtxt
 `parameters` (`EngineConfig.from_parameters`, `model_path` relative to the model's folder);
 adapter-only parameters: `REPORT_CUSTOM_METRICS` (default "true"), `LOG_REQUESTS` (default
-"false"), `STREAM_INTERVAL` (default "1": a streamed response per token; N > 1: after a
+"false"), `UNLOAD_ON_FATAL_ERROR` (default "false"; see above), `STREAM_INTERVAL` (default "1": a streamed response per token; N > 1: after a
 request's first streamed response, which goes out at once, each carries at least N tokens (the
 last one may carry fewer): N times fewer sends, each an IPC round trip to the server process, for
 N - 1 steps more latency per delta; as SGLang's `stream_interval`).
@@ -140,6 +143,7 @@ class TritonPythonModel:
         report_metrics = _flag(params, "REPORT_CUSTOM_METRICS", True)
         self._log_requests = _flag(params, "LOG_REQUESTS", False)
         self._stream_interval = _positive_int(params, "STREAM_INTERVAL", 1)
+        self._unload_on_fatal = _flag(params, "UNLOAD_ON_FATAL_ERROR", False)
         try:
             check_instance_layout(args.get("model_instance_kind"),
                                   config.parallel.tensor_parallel_size)
@@ -268,8 +272,12 @@ class TritonPythonModel:
                 return  # no more steps: the model must be reloaded
 
     def _on_engine_failed(self) -> None:
-        """Log the fatal error and ask Triton to unload this model (see the module docstring);
-        requests are failed by the response thread (`_fail_live`)."""
+        """Log the fatal error and, with UNLOAD_ON_FATAL_ERROR, ask Triton to unload this model
+        (see the module docstring); requests are failed by the response thread (`_fail_live`)."""
+        if not self._unload_on_fatal:
+            self.logger.log_error(f"[mla_backend] {self.model_name}: {self._fatal}; failing every "
+                                  "request (reload the model or restart the server)")
+            return
         self.logger.log_error(f"[mla_backend] {self.model_name}: {self._fatal}; failing every "
                               "request and unloading the model")
         threading.Thread(target=self._unload_self, name="mla-unload", daemon=True).start()

@@ -80,7 +80,7 @@ def baseline(prompt: str, max_tokens: int) -> str:
 def _long_prompt(tag: str) -> str:
     """A fresh (radix-cache-cold) prompt of ~450 tokens; `tag` makes it unique."""
     words = ["cat", "dog", "tree", "car", "lamp", "boat"]
-    return f"[{tag}] " + " ".join(f"item {i} is a {words[i % 6]}" for i in range(66))
+    return f"[{tag}] " + " ".join(f"item {i} is a {words[i % 6]}" for i in range(75))
 
 
 def gauges(server: TritonServer) -> dict[str, float]:

@@ -10,13 +10,14 @@ UNAVAILABLE, but a gRPC stream's error carries only the message), the dsv2-tp1 s
 with the text of an in-process TP 1 engine, dsv2-tp1 serves a new request, and the server stays
 live and ready. Then:
 
-- explicit model control: dsv2-tp2 unloads itself, so `v2/models/dsv2-tp2/ready` (and
+- explicit model control, dsv2-tp2 with UNLOAD_ON_FATAL_ERROR "true": it unloads itself, so `v2/models/dsv2-tp2/ready` (and
   tritonclient's HTTP and gRPC `is_model_ready`) turns false and a new request is refused at
   once; its unload still balances the pools; loading it again starts a new worker and serves the
   TP 1 text; stopping the server stops that worker.
-- default model control ("none"): Triton refuses the unload, so the model stays READY (this
-  Triton, 2.51, has no per-instance health check, and the stub is alive anyway), but every new
-  request fails at once with the same message.
+- default model control ("none"), default adapter settings (no self-unload: outside explicit
+  mode `pb_utils.unload_model` aborted tritonserver): the model stays READY (this Triton, 2.51,
+  has no per-instance health check, and the stub is alive anyway), but every new request fails
+  at once with the same message.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def baseline() -> str:
 
 def _start(tmp_path: Path, mode: str | None) -> TritonServer:
     root = tmp_path / "repository"
-    write_model(root, TP2, {**SETTINGS, "tensor_parallel_size": "2"})
+    # Self-unload only where Triton allows it (outside explicit mode the call aborts the server).
+    unload = {"UNLOAD_ON_FATAL_ERROR": "true"} if mode == "explicit" else {}
+    write_model(root, TP2, {**SETTINGS, "tensor_parallel_size": "2", **unload})
     write_model(root, TP1, SETTINGS)
     kw = {"model_control_mode": "explicit", "load_models": [TP2, TP1]} if mode else {}
     return TritonServer(root, wait_models=[TP2, TP1], startup_timeout=300, **kw).start()
@@ -247,13 +250,14 @@ def test_default_mode_worker_death_fails_every_request_at_once(tmp_path):
         r = requests.post(f"{server.http_url}/v2/models/{TP2}/generate", timeout=FAST_S,
                           json={"text_input": PROMPT, "parameters": SHORT}, headers=CLOSE)
         assert r.status_code == 400 and r.json() == {"error": _message(pid)}
-        # Not unloaded (Triton refuses outside explicit mode), so still listed READY.
+        # No self-unload by default, so still listed READY.
         assert _ready_http(server, TP2) and server.model_states()[TP2][0] == "READY"
         _server_healthy(server)
         _serves_baseline(server, TP1)
         log = server.log_path.read_text(errors="replace")
-        assert f"[mla_backend] {TP2}: {_message(pid)}; failing every request" in log
-        assert f"[mla_backend] {TP2}: could not unload itself" in log
+        assert (f"[mla_backend] {TP2}: {_message(pid)}; failing every request (reload the model "
+                "or restart the server)") in log
+        assert "unloading the model" not in log
     finally:
         server.stop()
     log = server.log_path.read_text(errors="replace")
