@@ -25,6 +25,11 @@ next_pow2(Lk) with masking. Lv is padded to next_pow2 with masking. The value bu
 strided view of the key buffer (MLA: `v_buffer = k_buffer[..., :512]`); only the given tensors'
 strides are used (the last dim of q, k, v, o must be contiguous).
 
+FP8 pools (float8_e4m3fn / float8_e5m2) with per-tensor `k_scale` / `v_scale`: tiles are
+converted to q's dtype on load (exact: every fp8 value is a bf16/fp16/fp32 value) and the scales
+are applied in fp32 where they cost nothing: k_scale folded into the softmax scale of q·k,
+v_scale into the normalized partial output (sum_j p_j · v_j · s = s · sum_j p_j · v_j).
+
 No host synchronisation: split counts live on the device, the grids depend only on shapes and
 `max_kv_splits`, so the op can be captured in a CUDA graph.
 """
@@ -151,7 +156,7 @@ def _split_len(seq_len, n_splits, ALIGN: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, NumKvSplits, MidO, MidLse,
-    sm_scale,
+    sm_scale, v_scale,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ls,
     Lk: tl.constexpr, Lv: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
@@ -229,7 +234,7 @@ def _decode_split_kernel(
 
         mid_row = (b.to(tl.int64) * stride_mb + cur_head.to(tl.int64) * stride_mh
                    + split.to(tl.int64) * stride_ms)
-        tl.store(MidO + mid_row[:, None] + offs_dv[None, :], acc / l_i[:, None],
+        tl.store(MidO + mid_row[:, None] + offs_dv[None, :], acc / l_i[:, None] * v_scale,
                  mask=mask_h[:, None] & mask_dv[None, :])
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural log
         lse_row = (b.to(tl.int64) * stride_lb + cur_head.to(tl.int64) * stride_lh
@@ -277,7 +282,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                          num_kv_splits: torch.Tensor, max_kv_splits: int,
                          attn_logits: torch.Tensor, attn_lse: torch.Tensor,
-                         sm_scale: float) -> None:
+                         sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Decode attention of one query token per request over its cached tokens; writes `o`.
 
     Args:
@@ -285,7 +290,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         k_buffer: [S, Hkv, Lk] key pool (slot-major); Lk contiguous.
         v_buffer: [S, Hkv, Lv] value pool; may be a strided view of k_buffer (MLA absorbed:
             Hkv = 1, Lk = 576, Lv = 512, v_buffer = k_buffer[..., :512]); Lv contiguous.
-            K/V are cast to q's dtype before the dot products (e.g. fp8 pools viewed as fp8).
+            K/V are cast to q's dtype before the dot products; fp8 pools (float8_e4m3fn /
+            float8_e5m2) hold value / scale.
         o: [bs, H, Lv] output, written in o's dtype (Lv contiguous).
         req_to_token: [R, C] int32, slot of token j of the request in row r (row-contiguous).
         req_pool_indices: [bs] int32/int64, row of each request.
@@ -296,6 +302,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         attn_logits: [bs, H, max_kv_splits, Lv] fp32 workspace (partial outputs).
         attn_lse: [bs, H, max_kv_splits] fp32 workspace (partial log-sum-exps, natural log).
         sm_scale: softmax scale applied to q·k.
+        k_scale, v_scale: per-tensor dequantization scales of an FP8 pool (key = stored ·
+            k_scale, value = stored · v_scale); 1.0 for other pools.
     Raises:
         ValueError: inconsistent shapes, H not a multiple of Hkv, a non-contiguous last dim, or
             workspaces too small / not fp32.
@@ -337,7 +345,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     grid = (bs, num_kv_heads * blocks_per_kv, max_kv_splits)
     _decode_split_kernel[grid](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
-        attn_logits, attn_lse, sm_scale,
+        attn_logits, attn_lse, sm_scale * k_scale, v_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),

@@ -20,6 +20,11 @@ for the QK product; the V width is padded to a power of two and masked. Covered 
 GQA, MQA, MLA decompressed prefill (qk 192 / v 128, no prefix) and MLA absorbed extend (qk 576,
 v = first 512 columns of the same rows, one KV head).
 
+FP8 pools (float8_e4m3fn / float8_e5m2, per-tensor `k_scale` / `v_scale`) are read in phase 1
+only: tiles are converted to q's dtype on load (exact), k_scale is folded into phase 1's softmax
+scale and v_scale into its P·V product (p · (stored · s) = (p · stored) · s). The new tokens'
+k/v (phase 2) are the unquantized inputs.
+
 All pool offsets are computed in 64-bit (slot × stride may exceed 2^31 elements). The launch does
 not synchronise with the device: lengths are read on the device, only `max_extend_len` comes
 from the host.
@@ -43,12 +48,13 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _attend_tile(acc, l_i, m_i, q, q_pe, k_ptrs, kpe_ptrs, v_ptrs, k_mask, kpe_mask, v_mask,
-                 score_mask, qk_scale, HAS_PE: tl.constexpr, USE_MASK: tl.constexpr,
-                 IEEE_DOT: tl.constexpr):
+                 score_mask, qk_scale, v_scale, HAS_PE: tl.constexpr, USE_MASK: tl.constexpr,
+                 IEEE_DOT: tl.constexpr, SCALE_V: tl.constexpr):
     """One BLOCK_N key tile of the online softmax. Returns updated (acc, l_i, m_i).
 
     q: [BLOCK_M, BLOCK_D]; k tile [BLOCK_D, BLOCK_N]; v tile [BLOCK_N, BLOCK_DV];
-    score_mask: [BLOCK_M, BLOCK_N] bool, used only when USE_MASK.
+    score_mask: [BLOCK_M, BLOCK_N] bool, used only when USE_MASK. qk_scale includes the key's
+    dequantization scale; SCALE_V: multiply this tile's P·V by v_scale (FP8 pool tiles).
     """
     k = tl.load(k_ptrs, mask=k_mask, other=0.0).to(q.dtype)
     qk = _dot(q, k, IEEE_DOT)
@@ -62,22 +68,25 @@ def _attend_tile(acc, l_i, m_i, q, q_pe, k_ptrs, kpe_ptrs, v_ptrs, k_mask, kpe_m
     p = tl.math.exp2(qk - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None]
-    acc += _dot(p.to(v.dtype), v, IEEE_DOT)
+    if SCALE_V:
+        acc += _dot(p.to(q.dtype), v, IEEE_DOT) * v_scale
+    else:
+        acc += _dot(p.to(q.dtype), v, IEEE_DOT)
     return acc, l_i, m_new
 
 
 @triton.jit
 def _extend_attention_kernel(
     Q, K_ext, V_ext, O, K_buf, V_buf, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens,
-    Extend_start_loc, qk_scale,
+    Extend_start_loc, qk_scale, prefix_qk_scale, prefix_v_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_req,
     KV_GROUP: tl.constexpr, LQ: tl.constexpr, LV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PE: tl.constexpr,
-    HAS_PREFIX: tl.constexpr, IEEE_DOT: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, IEEE_DOT: tl.constexpr, SCALE_PREFIX_V: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -129,8 +138,8 @@ def _extend_attention_kernel(
                 k_base[None, :] + offs_d[:, None], k_base[None, :] + offs_dpe[:, None],
                 v_base[:, None] + offs_dv[None, :],
                 mask_n[None, :] & mask_d[:, None], mask_n[None, :] & mask_dpe[:, None],
-                mask_n[:, None] & mask_dv[None, :], mask_n[None, :], qk_scale,
-                HAS_PE, True, IEEE_DOT)
+                mask_n[:, None] & mask_dv[None, :], mask_n[None, :], prefix_qk_scale,
+                prefix_v_scale, HAS_PE, True, IEEE_DOT, SCALE_PREFIX_V)
 
     # ---- phase 2: the new tokens themselves (causal) ----
     # keys strictly before this query block are visible to every row: no score mask
@@ -144,7 +153,7 @@ def _extend_attention_kernel(
             k_base[None, :] + offs_d[:, None], k_base[None, :] + offs_dpe[:, None],
             v_base[:, None] + offs_dv[None, :],
             mask_d[:, None], mask_dpe[:, None], mask_dv[None, :], mask_m[:, None], qk_scale,
-            HAS_PE, False, IEEE_DOT)
+            1.0, HAS_PE, False, IEEE_DOT, False)
     # diagonal tiles: causal mask and length mask
     diag_end = tl.minimum(m_start + BLOCK_M, extend_len)
     for start_n in range(full_end, diag_end, BLOCK_N):
@@ -159,7 +168,7 @@ def _extend_attention_kernel(
             v_base[:, None] + offs_dv[None, :],
             mask_n[None, :] & mask_d[:, None], mask_n[None, :] & mask_dpe[:, None],
             mask_n[:, None] & mask_dv[None, :], causal, qk_scale,
-            HAS_PE, True, IEEE_DOT)
+            1.0, HAS_PE, True, IEEE_DOT, False)
 
     out = acc / l_i[:, None]
     o_rows = (ext_start + offs_m.to(tl.int64)) * stride_ot + head * stride_oh
@@ -218,7 +227,8 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
                          v_buffer: torch.Tensor | None, req_to_token: torch.Tensor,
                          req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                          extend_lens: torch.Tensor, extend_start_loc: torch.Tensor,
-                         max_extend_len: int, sm_scale: float) -> None:
+                         max_extend_len: int, sm_scale: float, k_scale: float = 1.0,
+                         v_scale: float = 1.0) -> None:
     """Attention of the new (extend) tokens of a batch over their cached prefix and themselves.
 
     Args:
@@ -236,6 +246,9 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
         extend_start_loc: [bs] integer, first row of each request in the packed q/k/v/o.
         max_extend_len: host int >= max(extend_lens) (sizes the grid; larger is only slower).
         sm_scale: softmax scale applied to q·k.
+        k_scale, v_scale: per-tensor dequantization scales of an FP8 pool (prefix key = stored
+            · k_scale, value = stored · v_scale); 1.0 for other pools. The new tokens' k/v are
+            used as given.
     Raises:
         ValueError: mismatched shapes, H not a multiple of Hkv, a last dim that is not
             contiguous, or only one of k_buffer / v_buffer given.
@@ -280,12 +293,13 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     _extend_attention_kernel[grid](
         q_extend, k_extend, v_extend, o_extend, kb, vb, req_to_token, req_pool_indices,
         prefix_lens, extend_lens, extend_start_loc, sm_scale * 1.4426950408889634,
+        sm_scale * k_scale * 1.4426950408889634, v_scale,
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
         kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), req_to_token.stride(0),
         KV_GROUP=h // hkv, LQ=lq, LV=lv, BLOCK_D=block_d, BLOCK_DPE=max(block_dpe, 16),
         BLOCK_DV=block_dv, BLOCK_M=block_m, BLOCK_N=block_n, HAS_PE=has_pe, HAS_PREFIX=has_prefix,
-        IEEE_DOT=q_extend.dtype == torch.float32,
+        IEEE_DOT=q_extend.dtype == torch.float32, SCALE_PREFIX_V=v_scale != 1.0,
         num_warps=num_warps, num_stages=1,
     )
 

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch_native")
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 
 class ConfigError(ValueError):
@@ -53,6 +54,10 @@ class CacheConfig:
     # Token slots in the KV pool; None = derived (CPU: 16384; GPU: from free memory).
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.88  # GPU only: fraction of total memory for weights + pools
+    # KV pool storage: "auto" (the model dtype), "fp8_e4m3" or "fp8_e5m2" (1 byte per value;
+    # per-layer scales from the checkpoint's `self_attn.k_scale` / `v_scale` / `kv_scale`,
+    # else 1.0).
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,8 @@ class EngineConfig:
         _check(c.max_total_tokens is None or c.max_total_tokens >= 2, "max_total_tokens",
                f"must be >= 2, got {c.max_total_tokens}")
         _check(0.0 < c.mem_fraction_static < 1.0, "mem_fraction_static", "must be in (0, 1)")
+        _check(c.kv_cache_dtype in KV_CACHE_DTYPE_NAMES, "kv_cache_dtype",
+               f"must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, got {c.kv_cache_dtype!r}")
         _check(s.schedule_policy in ("lpm", "fcfs"), "schedule_policy",
                f"must be lpm or fcfs, got {s.schedule_policy!r}")
         _check(s.max_prefill_tokens >= 1, "max_prefill_tokens", "must be >= 1")

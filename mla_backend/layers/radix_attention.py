@@ -4,10 +4,15 @@ Holds only the layer's geometry (heads, dims, scale, layer_id). Which KV pool bu
 decided by `layer_id`; the backend reads/writes that pool through `req_to_token`.
 The backend call is opaque to torch.compile (`torch.compiler.disable`): the backends hold
 per-step Python state and launch their own kernels, so inductor compiles the code around them.
+
+Also owns the checkpoint names of FP8 KV-cache scales (`load_kv_scale`), which the models'
+`load_weights` route into `model.kv_cache_scales`; the model runner hands them to an FP8 KV pool.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,3 +79,46 @@ def _run_backend(layer: RadixAttention, q: torch.Tensor, k: torch.Tensor | None,
     if forward_batch.forward_mode.is_decode():
         return backend.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
     return backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+
+# FP8 KV-cache scales in checkpoints (vLLM / SGLang / llm-compressor / ModelOpt names):
+#   model.layers.{i}.self_attn.k_scale | v_scale        (current; per-tensor fp32 scalars)
+#   model.layers.{i}.self_attn.kv_scale                 (deprecated AutoFP8: one for K and V)
+#   model.layers.{i}.self_attn.attn.k_scale | v_scale   (vLLM's module path)
+#   model.layers.{i}.self_attn.k_proj.k_scale, ....v_proj.v_scale   (ModelOpt)
+# Meaning: stored fp8 = x / scale, value = fp8 * scale.
+_KV_SCALE_RE = re.compile(
+    r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.|k_proj\.(?=k_scale$)|v_proj\.(?=v_scale$))?"
+    r"(k_scale|v_scale|kv_scale)$")
+
+
+def match_kv_scale_name(name: str) -> tuple[int, str] | None:
+    """(layer_id, "k" | "v" | "kv") for a checkpoint KV-cache scale name, else None."""
+    m = _KV_SCALE_RE.match(name)
+    if m is None:
+        return None
+    return int(m.group(1)), m.group(2)[: -len("_scale")]
+
+
+def load_kv_scale(scales: dict[int, dict[str, float]], name: str, tensor: torch.Tensor) -> bool:
+    """If `name` is a KV-cache scale, record it in `scales[layer_id]["k" / "v"]` ("kv" sets
+    both) and return True; else return False (the caller loads `name` as a weight).
+
+    Raises:
+        ValueError: a scale that is not one finite positive number (per-head scales are not
+            supported).
+    """
+    hit = match_kv_scale_name(name)
+    if hit is None:
+        return False
+    layer_id, which = hit
+    if tensor.numel() != 1:
+        raise ValueError(f"{name}: only per-tensor KV-cache scales are supported, got shape "
+                         f"{tuple(tensor.shape)}")
+    value = float(tensor.float().reshape(()))
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: a KV-cache scale must be finite and > 0, got {value}")
+    entry = scales.setdefault(layer_id, {})
+    for key in ("k", "v") if which == "kv" else (which,):
+        entry[key] = value
+    return True

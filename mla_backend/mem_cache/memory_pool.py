@@ -12,13 +12,72 @@ Owns:
   `RadixAttention` layers), read by the backends.
 
 Sizes come from the model runner (which derives them from `CacheConfig` and device memory).
+
+FP8 KV cache (`CacheConfig.kv_cache_dtype` "fp8_e4m3" / "fp8_e5m2"): a pool property only, the
+prefix cache and scheduler never see it (they deal in slot indices). The pool stores
+`torch.float8_e4m3fn` / `torch.float8_e5m2` and one per-tensor scale per layer for K and one for V
+(the MLA pool: one scale for the whole latent ‖ rope row). Convention as vLLM/SGLang:
+
+| step  | where                                  | math                                        |
+|-------|----------------------------------------|---------------------------------------------|
+| write | `set_kv_buffer` (every backend)        | fp8(clamp(x / scale, -max, max)), max = 448 |
+|       |                                        | (e4m3) / 57344 (e5m2): saturates, no inf/NaN|
+| read  | `gather_kv` (torch_native)             | fp8.float() * scale                         |
+| read  | triton kernels (`k_scale` / `v_scale`) | scale folded into q·k and into p·v          |
+
+A non-FP8 pool has no scales (1.0 everywhere); checkpoint scales never reach it.
 """
 
 from __future__ import annotations
 
 import abc
+import math
+from collections.abc import Sequence
 
 import torch
+
+# `CacheConfig.kv_cache_dtype` → storage dtype (None: the model's dtype).
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """True for the FP8 KV storage dtypes (float8_e4m3fn, float8_e5m2)."""
+    return dtype in FP8_DTYPES
+
+
+def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale saturated to the format's largest finite value (448 for e4m3, 57344 for e5m2)
+    and cast (round to nearest even): huge and infinite inputs become ±max, never inf/NaN.
+
+    Args:
+        x: any float tensor; scale: > 0; dtype: float8_e4m3fn or float8_e5m2.
+    Returns:
+        tensor of x's shape in `dtype`.
+    """
+    fmax = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-fmax, fmax).to(dtype)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x.float() * scale: fp32 tensor of x's shape."""
+    return x.float() * scale
+
+
+def _check_scales(name: str, scales: Sequence[float] | None, layer_num: int,
+                  dtype: torch.dtype) -> list[float]:
+    if scales is None:
+        return [1.0] * layer_num
+    scales = [float(s) for s in scales]
+    if not is_fp8(dtype):
+        raise ValueError(f"{name}: KV scales apply only to an FP8 pool, this pool stores {dtype}")
+    if len(scales) != layer_num or not all(math.isfinite(s) and s > 0 for s in scales):
+        raise ValueError(f"{name}: need {layer_num} finite positive scales, got {scales}")
+    return scales
 
 
 class ReqToTokenPool:
@@ -128,9 +187,46 @@ class KVPool(abc.ABC):
     key [size + 1, kv_heads, head_dim], value [size + 1, kv_heads, v_head_dim]."""
 
     size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # storage dtype (float8_e4m3fn / float8_e5m2 for an FP8 cache)
     device: torch.device
     layer_num: int
+    k_scales: list[float]  # per layer; 1.0 unless FP8 with checkpoint scales
+    v_scales: list[float]
+
+    @property
+    def is_fp8(self) -> bool:
+        """True when the pool stores FP8 (writes quantize, reads must dequantize)."""
+        return is_fp8(self.dtype)
+
+    def get_kv_scales(self, layer_id: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of layer `layer_id`: stored = x / scale, value = stored * scale.
+        Both 1.0 for a non-FP8 pool; equal for the MLA pool (one scale per latent row)."""
+        return self.k_scales[layer_id], self.v_scales[layer_id]
+
+    def gather_kv(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given slots, dequantized.
+
+        Args:
+            slots: int64 slot ids of any shape [*S] (on the pool's device).
+        Returns:
+            key [*S, kv_heads, head_dim], value [*S, kv_heads, v_head_dim]: fp32 (x * scale)
+            for an FP8 pool, else in the pool dtype.
+        """
+        k_buf, v_buf = self.get_kv_buffer(layer_id)
+        k, v = k_buf[slots], v_buf[slots]
+        if self.is_fp8:
+            k_scale, v_scale = self.get_kv_scales(layer_id)
+            return dequantize_fp8(k, k_scale), dequantize_fp8(v, v_scale)
+        return k, v
+
+    def _write(self, buf: torch.Tensor, loc: torch.Tensor, x: torch.Tensor,
+               scale: float) -> None:
+        """buf[loc] = x in the pool dtype (FP8: quantized with `scale`, scattered as bytes)."""
+        if self.is_fp8:
+            # NOTE: scattered through uint8 views (index_put on fp8 is not on every device).
+            buf.view(torch.uint8)[loc] = quantize_fp8(x, scale, self.dtype).view(torch.uint8)
+        else:
+            buf[loc] = x.to(self.dtype)
 
     @abc.abstractmethod
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
@@ -147,7 +243,8 @@ class KVPool(abc.ABC):
     @abc.abstractmethod
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor,
                       cache_v: torch.Tensor | None) -> None:
-        """Write new tokens' K (and V) at slots `loc` [T] int64 (cast to the pool dtype)."""
+        """Write new tokens' K (and V) at slots `loc` [T] int64 (cast to the pool dtype; FP8:
+        quantized with the layer's scales, saturating)."""
 
     @abc.abstractmethod
     def cell_bytes(self) -> int:
@@ -164,12 +261,19 @@ class MHATokenToKVPool(KVPool):
         head_dim, v_head_dim: K and V head sizes.
         layer_num: number of attention layers.
         device: where the buffers live.
+        k_scales, v_scales: per-layer FP8 scales (None: 1.0); only for an FP8 dtype.
+    Raises:
+        ValueError: scales for a non-FP8 pool, or not `layer_num` finite positive values.
     """
 
     def __init__(self, size: int, dtype: torch.dtype, head_num: int, head_dim: int,
-                 v_head_dim: int, layer_num: int, device: str | torch.device = "cpu"):
+                 v_head_dim: int, layer_num: int, device: str | torch.device = "cpu",
+                 k_scales: Sequence[float] | None = None,
+                 v_scales: Sequence[float] | None = None):
         self.size, self.dtype, self.device = size, dtype, torch.device(device)
         self.layer_num, self.head_num = layer_num, head_num
+        self.k_scales = _check_scales("k_scales", k_scales, layer_num, dtype)
+        self.v_scales = _check_scales("v_scales", v_scales, layer_num, dtype)
         self.head_dim, self.v_head_dim = head_dim, v_head_dim
         # per layer [size + 1, head_num, head_dim] / [size + 1, head_num, v_head_dim], device
         self.k_buffer = [torch.zeros((size + 1, head_num, head_dim), dtype=dtype,
@@ -189,8 +293,8 @@ class MHATokenToKVPool(KVPool):
         if cache_v is None:
             raise ValueError("MHATokenToKVPool.set_kv_buffer needs cache_v")
         loc = loc.to(self.device)
-        self.k_buffer[layer_id][loc] = cache_k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = cache_v.to(self.dtype)
+        self._write(self.k_buffer[layer_id], loc, cache_k, self.k_scales[layer_id])
+        self._write(self.v_buffer[layer_id], loc, cache_v, self.v_scales[layer_id])
 
     def cell_bytes(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -201,12 +305,20 @@ class MLATokenToKVPool(KVPool):
     """DeepSeek MLA latent cache: per layer one [size + 1, 1, kv_lora_rank + qk_rope_head_dim]
     buffer (c_KV ‖ rotated k_pe). The value buffer is the view `[..., :kv_lora_rank]` of it, so
     `set_kv_buffer` writes the key only.
+
+    Args: as `MHATokenToKVPool`, with `kv_scales`: per-layer FP8 scales of the whole row (None:
+        1.0; checkpoints' `k_scale`); only for an FP8 dtype.
+    Raises:
+        ValueError: scales for a non-FP8 pool, or not `layer_num` finite positive values.
     """
 
     def __init__(self, size: int, dtype: torch.dtype, kv_lora_rank: int, qk_rope_head_dim: int,
-                 layer_num: int, device: str | torch.device = "cpu"):
+                 layer_num: int, device: str | torch.device = "cpu",
+                 kv_scales: Sequence[float] | None = None):
         self.size, self.dtype, self.device = size, dtype, torch.device(device)
         self.layer_num = layer_num
+        self.k_scales = _check_scales("kv_scales", kv_scales, layer_num, dtype)
+        self.v_scales = self.k_scales  # the value is a view of the key row: one scale
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
         # per layer [size + 1, 1, kv_lora_rank + qk_rope_head_dim], device
         self.kv_buffer = [torch.zeros((size + 1, 1, kv_lora_rank + qk_rope_head_dim),
@@ -221,7 +333,8 @@ class MLATokenToKVPool(KVPool):
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor,
                       cache_v: torch.Tensor | None = None) -> None:
         """cache_k: [T, 1, kv_lora_rank + qk_rope_head_dim]; cache_v is ignored."""
-        self.kv_buffer[layer_id][loc.to(self.device)] = cache_k.to(self.dtype)
+        self._write(self.kv_buffer[layer_id], loc.to(self.device), cache_k,
+                    self.k_scales[layer_id])
 
     def cell_bytes(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -229,9 +342,14 @@ class MLATokenToKVPool(KVPool):
 
 
 __all__ = [
+    "FP8_DTYPES",
+    "KV_CACHE_DTYPES",
     "KVPool",
     "MHATokenToKVPool",
     "MLATokenToKVPool",
     "ReqToTokenPool",
     "TokenToKVPoolAllocator",
+    "dequantize_fp8",
+    "is_fp8",
+    "quantize_fp8",
 ]

@@ -8,7 +8,9 @@ Built once by the engine from the frozen `EngineConfig`:
    `post_load_weights()` (e.g. MLA weight absorption),
 4. sizes and creates the pools from `model.kv_pool_layout()` and `CacheConfig`:
    `req_to_token_pool` (max_running_requests + 1 rows), `token_to_kv_pool_allocator` and
-   `token_to_kv_pool` (MHA or MLA) of `max_total_num_tokens` slots (+ the sink slot 0),
+   `token_to_kv_pool` (MHA or MLA) of `max_total_num_tokens` slots (+ the sink slot 0), stored
+   in `kv_cache_dtype` (the model dtype, or FP8 with the checkpoint's KV scales — the model's
+   `kv_cache_scales` from `load_weights`; a non-FP8 pool ignores them),
 5. creates the attention backend named by `RunnerConfig.attention_backend`,
 6. on CUDA, unless `disable_cuda_graph`, captures decode CUDA graphs (`CudaGraphRunner`, with
    torch.compile when `enable_torch_compile`) in the memory left outside the pools.
@@ -34,11 +36,13 @@ from mla_backend.config import EngineConfig
 from mla_backend.layers.attention.base import AttentionBackend
 from mla_backend.layers.logits import select_logit_rows
 from mla_backend.mem_cache.memory_pool import (
+    KV_CACHE_DTYPES,
     KVPool,
     MHATokenToKVPool,
     MLATokenToKVPool,
     ReqToTokenPool,
     TokenToKVPoolAllocator,
+    is_fp8,
 )
 from mla_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from mla_backend.model_executor.model_loader import init_dummy_weights, iterate_weights
@@ -80,8 +84,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """KV pool storage dtype for `CacheConfig.kv_cache_dtype`: "auto" → `model_dtype`,
+    "fp8_e4m3" → torch.float8_e4m3fn, "fp8_e5m2" → torch.float8_e5m2.
+
+    Raises:
+        ValueError: another name.
+    """
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; one of {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] or model_dtype
+
+
 def kv_cell_bytes(layout: dict, dtype: torch.dtype) -> int:
-    """Bytes one token slot takes over all layers for a `kv_pool_layout()` dict.
+    """Bytes one token slot takes over all layers for a `kv_pool_layout()` dict, stored in
+    `dtype` (the KV cache dtype: 1 byte per value for FP8, 2 for bf16).
 
     Raises:
         ValueError: unknown layout kind.
@@ -119,7 +136,7 @@ def create_attention_backend(name: str, device: torch.device) -> AttentionBacken
 
 class ModelRunner:
     """See module docstring. Attributes: `config`, `hf_config`, `model`, `device`, `dtype`,
-    `vocab_size`, `context_len`, `max_total_num_tokens`, `max_running_requests`,
+    `kv_cache_dtype`, `vocab_size`, `context_len`, `max_total_num_tokens`, `max_running_requests`,
     `req_to_token_pool`, `token_to_kv_pool`, `token_to_kv_pool_allocator`, `attn_backend`,
     `cuda_graph_runner` (None when decoding eagerly).
 
@@ -137,6 +154,7 @@ class ModelRunner:
         mcfg = config.model
         self.device = resolve_device(mcfg.device)
         self.dtype = resolve_dtype(mcfg.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         if not os.path.isdir(mcfg.model_path):  # else transformers reports a bad 'repo id'
             raise FileNotFoundError(f"model_path: model folder {mcfg.model_path!r} does not "
                                     "exist (run `python -m mla_backend.tools.prepare`?)")
@@ -204,7 +222,7 @@ class ModelRunner:
 
     def _init_memory_pools(self) -> None:
         layout = self.model.kv_pool_layout()
-        cell = kv_cell_bytes(layout, self.dtype)
+        cell = kv_cell_bytes(layout, self.kv_cache_dtype)
         cache_cfg, sched_cfg = self.config.cache, self.config.scheduler
         total_tokens = cache_cfg.max_total_tokens
         rows = sched_cfg.max_running_requests
@@ -239,18 +257,39 @@ class ModelRunner:
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.max_total_num_tokens,
                                                                  self.device)
         self.token_to_kv_pool = self._make_kv_pool(layout)
-        logger.info("KV pool: %s, %d slots x %d B, %d request rows, context %d",
-                    layout["kind"], self.max_total_num_tokens, cell,
-                    self.max_running_requests, self.context_len)
+        logger.info("KV pool: %s, %s, %d slots x %d B, %d request rows, context %d "
+                    "(%.2fx the slots of a bf16 cache at equal memory)",
+                    layout["kind"], str(self.kv_cache_dtype).replace("torch.", ""),
+                    self.max_total_num_tokens, cell, self.max_running_requests, self.context_len,
+                    kv_cell_bytes(layout, torch.bfloat16) / cell)
+
+    def _kv_scales(self, num_layers: int) -> tuple[list[float], list[float]] | None:
+        """Per-layer (k, v) scales for an FP8 pool from the checkpoint (1.0 where absent);
+        None for a non-FP8 pool, which ignores checkpoint scales."""
+        found: dict[int, dict[str, float]] = getattr(self.model, "kv_cache_scales", None) or {}
+        if not is_fp8(self.kv_cache_dtype):
+            if found:
+                logger.info("kv_cache_dtype %s: the checkpoint's KV-cache scales (%d layers) are "
+                            "not used", self.config.cache.kv_cache_dtype, len(found))
+            return None
+        logger.info("FP8 KV cache: checkpoint scales for %d of %d layers (1.0 for the rest)",
+                    len(found), num_layers)
+        return ([found.get(i, {}).get("k", 1.0) for i in range(num_layers)],
+                [found.get(i, {}).get("v", 1.0) for i in range(num_layers)])
 
     def _make_kv_pool(self, layout: dict) -> KVPool:
+        n, dtype = layout["num_layers"], self.kv_cache_dtype
+        scales = self._kv_scales(n)
         if layout["kind"] == "mha":
-            return MHATokenToKVPool(self.max_total_num_tokens, self.dtype, layout["num_kv_heads"],
-                                    layout["head_dim"], layout["v_head_dim"],
-                                    layout["num_layers"], self.device)
+            k_scales, v_scales = scales if scales is not None else (None, None)
+            return MHATokenToKVPool(self.max_total_num_tokens, dtype, layout["num_kv_heads"],
+                                    layout["head_dim"], layout["v_head_dim"], n, self.device,
+                                    k_scales=k_scales, v_scales=v_scales)
         if layout["kind"] == "mla":
-            return MLATokenToKVPool(self.max_total_num_tokens, self.dtype, layout["kv_lora_rank"],
-                                    layout["qk_rope_head_dim"], layout["num_layers"], self.device)
+            # One scale per latent row: the key's (vLLM's MLA convention); v_scale is unused.
+            return MLATokenToKVPool(self.max_total_num_tokens, dtype, layout["kv_lora_rank"],
+                                    layout["qk_rope_head_dim"], n, self.device,
+                                    kv_scales=None if scales is None else scales[0])
         raise ValueError(f"unknown kv pool kind {layout['kind']!r}")
 
     def _init_cuda_graphs(self) -> "CudaGraphRunner | None":

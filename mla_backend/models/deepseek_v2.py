@@ -41,7 +41,7 @@ from mla_backend.layers.layernorm import RMSNorm
 from mla_backend.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from mla_backend.layers.logits import ParallelLMHead, VocabParallelEmbedding
 from mla_backend.layers.moe import DeepseekV2MoE, GatedMLP, StackedExperts
-from mla_backend.layers.radix_attention import RadixAttention
+from mla_backend.layers.radix_attention import RadixAttention, load_kv_scale
 from mla_backend.layers.rotary_deepseek import (
     DeepseekRotaryEmbedding,
     deepseek_rope_config,
@@ -303,7 +303,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         Accepts the original per-expert names (`mlp.experts.{e}.gate_proj.weight`) and the
         transformers-5 stacked ones (`mlp.experts.gate_up_proj` [E, 2I, H],
         `mlp.experts.down_proj` [E, H, I]), and V3's `mlp.gate.e_score_correction_bias`.
-        Skips rotary buffers and layers beyond num_hidden_layers (V3's MTP layer).
+        Skips rotary buffers and layers beyond num_hidden_layers (V3's MTP layer). FP8 KV-cache
+        scales (`self_attn.k_scale` / `kv_scale`, see `load_kv_scale`) go to
+        `self.kv_cache_scales` {layer: {"k": s, "v": s}} (the latent pool uses "k").
         Raises:
             KeyError: an unknown weight name. ValueError: a shape mismatch, or parameters that
                 no weight filled.
@@ -312,6 +314,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         expected = self._expected_load_units(params)
         loaded: set[str] = set()
         n_layers = self.config.num_hidden_layers
+        self.kv_cache_scales: dict[int, dict[str, float]] = {}
         for name, w in weights:
             if "rotary_emb." in name:
                 continue
@@ -323,6 +326,8 @@ class DeepseekV2ForCausalLM(nn.Module):
                 # for training and speculative decoding; the next-token logits never read them,
                 # and we do not run speculative decoding, so they are not loaded (transformers
                 # ignores them too: `_keys_to_ignore_on_load_unexpected`).
+                continue
+            if load_kv_scale(self.kv_cache_scales, name, w):
                 continue
             m = _EXPERT_RE.match(name)
             if m:

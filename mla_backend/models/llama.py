@@ -33,7 +33,7 @@ from mla_backend.layers.linear import (
     RowParallelLinear,
 )
 from mla_backend.layers.logits import ParallelLMHead, VocabParallelEmbedding
-from mla_backend.layers.radix_attention import RadixAttention
+from mla_backend.layers.radix_attention import RadixAttention, load_kv_scale
 from mla_backend.layers.rotary_embedding import get_rope, rope_params_from_config
 
 if TYPE_CHECKING:
@@ -185,16 +185,21 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters (cast to each parameter's dtype/device).
 
+        FP8 KV-cache scales (`self_attn.k_scale` / `v_scale` / `kv_scale`, see `load_kv_scale`)
+        go to `self.kv_cache_scales` {layer: {"k": s, "v": s}}.
         Returns:
             names of the parameters that were filled (ours, e.g. "...qkv_proj.weight").
         Raises:
             KeyError: a tensor name this model does not know.
-            ValueError: a shape mismatch.
+            ValueError: a shape mismatch, or a malformed KV-cache scale.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        self.kv_cache_scales: dict[int, dict[str, float]] = {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
+                continue
+            if load_kv_scale(self.kv_cache_scales, name, tensor):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # some tied checkpoints store a copy

@@ -8,6 +8,8 @@ The oracle for every other backend, on CPU and GPU. Per layer and per request it
 Handles GQA/MQA (KV heads repeated), v_head_dim != head_dim (MLA absorbed: head_dim 576, value =
 the pool's 512-column view; DeepSeek MHA pool: 192 / 128), and `layer.pool_free` (MLA decompressed
 prefill: attention over the given new k/v of each request only, no pool access).
+FP8 pools: K/V are read through `pool.gather_kv` (dequantized to fp32: stored * scale); the new
+tokens are attended from the pool too, so they see their own quantization like the prefix does.
 Extend loops over requests on the host; decode is batched over requests with a padded slot
 table and a length mask. Clear rather than fast: never the speed path on a GPU.
 """
@@ -80,7 +82,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool = fb.token_to_kv_pool
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         for i, (start, n) in enumerate(zip(starts, fb.extend_seq_lens_cpu)):
             slots = self._slots[i]
             prefix_len = fb.extend_prefix_lens_cpu[i]
@@ -88,7 +89,8 @@ class TorchNativeAttnBackend(AttentionBackend):
                 raise ValueError(f"request {i}: seq_len {slots.shape[0]} != prefix {prefix_len}"
                                  f" + new {n}")
             sl = slice(start, start + n)
-            o = attention_ref(q[sl], k_buf[slots], v_buf[slots], layer.scaling, prefix_len)
+            keys, values = pool.gather_kv(layer.layer_id, slots)
+            o = attention_ref(q[sl], keys, values, layer.scaling, prefix_len)
             out[sl] = o.to(q.dtype)
         return out.reshape(q.shape[0], -1)
 
@@ -128,11 +130,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool = forward_batch.token_to_kv_pool
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         bs, n_heads, _ = q.shape
-        kv_heads = k_buf.shape[1]
-        keys = k_buf[self._decode_slots].float()  # [bs, L, KV, D]
-        values = v_buf[self._decode_slots].float()  # [bs, L, KV, Dv]
+        keys, values = pool.gather_kv(layer.layer_id, self._decode_slots)
+        keys, values = keys.float(), values.float()  # [bs, L, KV, D], [bs, L, KV, Dv]
+        kv_heads = keys.shape[2]
         qg = q.float().reshape(bs, kv_heads, n_heads // kv_heads, -1)  # [bs, KV, G, D]
         scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * layer.scaling
         scores = scores.masked_fill(~self._decode_valid[:, None, None, :], float("-inf"))

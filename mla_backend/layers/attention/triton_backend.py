@@ -10,6 +10,12 @@ Layouts follow the pool: MHA/GQA/MQA (`k_buffer` [S, Hkv, Dk], `v_buffer` [S, Hk
 latent pool (one [S, 1, kv_lora_rank + qk_rope_head_dim] buffer whose first kv_lora_rank columns
 are the value view; `set`-side the key row is the only thing written). `layer.pool_free` layers
 (MLA decompressed prefill) attend over the given new K/V only.
+
+FP8 pools (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2): the new K/V are written by the pool's
+`set_kv_buffer` (torch: x / scale, saturated, cast, scattered as bytes — the triton interpreter's
+float→fp8 rounding is wrong for values that round up to the next power of two, so the quantizing
+store is not a kernel), and the attention kernels read the fp8 pool directly with the layer's
+`k_scale` / `v_scale` (dequantization folded into the softmax scale and the P·V product).
 """
 
 from __future__ import annotations
@@ -118,11 +124,23 @@ class TritonAttnBackend(AttentionBackend):
     def _store(layer: "RadixAttention", fb: "ForwardBatch", k: torch.Tensor,
                v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new K/V at out_cache_loc; return the layer's (k_buffer, v_buffer)."""
-        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        pool = fb.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        if getattr(pool, "is_fp8", False):  # quantizing write (see module docstring)
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            return k_buf, v_buf
         latent = _shares_storage(k_buf, v_buf)  # MLA: the value is a view of the key row
         store_kv(k_buf, None if latent else v_buf, fb.out_cache_loc, k,
                  None if latent else v)
         return k_buf, v_buf
+
+    @staticmethod
+    def _scales(layer: "RadixAttention", fb: "ForwardBatch") -> tuple[float, float]:
+        """(k_scale, v_scale) of the layer's pool buffers (1.0, 1.0 unless FP8)."""
+        pool = fb.token_to_kv_pool
+        if not getattr(pool, "is_fp8", False):
+            return 1.0, 1.0
+        return pool.get_kv_scales(layer.layer_id)
 
     @staticmethod
     def _value_of(k: torch.Tensor, v: torch.Tensor | None, layer: "RadixAttention") -> torch.Tensor:
@@ -166,7 +184,7 @@ class TritonAttnBackend(AttentionBackend):
             q, k, v_new, o, k_buf, v_buf,
             fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
             self._prefix_lens, self._extend_lens, self._extend_start_loc,
-            self._max_extend_len, layer.scaling,
+            self._max_extend_len, layer.scaling, *self._scales(layer, fb),
         )
         return o.reshape(q.shape[0], -1)
 
@@ -198,6 +216,6 @@ class TritonAttnBackend(AttentionBackend):
         lse = torch.empty(bs, layer.num_heads, cap, dtype=torch.float32, device=q.device)
         decode_attention_fwd(
             q, k_buf, v_buf, o, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
-            fb.seq_lens, splits, cap, logits, lse, layer.scaling,
+            fb.seq_lens, splits, cap, logits, lse, layer.scaling, *self._scales(layer, fb),
         )
         return o.reshape(bs, -1)
