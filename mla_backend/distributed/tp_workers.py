@@ -27,12 +27,14 @@ process group.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from mla_backend.model_executor.forward_batch import ForwardBatch
 
 DEFAULT_TIMEOUT_S = 300.0
+logger = logging.getLogger(__name__)
 
 
 class TpWorkerError(RuntimeError):
@@ -121,6 +124,8 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: "EngineCo
     except (EOFError, KeyboardInterrupt):
         pass
     finally:
+        if runner.cuda_graph_runner is not None:  # graphs pin the NCCL communicator
+            runner.cuda_graph_runner.release()
         destroy_tensor_parallel()
 
 
@@ -268,7 +273,15 @@ class TpWorkerGroup:
                 proc.join(2.0)
         for conn in self._conns:
             conn.close()
-        destroy_tensor_parallel()
+        # Leaving a NCCL group can block (ncclCommDestroy waits for peers and for CUDA graphs
+        # that captured its collectives): never let that hang the caller (Triton's finalize).
+        leave = threading.Thread(target=destroy_tensor_parallel, name="mla-tp-destroy",
+                                 daemon=True)
+        leave.start()
+        leave.join(timeout_s)
+        if leave.is_alive():
+            logger.warning("leaving the tensor-parallel process group did not finish within "
+                           "%.0f s; continuing without it", timeout_s)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -178,6 +178,17 @@ class CudaGraphRunner:
                     self.compile_seconds, max(self.compile_bs, default="-"),
                     self.graph_memory_bytes / 2**20)
 
+    def release(self) -> None:
+        """Free every captured graph (`CUDAGraph.reset`) and its static batch; `can_run` is
+        False afterwards. Needed before a NCCL process group is destroyed: each graph that
+        captured a collective holds a reference on the communicator, and `ncclCommDestroy` waits
+        for those references (it hangs while the graphs live; PyTorch issue 115388)."""
+        torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.batches.clear()
+
     # ------------------------------------------------------------------ replay
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         """True for decode batches of at most `max_bs` rows that want one logit row each."""

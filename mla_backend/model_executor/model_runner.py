@@ -179,8 +179,12 @@ class ModelRunner:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers this runner started (if any) and leave the process
-        group. Idempotent; the runner must not be used afterwards at TP > 1."""
+        group, after freeing this rank's CUDA graphs (they pin the NCCL communicator; see
+        `CudaGraphRunner.release`). Idempotent; the runner must not be used afterwards at TP > 1."""
         if getattr(self, "tp_workers", None) is not None:
+            if getattr(self, "cuda_graph_runner", None) is not None:
+                self.cuda_graph_runner.release()
+                self.cuda_graph_runner = None
             self.tp_workers.close()
 
     # ------------------------------------------------------------------ construction
