@@ -166,3 +166,24 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y = act @ w2[e].to(xf.dtype).T  # [n, H]
         out.index_add_(0, token, y * topk_weights[token, slot].to(xf.dtype)[:, None])
     return out
+
+
+def block_fp8_matmul_ref(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
+                         b_scale: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
+    """Twin of `block_fp8_gemm.block_fp8_matmul`: dequantize both operands, one fp32 matmul.
+
+    Args:
+        a: [M, K] (fp8 or float); a_scale [M, ceil(K/bk)] (one scale per token per K group).
+        b: [N, K] fp8 weight; b_scale [ceil(N/bn), ceil(K/bk)] (`weight_scale_inv`).
+        block_size: (bn, bk).
+    Returns:
+        [M, N] float32 (float64 if a_scale is float64) =
+        (a * a_scale[m, k // bk]) @ (b * b_scale[n // bn, k // bk])^T.
+    """
+    bn, bk = block_size
+    dt = torch.float64 if a_scale.dtype == torch.float64 else torch.float32
+    m, k = a.shape
+    n = b.shape[0]
+    a_full = a.to(dt) * a_scale.to(dt).repeat_interleave(bk, 1)[:, :k]
+    b_s = b_scale.to(dt).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return a_full @ (b.to(dt) * b_s).T

@@ -6,6 +6,7 @@
 - `tiny_llama_factory` / `tiny_deepseek_factory` / `tiny_deepseek_v3_factory`: deterministic
   random tiny checkpoints (SmolLM2's tokenizer) written under a session temp folder, cached by
   their arguments.
+- `tiny_deepseek_v3_fp8_factory`: a tiny block-FP8 DeepSeek-V3 and its fp32 dequantized twin.
 """
 
 from __future__ import annotations
@@ -76,6 +77,25 @@ def tiny_deepseek_v3_factory(tmp_path_factory, tokenizer_dir):
     from mla_backend.tools.tiny_deepseek import make_tiny_deepseek_v3
 
     return _factory(tmp_path_factory, tokenizer_dir, make_tiny_deepseek_v3, "tiny_deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_fp8_factory(tmp_path_factory, tokenizer_dir):
+    """(seed, **overrides) -> (block-FP8 folder, its fp32 dequantized twin), made once each."""
+    from mla_backend.tools.tiny_deepseek import make_tiny_deepseek_v3_fp8, write_dequantized_copy
+
+    made: dict[str, tuple[str, str]] = {}
+
+    def build(seed: int = 0, **overrides) -> tuple[str, str]:
+        key = json.dumps({"seed": seed, **overrides}, sort_keys=True)
+        if key not in made:
+            fp8 = make_tiny_deepseek_v3_fp8(str(tmp_path_factory.mktemp("tiny_v3_fp8")),
+                                            seed=seed, tokenizer_dir=tokenizer_dir, **overrides)
+            deq = write_dequantized_copy(fp8, str(tmp_path_factory.mktemp("tiny_v3_fp8_deq")))
+            made[key] = (fp8, deq)
+        return made[key]
+
+    return build
 
 
 def pytest_configure(config):

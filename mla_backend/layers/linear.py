@@ -18,12 +18,21 @@ group) when the layer is built; outputs/inputs of the parallel layers are this r
 The Megatron pattern: a column-parallel layer (no gather) feeds a row-parallel one, so an MLP or an
 attention block costs one all-reduce. At TP size 1 every parallel class computes exactly what its
 replicated counterpart does (same shapes, same `F.linear` call).
+
+Quantization (`layers.quantization`) is chosen per linear by the model from the checkpoint's
+`quantization_config` (`BlockFP8Config.from_hf`, then `for_module(prefix)`): a layer built with `quant_config=None`
+holds its weight in the model dtype and runs `F.linear` (`UnquantizedLinearMethod`); with a
+`BlockFP8Config` (DeepSeek-V3's block-wise FP8) it holds `weight` float8_e4m3fn plus
+`weight_scale_inv` float32 and runs `BlockFP8LinearMethod` (per-token-group FP8 activations, the
+triton block-scaled GEMM `mla_kernels.block_fp8_gemm`). Each layer's `quant_method` is one of the
+two. Scales are loaded row-expanded (one row per local weight row, so every TP / merged-shard
+slicing rule of the weight applies to them unchanged) and compacted back to one row per 128-row
+block by `process_weights_after_loading` when the rows of each local block agree.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mla_backend.distributed import (
@@ -35,27 +44,34 @@ from mla_backend.distributed import (
 )
 
 
+from mla_backend.layers.quantization import BlockFP8Config, _make_weight, _rows
+
+
 class ReplicatedLinear(nn.Module):
     """y = x W^T (+ b). weight [out_features, in_features] (HF layout), bias [out_features].
 
     Args of forward: x [..., in_features]. Returns [..., out_features], dtype of x.
+    quant_config: None (weight in the model dtype) or a `BlockFP8Config` (fp8 weight +
+    `weight_scale_inv`, see `BlockFP8LinearMethod`).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 quant_config: BlockFP8Config | None = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        _make_weight(self, out_features, in_features, quant_config)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """Copy a whole HF tensor into `param`. Raises ValueError on a shape mismatch."""
+        loaded = _rows(param, loaded, self.out_features)
         if param.shape != loaded.shape:
             raise ValueError(f"shape mismatch: param {tuple(param.shape)} vs {tuple(loaded.shape)}")
         param.data.copy_(loaded)
@@ -80,8 +96,9 @@ class MergedLinear(ReplicatedLinear):
         output_sizes: list[int],
         bias: bool = False,
         shard_names: tuple | None = None,
+        quant_config: BlockFP8Config | None = None,
     ) -> None:
-        super().__init__(in_features, sum(output_sizes), bias)
+        super().__init__(in_features, sum(output_sizes), bias, quant_config)
         self.output_sizes = list(output_sizes)
         names = tuple(range(len(output_sizes))) if shard_names is None else tuple(shard_names)
         if len(names) != len(output_sizes):
@@ -101,6 +118,7 @@ class MergedLinear(ReplicatedLinear):
         if shard_id is None:
             return super().weight_loader(param, loaded)
         start, size = self.shard_offsets[shard_id]
+        loaded = _rows(param, loaded, size)
         target = param.data.narrow(0, start, size)
         if target.shape != loaded.shape:
             raise ValueError(
@@ -153,6 +171,8 @@ class ColumnParallelLinear(nn.Module):
             rank keeps its [out_features/tp] part, e.g. to feed a RowParallelLinear).
         tp_rank, tp_size: overrides of the TP group's rank/size (for sharding only: the forward's
             collectives always use the process-wide group).
+        quant_config: None or a `BlockFP8Config` (see `BlockFP8LinearMethod`; the scales are
+            split with the rows).
 
     Parameters: weight [out_features/tp, in_features] = HF rows [r*out/tp, (r+1)*out/tp) of rank r;
     bias [out_features/tp]. Forward: x [..., in_features] -> [..., out_features/tp] (or
@@ -164,22 +184,22 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  gather_output: bool = False, *, tp_rank: int | None = None,
-                 tp_size: int | None = None) -> None:
+                 tp_size: int | None = None,
+                 quant_config: BlockFP8Config | None = None) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size)
         self.in_features = in_features
         self.out_features = out_features
         self.out_features_per_rank = divide(out_features, self.tp_size, "out_features")
         self.gather_output = gather_output
-        self.weight = nn.Parameter(torch.empty(self.out_features_per_rank, in_features),
-                                   requires_grad=False)
+        _make_weight(self, self.out_features_per_rank, in_features, quant_config)
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_features_per_rank), requires_grad=False)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
         if self.gather_output and self.tp_size > 1:
             y = tensor_model_parallel_all_gather(y, dim=-1)
         return y
@@ -191,6 +211,7 @@ class ColumnParallelLinear(nn.Module):
         Raises:
             ValueError: `loaded` is not the full tensor's shape.
         """
+        loaded = _rows(param, loaded, self.out_features)
         _check_full("ColumnParallelLinear", loaded, (self.out_features, *param.shape[1:]))
         n = self.out_features_per_rank
         param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
@@ -233,10 +254,17 @@ class _MergedColumnBase(ColumnParallelLinear):
         """
         rest = tuple(param.shape[1:])
         if shard_id is None:
+            loaded = _rows(param, loaded, sum(self.full_output_sizes))
             _check_full(type(self).__name__, loaded, (sum(self.full_output_sizes), *rest))
             for name, (_, fsize, foff) in self._shard_src.items():
-                self.weight_loader(param, loaded.narrow(0, foff, fsize), name)
+                self._load_shard(param, loaded.narrow(0, foff, fsize), name)
             return
+        if shard_id in self._shard_src:
+            loaded = _rows(param, loaded, self._shard_src[shard_id][1])
+        self._load_shard(param, loaded, shard_id)
+
+    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+        rest = tuple(param.shape[1:])
         if shard_id not in self.shard_offsets:
             raise KeyError(f"{type(self).__name__}: unknown shard {shard_id!r} "
                            f"(known: {list(self.shard_offsets)})")
@@ -255,6 +283,7 @@ class MergedColumnParallelLinear(_MergedColumnBase):
         bias: whether each shard has a bias.
         shard_names: one name per shard (e.g. ("gate", "up")); default 0, 1, ...
         tp_rank, tp_size: overrides of the TP group's rank/size (see ColumnParallelLinear).
+        quant_config: None or a `BlockFP8Config` (each shard's scales load with its rows).
 
     Rank r's weight is [sum(size_i/tp), in_features]: shard i's rows [r*size_i/tp,
     (r+1)*size_i/tp) at local offset sum(size_j/tp, j < i), so the output is
@@ -268,12 +297,14 @@ class MergedColumnParallelLinear(_MergedColumnBase):
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
                  shard_names: tuple | None = None, *, tp_rank: int | None = None,
-                 tp_size: int | None = None) -> None:
+                 tp_size: int | None = None,
+                 quant_config: BlockFP8Config | None = None) -> None:
         rank, size = resolve_tp(tp_rank, tp_size)
         names = tuple(range(len(output_sizes))) if shard_names is None else tuple(shard_names)
         local = [divide(s, size, f"output size of shard {n!r}")
                  for n, s in zip(names, output_sizes)]
-        super().__init__(in_features, sum(output_sizes), bias, tp_rank=rank, tp_size=size)
+        super().__init__(in_features, sum(output_sizes), bias, tp_rank=rank, tp_size=size,
+                         quant_config=quant_config)
         self._set_shards(names, list(output_sizes), local, [rank * n for n in local])
 
 
@@ -348,6 +379,8 @@ class RowParallelLinear(nn.Module):
             reduction to the caller (e.g. an MoE that sums shared and routed parts first): the
             bias is then added by rank 0 only, so the caller's sum counts it once.
         tp_rank, tp_size: overrides of the TP group's rank/size (see ColumnParallelLinear).
+        quant_config: None or a `BlockFP8Config` (with tp > 1, in_features/tp must be a multiple
+            of the K block, so activation groups and weight blocks stay aligned).
 
     Parameters: weight [out_features, in_features/tp] = HF columns [r*in/tp, (r+1)*in/tp) of rank
     r; bias [out_features]. Forward: x [..., in_features/tp] (this rank's part, e.g. the output
@@ -355,31 +388,37 @@ class RowParallelLinear(nn.Module):
     when reduce_results.
 
     Raises:
-        ValueError: tp_size does not divide in_features.
+        ValueError: tp_size does not divide in_features; see quant_config.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  reduce_results: bool = True, *, tp_rank: int | None = None,
-                 tp_size: int | None = None) -> None:
+                 tp_size: int | None = None,
+                 quant_config: BlockFP8Config | None = None) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size)
         self.in_features = in_features
         self.out_features = out_features
         self.in_features_per_rank = divide(in_features, self.tp_size, "in_features")
         self.reduce_results = reduce_results
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank),
-                                   requires_grad=False)
+        if (quant_config is not None and self.tp_size > 1
+                and self.in_features_per_rank % quant_config.weight_block_size[1]):
+            raise ValueError(
+                f"block-FP8 RowParallelLinear: in_features per rank {self.in_features_per_rank} "
+                f"is not a multiple of the K block {quant_config.weight_block_size[1]}")
+        _make_weight(self, out_features, self.in_features_per_rank, quant_config)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        apply = self.quant_method.apply
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return apply(self, x, self.bias)
         if not self.reduce_results:
-            return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        y = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+            return apply(self, x, self.bias if self.tp_rank == 0 else None)
+        y = tensor_model_parallel_all_reduce(apply(self, x, None))
         if self.bias is not None:
             y.add_(self.bias)  # once, after the sum
         return y
@@ -394,6 +433,14 @@ class RowParallelLinear(nn.Module):
         if param.dim() == 1:  # bias: whole on every rank
             _check_full("RowParallelLinear bias", loaded, (self.out_features,))
             param.data.copy_(loaded)
+            return
+        if getattr(param, "block_scale_rows", None) is not None:  # scale: K blocks of rank r
+            bk = self.quant_method.block_k
+            loaded = _rows(param, loaded, self.out_features)
+            _check_full("RowParallelLinear weight_scale_inv", loaded,
+                        (self.out_features, -(-self.in_features // bk)))
+            kb = param.shape[1]
+            param.data.copy_(loaded.narrow(1, self.tp_rank * self.in_features_per_rank // bk, kb))
             return
         _check_full("RowParallelLinear", loaded, (self.out_features, self.in_features))
         n = self.in_features_per_rank

@@ -38,6 +38,7 @@ from mla_backend.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from mla_backend.layers.quantization import BlockFP8Config
 
 
 class GatedMLP(nn.Module):
@@ -46,16 +47,22 @@ class GatedMLP(nn.Module):
     across ranks; `reduce_results=False` leaves the all-reduce to the caller (the MoE sums the
     shared and routed parts first, then reduces once).
 
+    `quant_config` (None or a `BlockFP8Config`) applies to both linears (DeepSeek-V3's
+    block-FP8 dense MLPs and shared experts).
+
     Args of forward: x [T, hidden]. Returns [T, hidden].
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int,
-                 reduce_results: bool = True) -> None:
+                 reduce_results: bool = True,
+                 quant_config: BlockFP8Config | None = None) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
-                                                       shard_names=("gate", "up"))
+                                                       shard_names=("gate", "up"),
+                                                       quant_config=quant_config)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size,
-                                           reduce_results=reduce_results)
+                                           reduce_results=reduce_results,
+                                           quant_config=quant_config)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,6 +243,10 @@ class DeepseekV2MoE(nn.Module):
             The attribute of the same name may be changed after construction.
         scoring_func: "softmax" (V2) or "sigmoid" (V3, only with topk_method "noaux_tc"); one of
             `ROUTING_METHODS`.
+        quant_config: None or a `BlockFP8Config` for the shared experts' linears. The routed
+            experts are never stored in FP8: a block-FP8 checkpoint's expert weights are
+            dequantized by the model's `load_weights` into `experts` (model dtype), and the
+            router stays unquantized (as in DeepSeek-V3's checkpoint).
     Parameters (HF names in brackets): `gate.weight` [E, H] (`mlp.gate.weight`; fp32 with
     noaux_tc, see `NoAuxRouterGate`), `gate.e_score_correction_bias` [E] fp32 (noaux_tc only,
     `mlp.gate.e_score_correction_bias`), `experts.w13_weight` [E, 2I, H]
@@ -259,6 +270,7 @@ class DeepseekV2MoE(nn.Module):
         routed_scaling_factor: float = 1.0,
         fused_moe: bool | None = None,
         scoring_func: str = "softmax",
+        quant_config: BlockFP8Config | None = None,
     ) -> None:
         super().__init__()
         if (scoring_func, topk_method) not in ROUTING_METHODS:
@@ -275,7 +287,7 @@ class DeepseekV2MoE(nn.Module):
                      else ReplicatedLinear(hidden_size, n_routed_experts))
         self.experts = StackedExperts(n_routed_experts, hidden_size, moe_intermediate_size)
         self.shared_experts = (GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts,
-                                        reduce_results=False)
+                                        reduce_results=False, quant_config=quant_config)
                                if n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

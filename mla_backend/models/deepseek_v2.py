@@ -24,7 +24,15 @@ Softmax scale in every path: qk_head_dim^-0.5 x mscale(factor, mscale_all_dim)^2
 V3 is the same model math with other routing (`MoERouting`, REFERENCE §1.6): V2 routes by
 softmax (`greedy` / `group_limited_greedy`), V3 by sigmoid + `e_score_correction_bias`
 (`noaux_tc`), chosen from the config by `DeepseekV2ForCausalLM.moe_routing`, which
-`DeepseekV3ForCausalLM` overrides. Block-FP8 V3 checkpoints are not supported yet.
+`DeepseekV3ForCausalLM` overrides.
+
+Block-FP8 checkpoints (DeepSeek-V3's published format, `quantization_config` quant_method "fp8"
+with `weight_block_size`; see `layers.quantization.BlockFP8Config`): every linear of attention, dense
+MLP and shared experts keeps `weight` float8_e4m3fn + `weight_scale_inv` and runs the block-scaled
+triton GEMM; the embedding, router, LM head and norms are unquantized (they have no scales in the
+checkpoint). Routed experts are dequantized at load into the bf16/fp32 stacked-expert weights
+(no FP8 fused-MoE kernel yet). `kv_b_proj` stays FP8 for the decompressed path; the absorbed
+`w_kc`/`w_vc` are split from its dequantized weight (model dtype) in `post_load_weights`.
 """
 
 from __future__ import annotations
@@ -38,9 +46,14 @@ from torch import nn
 
 from mla_backend.distributed import divide, get_tp_size
 from mla_backend.layers.layernorm import RMSNorm
-from mla_backend.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from mla_backend.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from mla_backend.layers.logits import ParallelLMHead, VocabParallelEmbedding
 from mla_backend.layers.moe import DeepseekV2MoE, GatedMLP, StackedExperts
+from mla_backend.layers.quantization import BlockFP8Config
 from mla_backend.layers.radix_attention import RadixAttention, load_kv_scale
 from mla_backend.layers.rotary_deepseek import (
     DeepseekRotaryEmbedding,
@@ -72,12 +85,20 @@ class DeepseekV2Attention(nn.Module):
     """MLA for one layer. Parameters carry the HF names (`q_proj` or `q_a_proj`/`q_a_layernorm`/
     `q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`).
 
-    Buffers after `post_load_weights`: `w_kc` [H, qk_nope, kv_lora], `w_vc` [H, kv_lora, v_head].
+    Buffers after `post_load_weights`: `w_kc` [H, qk_nope, kv_lora], `w_vc` [H, kv_lora, v_head]
+    (model dtype; from the dequantized kv_b_proj when it is block-FP8). `quant_config`: None or
+    a `BlockFP8Config` applied to every projection (per module name, `for_module`).
     """
 
-    def __init__(self, hf_config: Any, layer_id: int, disable_mla: bool) -> None:
+    def __init__(self, hf_config: Any, layer_id: int, disable_mla: bool,
+                 quant_config: BlockFP8Config | None = None) -> None:
         super().__init__()
         c = hf_config
+
+        def qc(name: str) -> BlockFP8Config | None:
+            prefix = f"model.layers.{layer_id}.self_attn.{name}"
+            return None if quant_config is None else quant_config.for_module(prefix)
+
         self.layer_id = layer_id
         # Heads of this tensor-parallel rank; the latent projections are replicated (REFERENCE
         # §1.8: one latent KV head cannot be split, every rank holds the whole latent pool).
@@ -91,17 +112,23 @@ class DeepseekV2Attention(nn.Module):
         hidden, heads, all_heads = c.hidden_size, self.num_heads, c.num_attention_heads
         bias = bool(getattr(c, "attention_bias", False))
         if self.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden, all_heads * self.qk_head_dim)
+            self.q_proj = ColumnParallelLinear(hidden, all_heads * self.qk_head_dim,
+                                               quant_config=qc("q_proj"))
         else:
-            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias,
+                                             quant_config=qc("q_a_proj"))
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=c.rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, all_heads * self.qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, all_heads * self.qk_head_dim,
+                                                 quant_config=qc("q_b_proj"))
         self.kv_a_proj_with_mqa = ReplicatedLinear(
-            hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+            hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias,
+            quant_config=qc("kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=c.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(
-            self.kv_lora_rank, all_heads * (self.qk_nope_head_dim + self.v_head_dim))
-        self.o_proj = RowParallelLinear(all_heads * self.v_head_dim, hidden, bias=bias)
+            self.kv_lora_rank, all_heads * (self.qk_nope_head_dim + self.v_head_dim),
+            quant_config=qc("kv_b_proj"))
+        self.o_proj = RowParallelLinear(all_heads * self.v_head_dim, hidden, bias=bias,
+                                        quant_config=qc("o_proj"))
 
         theta, yarn = deepseek_rope_config(c)
         self.rotary_emb = DeepseekRotaryEmbedding(self.qk_rope_head_dim, theta, yarn)
@@ -118,8 +145,12 @@ class DeepseekV2Attention(nn.Module):
         self.register_buffer("w_vc", None, persistent=False)
 
     def post_load_weights(self) -> None:
-        """Split kv_b_proj.weight [H*(nope+v), kv_lora] into w_kc and w_vc (once, after load)."""
-        w = self.kv_b_proj.weight.detach().view(
+        """Split kv_b_proj.weight [H*(nope+v), kv_lora] into w_kc and w_vc (once, after load).
+        A block-FP8 kv_b_proj is dequantized (weight * weight_scale_inv per 128x128 block, as
+        DeepSeek-V3's `inference/model.py` does for absorption) and cast to the model dtype."""
+        dtype = self.kv_a_layernorm.weight.dtype
+        kv_b = self.kv_b_proj
+        w = kv_b.quant_method.dequantized_weight(kv_b).to(dtype).view(
             self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         self.w_kc = w[:, : self.qk_nope_head_dim].contiguous()  # [H, nope, kv_lora]
         self.w_vc = w[:, self.qk_nope_head_dim:].transpose(1, 2).contiguous()  # [H, kv_lora, v]
@@ -173,10 +204,12 @@ class DeepseekV2DecoderLayer(nn.Module):
     """MLA + (dense MLP for layers < first_k_dense_replace, else MoE routed by `routing`)."""
 
     def __init__(self, hf_config: Any, layer_id: int, disable_mla: bool,
-                 routing: MoERouting) -> None:
+                 routing: MoERouting, quant_config: BlockFP8Config | None = None) -> None:
         super().__init__()
         c = hf_config
-        self.self_attn = DeepseekV2Attention(c, layer_id, disable_mla)
+        mlp_qc = (None if quant_config is None
+                  else quant_config.for_module(f"model.layers.{layer_id}.mlp"))
+        self.self_attn = DeepseekV2Attention(c, layer_id, disable_mla, quant_config)
         n_routed = getattr(c, "n_routed_experts", None)
         if (n_routed and layer_id >= c.first_k_dense_replace
                 and layer_id % (getattr(c, "moe_layer_freq", 1) or 1) == 0):
@@ -184,9 +217,11 @@ class DeepseekV2DecoderLayer(nn.Module):
                 c.hidden_size, c.moe_intermediate_size, n_routed, c.num_experts_per_tok,
                 getattr(c, "n_shared_experts", 0) or 0, routing.topk_method,
                 routing.n_group, routing.topk_group, routing.norm_topk_prob,
-                routing.routed_scaling_factor, scoring_func=routing.scoring_func)
+                routing.routed_scaling_factor, scoring_func=routing.scoring_func,
+                quant_config=(None if quant_config is None else quant_config.for_module(
+                    f"model.layers.{layer_id}.mlp.shared_experts")))
         else:
-            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
+            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, quant_config=mlp_qc)
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
@@ -204,14 +239,14 @@ class DeepseekV2DecoderLayer(nn.Module):
 
 class DeepseekV2Model(nn.Module):
     def __init__(self, hf_config: Any, model_config: "ModelConfig | None",
-                 routing: MoERouting) -> None:
+                 routing: MoERouting, quant_config: BlockFP8Config | None = None) -> None:
         super().__init__()
         self.disable_mla = bool(model_config.disable_mla) if model_config is not None else False
         self.decompress_min_tokens = (model_config.mla_decompress_min_tokens
                                       if model_config is not None else 64)
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList([
-            DeepseekV2DecoderLayer(hf_config, i, self.disable_mla, routing)
+            DeepseekV2DecoderLayer(hf_config, i, self.disable_mla, routing, quant_config)
             for i in range(hf_config.num_hidden_layers)])
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
 
@@ -238,6 +273,8 @@ class DeepseekV2Model(nn.Module):
 
 
 _EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_FP8_RE = re.compile(
+    r"^(.*\.mlp\.experts\.\d+\.(?:gate_proj|up_proj|down_proj)\.weight)(_scale_inv)?$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -248,12 +285,17 @@ class DeepseekV2ForCausalLM(nn.Module):
         hf_config: transformers `DeepseekV2Config` (or any object with its fields).
         model_config: engine `ModelConfig` (`disable_mla`, `mla_decompress_min_tokens`); None
             uses the defaults (MLA on, threshold 64).
+    The config's `quantization_config`, when present, must be block-wise FP8
+    (`BlockFP8Config.from_hf`, whose errors it raises); it becomes `self.quant_config`.
     """
 
     def __init__(self, hf_config: Any, model_config: "ModelConfig | None" = None) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = DeepseekV2Model(hf_config, model_config, self.moe_routing(hf_config))
+        self.quant_config = BlockFP8Config.from_hf(
+            getattr(hf_config, "quantization_config", None))
+        self.model = DeepseekV2Model(hf_config, model_config, self.moe_routing(hf_config),
+                                     self.quant_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
                                       self.model.embed_tokens if self.tie_word_embeddings
@@ -306,11 +348,19 @@ class DeepseekV2ForCausalLM(nn.Module):
         Skips rotary buffers and layers beyond num_hidden_layers (V3's MTP layer). FP8 KV-cache
         scales (`self_attn.k_scale` / `kv_scale`, see `load_kv_scale`) go to
         `self.kv_cache_scales` {layer: {"k": s, "v": s}} (the latent pool uses "k").
+
+        Block-FP8 checkpoints: `X.weight` (float8_e4m3fn) + `X.weight_scale_inv` go to the FP8
+        linears as they are; routed-expert pairs are dequantized here (`_dequantize_experts`)
+        into the model-dtype stacked experts.
         Raises:
-            KeyError: an unknown weight name. ValueError: a shape mismatch, or parameters that
-                no weight filled.
+            KeyError: an unknown weight name (e.g. a `weight_scale_inv` for a layer that is not
+                quantized). ValueError: a shape mismatch, an FP8 tensor for an unquantized
+                parameter, an expert weight without its scale (or the reverse), or parameters
+                that no weight filled.
         """
         params = dict(self.named_parameters())
+        if self.quant_config is not None:
+            weights = _dequantize_experts(weights, self.quant_config.weight_block_size)
         expected = self._expected_load_units(params)
         loaded: set[str] = set()
         n_layers = self.config.num_hidden_layers
@@ -333,6 +383,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             if m:
                 prefix, e, shard = m.group(1), int(m.group(2)), m.group(3)[: -len("_proj")]
                 pname = f"{prefix}.{'w2_weight' if shard == 'down' else 'w13_weight'}"
+                _check_fp8(name, params[pname], w)
                 self.get_submodule(prefix).weight_loader(params[pname], w, e, shard)
                 loaded.add(f"{pname}:{e}:{shard}")
                 continue
@@ -340,6 +391,7 @@ class DeepseekV2ForCausalLM(nn.Module):
                 stacked = name.endswith("gate_up_proj")
                 prefix = name[: name.rindex(".")]
                 pname = prefix + (".w13_weight" if stacked else ".w2_weight")
+                _check_fp8(name, params[pname], w)
                 experts = self.get_submodule(prefix)
                 full_i = experts.full_intermediate_size
                 for e in range(w.shape[0]):  # through the per-expert loader (TP slicing)
@@ -350,9 +402,13 @@ class DeepseekV2ForCausalLM(nn.Module):
                         experts.weight_loader(params[pname], w[e], e, "down")
                 loaded |= {u for u in expected if u.startswith(pname + ":")}
                 continue
-            m = re.match(r"^(.*)\.(gate_proj|up_proj)\.weight$", name)
+            m = re.match(r"^(.*)\.(gate_proj|up_proj)\.(weight|weight_scale_inv)$", name)
             if m:
-                pname, shard = f"{m.group(1)}.gate_up_proj.weight", m.group(2)[: -len("_proj")]
+                pname = f"{m.group(1)}.gate_up_proj.{m.group(3)}"
+                shard = m.group(2)[: -len("_proj")]
+                if pname not in params:
+                    raise KeyError(f"unexpected weight {name!r} for {type(self).__name__}")
+                _check_fp8(name, params[pname], w)
                 self.get_submodule(f"{m.group(1)}.gate_up_proj").weight_loader(
                     params[pname], w, shard)
                 loaded.add(f"{pname}:{shard}")
@@ -360,7 +416,10 @@ class DeepseekV2ForCausalLM(nn.Module):
             if name not in params:
                 if name == "lm_head.weight" and self.tie_word_embeddings:
                     continue
-                raise KeyError(f"unexpected weight {name!r} for DeepseekV2ForCausalLM")
+                hint = (" (a block-FP8 scale: is the config's quantization_config missing?)"
+                        if name.endswith("_scale_inv") and self.quant_config is None else "")
+                raise KeyError(f"unexpected weight {name!r} for {type(self).__name__}{hint}")
+            _check_fp8(name, params[name], w)
             owner = self.get_submodule(name.rsplit(".", 1)[0])
             loader = getattr(owner, "weight_loader", None)
             if loader is not None:  # tensor-parallel layers take the full tensor and slice it
@@ -385,14 +444,60 @@ class DeepseekV2ForCausalLM(nn.Module):
                               f"{mname}.w2_weight:{e}:down"}
                 covered |= {f"{mname}.w13_weight", f"{mname}.w2_weight"}
             elif hasattr(mod, "shard_offsets"):  # merged (column-parallel) linear layers
-                units |= {f"{mname}.weight:{s}" for s in mod.shard_offsets}
-                covered.add(f"{mname}.weight")
+                names = ["weight"] + (["weight_scale_inv"]
+                                      if hasattr(mod, "weight_scale_inv") else [])
+                for p in names:
+                    units |= {f"{mname}.{p}:{s}" for s in mod.shard_offsets}
+                    covered.add(f"{mname}.{p}")
         return units | (set(params) - covered)
 
     def post_load_weights(self) -> None:
-        """Precompute the absorbed MLA matrices of every layer."""
+        """Finish quantized linears (compact their scales), then precompute the absorbed MLA
+        matrices of every layer."""
+        for mod in self.modules():
+            method = getattr(mod, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(mod)
         for layer in self.model.layers:
             layer.self_attn.post_load_weights()
+
+
+def _check_fp8(name: str, param: torch.Tensor, w: torch.Tensor) -> None:
+    """An FP8 checkpoint tensor may only fill an FP8 parameter (a cast would drop its scale)."""
+    if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and param.dtype != w.dtype:
+        raise ValueError(f"{name!r} is {w.dtype} but the model's parameter is {param.dtype}: "
+                         "is the config's quantization_config missing?")
+
+
+def _dequantize_experts(weights: Iterable[tuple[str, torch.Tensor]],
+                        block_size: tuple[int, int]) -> Iterable[tuple[str, torch.Tensor]]:
+    """Pass weights through, except routed-expert FP8 pairs: `mlp.experts.{e}.{proj}.weight`
+    (float8_e4m3fn [N, K]) and its `weight_scale_inv` [ceil(N/bn), ceil(K/bk)] are held until
+    both arrived, then yielded once as `...weight` = dequantized float32 [N, K] (DeepSeek-V3
+    `inference/fp8_cast_bf16.py` math). Expert weights that are not FP8 pass through.
+
+    Raises:
+        ValueError: an FP8 expert weight without its scale, or a scale without its weight.
+    """
+    from mla_kernels.block_fp8_gemm import dequant_weight_block_fp8
+
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, w in weights:
+        m = _EXPERT_FP8_RE.match(name)
+        if m is None or (m.group(2) is None and w.dtype != torch.float8_e4m3fn):
+            yield name, w
+            continue
+        base = m.group(1)
+        entry = pending.setdefault(base, {})
+        entry["scale" if m.group(2) else "weight"] = w
+        if len(entry) == 2:
+            del pending[base]
+            yield base, dequant_weight_block_fp8(entry["weight"], entry["scale"], block_size)
+    if pending:
+        base, entry = next(iter(pending.items()))
+        missing = "weight_scale_inv" if "weight" in entry else "weight"
+        raise ValueError(f"{len(pending)} routed-expert FP8 weights incomplete, e.g. "
+                         f"{base!r} has no {missing}")
 
 
 def _copy(param: torch.Tensor, w: torch.Tensor) -> None:
@@ -411,22 +516,20 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     (MLA with q_lora_rank, DeepSeek YaRN, first_k_dense_replace dense layers, shared experts) is
     V2's code. The MTP layer of the checkpoint is skipped (see `load_weights`).
 
+    Weights: bf16 / fp32, or the published block-wise FP8 format (`quantization_config`
+    {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128]}; see the module docstring for what stays unquantized and
+    how routed experts are dequantized at load).
+
     Args: as `DeepseekV2ForCausalLM`.
     Raises:
         ValueError: a config V3 cannot mean (another scoring_func / topk_method,
             `rope_interleave` false, `moe_layer_freq` != 1).
-        NotImplementedError: a quantized (block-FP8) checkpoint (`quantization_config`), not
-            supported yet.
+        NotImplementedError: a quantization other than block-wise FP8 (see
+            `BlockFP8Config.from_hf`).
     """
 
     def __init__(self, hf_config: Any, model_config: "ModelConfig | None" = None) -> None:
-        quant = getattr(hf_config, "quantization_config", None) or {}
-        quant_method = (quant.get("quant_method") if isinstance(quant, dict)
-                        else getattr(quant, "quant_method", None))
-        if quant_method:
-            # TODO(issue 6, FP8 part): block-wise FP8 linear layers (weight_scale_inv).
-            raise NotImplementedError(f"DeepSeek-V3 with quantization {quant_method!r} is not "
-                                      "supported yet; use a bf16 / fp32 checkpoint")
         if getattr(hf_config, "rope_interleave", True) is False:
             # transformers then rotates halves (NeoX) instead of interleaved pairs.
             raise ValueError("rope_interleave=false is not supported (DeepSeek rope rotates "

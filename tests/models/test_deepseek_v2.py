@@ -38,12 +38,8 @@ VARIANTS = {
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is ~10x faster than two on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_intra_op_thread):
+    """Tiny matmuls: see tests/models/conftest.py."""
 
 
 def _prompts(vocab: int, lens: tuple[int, ...], seed: int = 0) -> list[list[int]]:
