@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch_native")
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATION_NAMES = ("", "fp8")  # = layers.quantization.QUANTIZATION_METHODS
 
 
 class ConfigError(ValueError):
@@ -44,6 +45,10 @@ class ModelConfig:
     # "auto": read the safetensors in model_path; "dummy": random weights of the right shapes
     # (config.json only; for benchmarks with real shapes and no checkpoint, as vLLM/SGLang).
     load_format: str = "auto"
+    # Linear-layer weights: "" = as the checkpoint (unquantized, or its own FP8 format);
+    # "fp8" = online per-tensor FP8 of an unquantized checkpoint (vLLM's `--quantization fp8`;
+    # see layers.quantization.Fp8Config). An FP8 checkpoint is always run in its own format.
+    quantization: str = ""
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,8 @@ class EngineConfig:
         _check(m.mla_decompress_min_tokens >= 0, "mla_decompress_min_tokens", "must be >= 0")
         _check(m.load_format in ("auto", "dummy"), "load_format",
                f"must be auto or dummy, got {m.load_format!r}")
+        _check(m.quantization in QUANTIZATION_NAMES, "quantization",
+               f"must be one of {QUANTIZATION_NAMES} ('' = none), got {m.quantization!r}")
         _check(c.max_total_tokens is None or c.max_total_tokens >= 2, "max_total_tokens",
                f"must be >= 2, got {c.max_total_tokens}")
         _check(0.0 < c.mem_fraction_static < 1.0, "mem_fraction_static", "must be in (0, 1)")

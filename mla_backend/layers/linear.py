@@ -20,12 +20,15 @@ attention block costs one all-reduce. At TP size 1 every parallel class computes
 replicated counterpart does (same shapes, same `F.linear` call).
 
 Quantization (`layers.quantization`) is chosen per linear by the model from the checkpoint's
-`quantization_config` (`BlockFP8Config.from_hf`, then `for_module(prefix)`): a layer built with `quant_config=None`
+`quantization_config` and the engine setting `quantization` (`quant_config_from_hf`, then
+`for_module(prefix)`). An `Fp8Config` (per-tensor FP8) gives `Fp8LinearMethod`: `weight`
+float8_e4m3fn + a 0-dim `weight_scale` (loaded row-expanded like the block scales below, one
+value per shard, then requantized to their max), `torch._scaled_mm`. A layer built with `quant_config=None`
 holds its weight in the model dtype and runs `F.linear` (`UnquantizedLinearMethod`); with a
 `BlockFP8Config` (DeepSeek-V3's block-wise FP8) it holds `weight` float8_e4m3fn plus
 `weight_scale_inv` float32 and runs `BlockFP8LinearMethod` (per-token-group FP8 activations, the
 triton block-scaled GEMM `mla_kernels.block_fp8_gemm`). Each layer's `quant_method` is one of the
-two. Scales are loaded row-expanded (one row per local weight row, so every TP / merged-shard
+three. Block scales are loaded row-expanded (one row per local weight row, so every TP / merged-shard
 slicing rule of the weight applies to them unchanged) and compacted back to one row per 128-row
 block by `process_weights_after_loading` when the rows of each local block agree.
 """
@@ -44,7 +47,7 @@ from mla_backend.distributed import (
 )
 
 
-from mla_backend.layers.quantization import BlockFP8Config, _make_weight, _rows
+from mla_backend.layers.quantization import BlockFP8Config, QuantConfig, _make_weight, _rows
 
 
 class ReplicatedLinear(nn.Module):
@@ -56,7 +59,7 @@ class ReplicatedLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 quant_config: BlockFP8Config | None = None) -> None:
+                 quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -96,7 +99,7 @@ class MergedLinear(ReplicatedLinear):
         output_sizes: list[int],
         bias: bool = False,
         shard_names: tuple | None = None,
-        quant_config: BlockFP8Config | None = None,
+        quant_config: QuantConfig | None = None,
     ) -> None:
         super().__init__(in_features, sum(output_sizes), bias, quant_config)
         self.output_sizes = list(output_sizes)
@@ -185,7 +188,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  gather_output: bool = False, *, tp_rank: int | None = None,
                  tp_size: int | None = None,
-                 quant_config: BlockFP8Config | None = None) -> None:
+                 quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size)
         self.in_features = in_features
@@ -298,7 +301,7 @@ class MergedColumnParallelLinear(_MergedColumnBase):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
                  shard_names: tuple | None = None, *, tp_rank: int | None = None,
                  tp_size: int | None = None,
-                 quant_config: BlockFP8Config | None = None) -> None:
+                 quant_config: QuantConfig | None = None) -> None:
         rank, size = resolve_tp(tp_rank, tp_size)
         names = tuple(range(len(output_sizes))) if shard_names is None else tuple(shard_names)
         local = [divide(s, size, f"output size of shard {n!r}")
@@ -335,7 +338,7 @@ class QKVParallelLinear(_MergedColumnBase):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, *, tp_rank: int | None = None,
-                 tp_size: int | None = None) -> None:
+                 tp_size: int | None = None, quant_config: QuantConfig | None = None) -> None:
         rank, tp = resolve_tp(tp_rank, tp_size)
         if num_heads % tp != 0:
             raise ValueError(f"tensor parallel size {tp} does not divide num_heads={num_heads} "
@@ -361,7 +364,8 @@ class QKVParallelLinear(_MergedColumnBase):
         full_q, full_kv = num_heads * head_dim, num_kv_heads * head_dim
         local_out = self.q_size + 2 * self.kv_size
         # The base sizes the weight from out_features / tp: give it the local rows * tp.
-        super().__init__(hidden_size, local_out * tp, bias, tp_rank=rank, tp_size=tp)
+        super().__init__(hidden_size, local_out * tp, bias, tp_rank=rank, tp_size=tp,
+                         quant_config=quant_config)
         self.out_features = full_q + 2 * full_kv
         kv_src = first_kv * head_dim
         self._set_shards(("q", "k", "v"), [full_q, full_kv, full_kv],
@@ -394,14 +398,14 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  reduce_results: bool = True, *, tp_rank: int | None = None,
                  tp_size: int | None = None,
-                 quant_config: BlockFP8Config | None = None) -> None:
+                 quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size)
         self.in_features = in_features
         self.out_features = out_features
         self.in_features_per_rank = divide(in_features, self.tp_size, "in_features")
         self.reduce_results = reduce_results
-        if (quant_config is not None and self.tp_size > 1
+        if (isinstance(quant_config, BlockFP8Config) and self.tp_size > 1
                 and self.in_features_per_rank % quant_config.weight_block_size[1]):
             raise ValueError(
                 f"block-FP8 RowParallelLinear: in_features per rank {self.in_features_per_rank} "
@@ -430,7 +434,8 @@ class RowParallelLinear(nn.Module):
         Raises:
             ValueError: `loaded` is not the full tensor's shape.
         """
-        if param.dim() == 1:  # bias: whole on every rank
+        if param.dim() == 1:  # bias (or a per-tensor FP8 scale, row-expanded): whole on every rank
+            loaded = _rows(param, loaded, self.out_features)
             _check_full("RowParallelLinear bias", loaded, (self.out_features,))
             param.data.copy_(loaded)
             return

@@ -1,5 +1,6 @@
-"""Quantization methods of the linear layers (`layers.linear`): unquantized and DeepSeek-V3
-block-wise FP8.
+"""Quantization methods of the linear layers (`layers.linear`): unquantized, DeepSeek-V3
+block-wise FP8, and per-tensor FP8 (`Fp8Config` / `Fp8LinearMethod`: FP8 checkpoints in the
+vLLM / ModelOpt per-tensor format, or online quantization of a bf16/fp32 checkpoint).
 
 Owns how a linear holds and applies its weight: `UnquantizedLinearMethod` (weight in the model
 dtype, `F.linear`) and `BlockFP8LinearMethod` (`weight` float8_e4m3fn + `weight_scale_inv`
@@ -13,7 +14,7 @@ row while loading (so every TP / merged-shard slicing rule of the weight applies
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,25 @@ from torch import nn
 
 # ---------------------------------------------------------------------------- quantization
 FP8_E4M3 = torch.float8_e4m3fn
+
+
+def _fp8_getter(quantization_config: Any) -> Callable[..., Any] | None:
+    """A `get(key, default)` over a checkpoint's quantization_config (dict or HF object), or
+    None when there is none (or no quant_method).
+
+    Raises:
+        NotImplementedError: a quant_method other than "fp8".
+    """
+    q = quantization_config
+    if not q:
+        return None
+    get = q.get if isinstance(q, dict) else (lambda k, d=None: getattr(q, k, d))
+    method = get("quant_method")
+    if method is None:
+        return None
+    if method != "fp8":
+        raise NotImplementedError(f"quantization {method!r} is not supported (fp8 only)")
+    return get
 
 
 @dataclass(frozen=True)
@@ -56,23 +76,16 @@ class BlockFP8Config:
                 `weight_block_size` (per-tensor FP8), or a static activation scheme.
             ValueError: fmt other than e4m3, or a malformed weight_block_size.
         """
-        q = quantization_config
-        if not q:
+        get = _fp8_getter(quantization_config)
+        if get is None:
             return None
-        get = q.get if isinstance(q, dict) else (lambda k, d=None: getattr(q, k, d))
-        method = get("quant_method")
-        if method is None:
-            return None
-        if method != "fp8":
-            raise NotImplementedError(f"quantization {method!r} is not supported (only "
-                                      "DeepSeek-V3 block-wise 'fp8')")
         fmt = get("fmt", "e4m3") or "e4m3"
         if fmt != "e4m3":
             raise ValueError(f"FP8 fmt {fmt!r} not supported (e4m3 only)")
         block = get("weight_block_size")
         if block is None:
             raise NotImplementedError("per-tensor FP8 checkpoints (no weight_block_size) are "
-                                      "not supported yet; block-wise FP8 only")
+                                      "read by `Fp8Config.from_hf` / `quant_config_from_hf`")
         if len(block) != 2 or min(block) < 1 or int(block[1]) % 16:
             raise ValueError(f"weight_block_size {block} must be [bn, bk] with bk a multiple "
                              "of 16")
@@ -165,12 +178,202 @@ class BlockFP8LinearMethod:
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+# ---------------------------------------------------------------------------- per-tensor FP8
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_MIN_SCALE = 1e-12  # floor of a dynamic scale (an all-zero tensor must not divide by 0)
+QUANTIZATION_METHODS = ("", "fp8")  # the engine setting `quantization`
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """Per-tensor FP8 (e4m3): one float32 scale per weight tensor, per-tensor activations.
+
+    Sources: the vLLM / ModelOpt per-tensor checkpoint format (`quantization_config`
+    {"quant_method": "fp8", "activation_scheme": "static" | "dynamic"}, no weight_block_size;
+    tensors `X.weight` float8_e4m3fn [N, K], `X.weight_scale` float32 scalar, and for "static"
+    `X.input_scale` float32 scalar), read as vLLM's `Fp8Config` / `Fp8LinearMethod`
+    (vllm/model_executor/layers/quantization/fp8.py) reads it; or online quantization of a
+    bf16/fp32 checkpoint (engine setting `quantization="fp8"`, vLLM's
+    `--quantization fp8`): weight scale = amax(|W|) / 448 at load, dynamic activations.
+
+    Fields:
+        is_checkpoint_fp8: the checkpoint holds FP8 weights + scales (else: quantize at load).
+        activation_scheme: "dynamic" (x scale = amax(|x|) / 448 per call, whole tensor) or
+            "static" (the checkpoint's `input_scale`; merged layers take the max of their
+            shards', as vLLM does).
+        modules_to_not_convert: module-name substrings left unquantized (optional HF field).
+            The models never pass a quant config to the embedding, LM head or MoE router.
+    """
+
+    is_checkpoint_fp8: bool = False
+    activation_scheme: str = "dynamic"
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    @classmethod
+    def from_hf(cls, quantization_config: Any) -> "Fp8Config | None":
+        """Parse a per-tensor FP8 `quantization_config` (dict or object); None/empty -> None.
+
+        Raises:
+            NotImplementedError: a quant_method other than "fp8", or block-wise FP8 (that is
+                `BlockFP8Config`). ValueError: fmt other than e4m3, or an activation_scheme
+                other than static/dynamic.
+        """
+        get = _fp8_getter(quantization_config)
+        if get is None:
+            return None
+        if get("weight_block_size") is not None:
+            raise NotImplementedError("block-wise FP8: use BlockFP8Config")
+        fmt = get("fmt", "e4m3") or "e4m3"
+        if fmt != "e4m3":
+            raise ValueError(f"FP8 fmt {fmt!r} not supported (e4m3 only)")
+        scheme = get("activation_scheme", "dynamic") or "dynamic"
+        if scheme not in ("static", "dynamic"):
+            raise ValueError(f"activation_scheme {scheme!r} must be static or dynamic")
+        skip = tuple(get("modules_to_not_convert", None) or get("ignored_layers", None) or ())
+        return cls(True, scheme, skip)
+
+    def for_module(self, prefix: str) -> "Fp8Config | None":
+        """This config for the linear named `prefix`, or None when it is not converted."""
+        return None if any(m in prefix for m in self.modules_to_not_convert) else self
+
+
+QuantConfig = BlockFP8Config | Fp8Config
+
+
+def quant_config_from_hf(quantization_config: Any, quantization: str = "") -> QuantConfig | None:
+    """The linear layers' quant config of a model.
+
+    Args:
+        quantization_config: the HF config's `quantization_config` (dict/object/None).
+        quantization: the engine setting ("" = as the checkpoint, "fp8" = per-tensor FP8).
+    Returns:
+        `BlockFP8Config` (block-wise checkpoint), `Fp8Config` (per-tensor checkpoint, or online
+        "fp8" of an unquantized checkpoint), or None.
+    Raises:
+        ValueError: unknown `quantization`; see `BlockFP8Config.from_hf` / `Fp8Config.from_hf`.
+    """
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization {quantization!r} must be one of {QUANTIZATION_METHODS}")
+    q = quantization_config
+    get = (q.get if isinstance(q, dict) else (lambda k, d=None: getattr(q, k, d))) if q else None
+    if get is not None and get("quant_method") is not None:
+        if get("quant_method") == "fp8" and get("weight_block_size") is None:
+            return Fp8Config.from_hf(q)
+        return BlockFP8Config.from_hf(q)  # an FP8 checkpoint is FP8 whatever the setting
+    return Fp8Config() if quantization == "fp8" else None
+
+
+def quantize_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Saturating per-tensor e4m3 quantization (in torch, never in a kernel).
+
+    Args:
+        x: any float tensor. scale: float32 scalar, or None = amax(|x|) / 448 (floored at 1e-12).
+    Returns:
+        (q float8_e4m3fn, x's shape, q * scale ~ x; values beyond +-448 * scale saturate to
+        +-448, never NaN for finite x; NaN in x stays NaN), scale float32 0-dim.
+    """
+    xf = x.float()
+    if scale is None:
+        scale = (xf.abs().amax() / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = scale.float().reshape(())
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_E4M3), scale
+
+
+def fp8_per_tensor_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale: torch.Tensor,
+                      x_scale: torch.Tensor | None = None,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = (x quantized per tensor) @ w_t * x_scale * w_scale with `torch._scaled_mm`.
+
+    Args:
+        x: [M, K] float. w_t: [K, N] float8_e4m3fn, column-major (`weight.t()` of a row-major
+            [N, K] weight). w_scale: float32 0-dim. x_scale: static scale (0-dim) or None =
+            dynamic (amax/448). out_dtype: default x's dtype.
+    Returns:
+        [M, N] in out_dtype, fp32 accumulation.
+    """
+    out_dtype = out_dtype or x.dtype
+    q, xs = quantize_fp8_per_tensor(x, x_scale)
+    k, n = w_t.shape
+    if x.is_cuda and (k % 16 or n % 16):  # cuBLASLt FP8 needs K, N multiples of 16
+        return ((q.float() @ w_t.float()) * (xs * w_scale)).to(out_dtype)
+    return torch._scaled_mm(q, w_t, scale_a=xs, scale_b=w_scale.float().reshape(()),
+                            out_dtype=out_dtype)
+
+
+class Fp8LinearMethod:
+    """Per-tensor FP8 linear (see `Fp8Config`).
+
+    Parameters it adds to a layer with local weight rows n and input columns k:
+    - checkpoint FP8: `weight` float8_e4m3fn [n, k]; `weight_scale` float32 [n] while loading
+      (the checkpoint's scalar of each shard repeated over the shard's rows, so merged / TP
+      slicing applies unchanged), 0-dim after `process_weights_after_loading`, which
+      requantizes every row to the max scale when shards differ (vLLM's
+      `requantize_with_max_scale`); "static": `input_scale` float32 [n] likewise, then its max.
+    - online: `weight` in the model dtype [n, k] while loading, quantized by
+      `process_weights_after_loading` (scale = amax / 448).
+    apply: x [..., k] -> [..., n] in x's dtype via `fp8_per_tensor_mm` (`torch._scaled_mm`).
+    """
+
+    def __init__(self, config: Fp8Config) -> None:
+        self.config = config
+
+    def create_weights(self, layer: nn.Module, rows: int, cols: int) -> None:
+        if not self.config.is_checkpoint_fp8:
+            layer.weight = nn.Parameter(torch.empty(rows, cols), requires_grad=False)
+            return
+        layer.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8_E4M3), requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.empty(rows, dtype=torch.float32),
+                                          requires_grad=False)
+        layer.weight_scale.per_tensor_scale = True
+        if self.config.activation_scheme == "static":
+            layer.input_scale = nn.Parameter(torch.empty(rows, dtype=torch.float32),
+                                             requires_grad=False)
+            layer.input_scale.per_tensor_scale = True
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Online: quantize the weight. Checkpoint: one weight scale (requantized to the max of
+        the shards' scales) and one input scale (max)."""
+        if layer.weight.dtype != FP8_E4M3:
+            q, s = quantize_fp8_per_tensor(layer.weight.data)
+        elif layer.weight_scale.dim() == 0:
+            return  # already processed
+        else:
+            rows = layer.weight_scale.data  # [n]
+            s = rows.max()
+            q = layer.weight.data
+            if not torch.equal(rows, s.expand_as(rows)):
+                q, _ = quantize_fp8_per_tensor(q.float() * rows[:, None], s)
+            if hasattr(layer, "input_scale"):
+                layer.input_scale = nn.Parameter(layer.input_scale.data.max(),
+                                                 requires_grad=False)
+        layer.weight = nn.Parameter(q.contiguous(), requires_grad=False)  # [n, k] row-major
+        layer.weight_scale = nn.Parameter(s.reshape(()), requires_grad=False)
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """weight * weight_scale -> [n, k] float32 (after processing)."""
+        return layer.weight.float() * layer.weight_scale
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        k = x.shape[-1]
+        x_scale = getattr(layer, "input_scale", None)
+        y = fp8_per_tensor_mm(x.reshape(-1, k), layer.weight.t(), layer.weight_scale,
+                              None if x_scale is None else x_scale.data)
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def _make_weight(layer: nn.Module, rows: int, cols: int,
-                 quant_config: BlockFP8Config | None) -> None:
+                 quant_config: QuantConfig | None) -> None:
     """Create `layer.weight` [rows, cols] (+ scales) and `layer.quant_method`."""
     if quant_config is None:
         layer.quant_method = UnquantizedLinearMethod()
         layer.weight = nn.Parameter(torch.empty(rows, cols), requires_grad=False)
+    elif isinstance(quant_config, Fp8Config):
+        layer.quant_method = Fp8LinearMethod(quant_config)
+        layer.quant_method.create_weights(layer, rows, cols)
     else:
         layer.quant_method = BlockFP8LinearMethod(quant_config)
         layer.quant_method.create_weights(layer, rows, cols)
@@ -178,11 +381,17 @@ def _make_weight(layer: nn.Module, rows: int, cols: int,
 
 def _rows(param: nn.Parameter, loaded: torch.Tensor, n_rows: int) -> torch.Tensor:
     """For a block-scale parameter: the checkpoint's [ceil(n_rows/bn), kb] scale expanded to one
-    row per weight row [n_rows, kb]; any other parameter: `loaded` unchanged.
+    row per weight row [n_rows, kb]; for a per-tensor scale (`Fp8LinearMethod`): the scalar
+    repeated to [n_rows]; any other parameter: `loaded` unchanged.
 
     Raises:
-        ValueError: the scale does not have ceil(n_rows/bn) rows.
+        ValueError: the scale does not have ceil(n_rows/bn) rows, or a per-tensor scale is not
+            a single value.
     """
+    if getattr(param, "per_tensor_scale", False):
+        if loaded.numel() != 1:
+            raise ValueError(f"per-tensor FP8 scale of shape {tuple(loaded.shape)} (one value)")
+        return loaded.float().reshape(1).expand(n_rows).clone()
     bn = getattr(param, "block_scale_rows", None)
     if bn is None:
         return loaded

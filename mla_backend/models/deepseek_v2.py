@@ -33,6 +33,12 @@ triton GEMM; the embedding, router, LM head and norms are unquantized (they have
 checkpoint). Routed experts are dequantized at load into the bf16/fp32 stacked-expert weights
 (no FP8 fused-MoE kernel yet). `kv_b_proj` stays FP8 for the decompressed path; the absorbed
 `w_kc`/`w_vc` are split from its dequantized weight (model dtype) in `post_load_weights`.
+
+Per-tensor FP8 (`layers.quantization.Fp8Config`: a vLLM/ModelOpt-style FP8 checkpoint, or the
+engine setting `quantization="fp8"` on an unquantized one): the same linears become
+`Fp8LinearMethod` (fp8 weight, one scale, `torch._scaled_mm`). Routed experts of a per-tensor
+FP8 checkpoint are dequantized at load (weight * weight_scale; input_scale dropped); with online
+"fp8" they stay unquantized (model dtype).
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from mla_backend.layers.linear import (
 )
 from mla_backend.layers.logits import ParallelLMHead, VocabParallelEmbedding
 from mla_backend.layers.moe import DeepseekV2MoE, GatedMLP, StackedExperts
-from mla_backend.layers.quantization import BlockFP8Config
+from mla_backend.layers.quantization import BlockFP8Config, Fp8Config, quant_config_from_hf
 from mla_backend.layers.radix_attention import RadixAttention, load_kv_scale
 from mla_backend.layers.rotary_deepseek import (
     DeepseekRotaryEmbedding,
@@ -285,15 +291,17 @@ class DeepseekV2ForCausalLM(nn.Module):
         hf_config: transformers `DeepseekV2Config` (or any object with its fields).
         model_config: engine `ModelConfig` (`disable_mla`, `mla_decompress_min_tokens`); None
             uses the defaults (MLA on, threshold 64).
-    The config's `quantization_config`, when present, must be block-wise FP8
-    (`BlockFP8Config.from_hf`, whose errors it raises); it becomes `self.quant_config`.
+    The config's `quantization_config`, when present, must be FP8, block-wise or per-tensor, and
+    `model_config.quantization` may ask for online per-tensor FP8 (`quant_config_from_hf`, whose
+    errors it raises); the result becomes `self.quant_config`.
     """
 
     def __init__(self, hf_config: Any, model_config: "ModelConfig | None" = None) -> None:
         super().__init__()
         self.config = hf_config
-        self.quant_config = BlockFP8Config.from_hf(
-            getattr(hf_config, "quantization_config", None))
+        self.quant_config = quant_config_from_hf(
+            getattr(hf_config, "quantization_config", None),
+            getattr(model_config, "quantization", "") or "")
         self.model = DeepseekV2Model(hf_config, model_config, self.moe_routing(hf_config),
                                      self.quant_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -359,8 +367,10 @@ class DeepseekV2ForCausalLM(nn.Module):
                 that no weight filled.
         """
         params = dict(self.named_parameters())
-        if self.quant_config is not None:
+        if isinstance(self.quant_config, BlockFP8Config):
             weights = _dequantize_experts(weights, self.quant_config.weight_block_size)
+        elif isinstance(self.quant_config, Fp8Config) and self.quant_config.is_checkpoint_fp8:
+            weights = _dequantize_experts_per_tensor(weights)
         expected = self._expected_load_units(params)
         loaded: set[str] = set()
         n_layers = self.config.num_hidden_layers
@@ -402,7 +412,9 @@ class DeepseekV2ForCausalLM(nn.Module):
                         experts.weight_loader(params[pname], w[e], e, "down")
                 loaded |= {u for u in expected if u.startswith(pname + ":")}
                 continue
-            m = re.match(r"^(.*)\.(gate_proj|up_proj)\.(weight|weight_scale_inv)$", name)
+            m = re.match(
+                r"^(.*)\.(gate_proj|up_proj)\.(weight|weight_scale_inv|weight_scale|input_scale)$",
+                name)
             if m:
                 pname = f"{m.group(1)}.gate_up_proj.{m.group(3)}"
                 shard = m.group(2)[: -len("_proj")]
@@ -417,7 +429,8 @@ class DeepseekV2ForCausalLM(nn.Module):
                 if name == "lm_head.weight" and self.tie_word_embeddings:
                     continue
                 hint = (" (a block-FP8 scale: is the config's quantization_config missing?)"
-                        if name.endswith("_scale_inv") and self.quant_config is None else "")
+                        if name.endswith(("_scale_inv", "weight_scale", "input_scale"))
+                        and self.quant_config is None else "")
                 raise KeyError(f"unexpected weight {name!r} for {type(self).__name__}{hint}")
             _check_fp8(name, params[name], w)
             owner = self.get_submodule(name.rsplit(".", 1)[0])
@@ -444,8 +457,8 @@ class DeepseekV2ForCausalLM(nn.Module):
                               f"{mname}.w2_weight:{e}:down"}
                 covered |= {f"{mname}.w13_weight", f"{mname}.w2_weight"}
             elif hasattr(mod, "shard_offsets"):  # merged (column-parallel) linear layers
-                names = ["weight"] + (["weight_scale_inv"]
-                                      if hasattr(mod, "weight_scale_inv") else [])
+                names = ["weight"] + [p for p in ("weight_scale_inv", "weight_scale",
+                                                  "input_scale") if hasattr(mod, p)]
                 for p in names:
                     units |= {f"{mname}.{p}:{s}" for s in mod.shard_offsets}
                     covered.add(f"{mname}.{p}")
@@ -496,6 +509,41 @@ def _dequantize_experts(weights: Iterable[tuple[str, torch.Tensor]],
     if pending:
         base, entry = next(iter(pending.items()))
         missing = "weight_scale_inv" if "weight" in entry else "weight"
+        raise ValueError(f"{len(pending)} routed-expert FP8 weights incomplete, e.g. "
+                         f"{base!r} has no {missing}")
+
+
+_EXPERT_PT_RE = re.compile(
+    r"^(.*\.mlp\.experts\.\d+\.(?:gate_proj|up_proj|down_proj))\."
+    r"(weight|weight_scale|input_scale)$")
+
+
+def _dequantize_experts_per_tensor(weights: Iterable[tuple[str, torch.Tensor]]
+                                   ) -> Iterable[tuple[str, torch.Tensor]]:
+    """Per-tensor FP8 checkpoints: routed-expert `X.weight` (float8_e4m3fn [N, K]) and
+    `X.weight_scale` (one float32) are held until both arrived, then yielded once as `X.weight` =
+    weight * weight_scale, float32 [N, K]; `X.input_scale` is dropped (the experts run
+    unquantized). Everything else passes through.
+
+    Raises:
+        ValueError: an FP8 expert weight without its scale, or a scale without its weight.
+    """
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, w in weights:
+        m = _EXPERT_PT_RE.match(name)
+        if m is None or (m.group(2) == "weight" and w.dtype != torch.float8_e4m3fn):
+            yield name, w
+            continue
+        if m.group(2) == "input_scale":
+            continue
+        entry = pending.setdefault(m.group(1), {})
+        entry[m.group(2)] = w
+        if len(entry) == 2:
+            del pending[m.group(1)]
+            yield f"{m.group(1)}.weight", entry["weight"].float() * entry["weight_scale"].float()
+    if pending:
+        base, entry = next(iter(pending.items()))
+        missing = "weight_scale" if "weight" in entry else "weight"
         raise ValueError(f"{len(pending)} routed-expert FP8 weights incomplete, e.g. "
                          f"{base!r} has no {missing}")
 

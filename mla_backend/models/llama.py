@@ -33,6 +33,7 @@ from mla_backend.layers.linear import (
     RowParallelLinear,
 )
 from mla_backend.layers.logits import ParallelLMHead, VocabParallelEmbedding
+from mla_backend.layers.quantization import QuantConfig, quant_config_from_hf
 from mla_backend.layers.radix_attention import RadixAttention, load_kv_scale
 from mla_backend.layers.rotary_embedding import get_rope, rope_params_from_config
 
@@ -51,15 +52,22 @@ def _num_kv_heads(cfg: Any) -> int:
     return int(kv) if kv else cfg.num_attention_heads
 
 
+def _qc(quant_config: QuantConfig | None, prefix: str) -> QuantConfig | None:
+    return None if quant_config is None else quant_config.for_module(prefix)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 hidden_act: str = "silu") -> None:
+                 hidden_act: str = "silu", quant_config: QuantConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hidden_act!r} (only silu)")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
-                                                       bias=bias, shard_names=("gate", "up"))
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, shard_names=("gate", "up"),
+            quant_config=_qc(quant_config, f"{prefix}.gate_up_proj"))
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
+                                           quant_config=_qc(quant_config, f"{prefix}.down_proj"))
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,16 +76,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, layer_id: int, qkv_bias: bool) -> None:
+    def __init__(self, cfg: Any, layer_id: int, qkv_bias: bool,
+                 quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.head_dim = _head_dim(cfg)
+        prefix = f"model.layers.{layer_id}.self_attn"
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
-                                          _num_kv_heads(cfg), bias=qkv_bias)
+                                          _num_kv_heads(cfg), bias=qkv_bias,
+                                          quant_config=_qc(quant_config, f"{prefix}.qkv_proj"))
         # Heads of this tensor-parallel rank (all of them at TP 1).
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
-                                        bias=bool(getattr(cfg, "attention_bias", False)))
+                                        bias=bool(getattr(cfg, "attention_bias", False)),
+                                        quant_config=_qc(quant_config, f"{prefix}.o_proj"))
         theta, scaling = rope_params_from_config(cfg)
         partial = float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0)
         self.rotary_emb = get_rope(self.head_dim, int(self.head_dim * partial),
@@ -97,12 +109,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_id: int, qkv_bias: bool) -> None:
+    def __init__(self, cfg: Any, layer_id: int, qkv_bias: bool,
+                 quant_config: QuantConfig | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, qkv_bias)
+        self.self_attn = LlamaAttention(cfg, layer_id, qkv_bias, quant_config)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size,
                             bool(getattr(cfg, "mlp_bias", False)),
-                            getattr(cfg, "hidden_act", "silu"))
+                            getattr(cfg, "hidden_act", "silu"), quant_config,
+                            f"model.layers.{layer_id}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -121,11 +135,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool) -> None:
+    def __init__(self, cfg: Any, qkv_bias: bool, quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(cfg, i, qkv_bias) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i, qkv_bias, quant_config)
+                                     for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -153,7 +167,14 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         hf_config: the transformers config of the checkpoint.
-        model_config: engine `ModelConfig` (unused by this family; part of the model interface).
+        model_config: engine `ModelConfig`; only `quantization` is read ("fp8": online
+            per-tensor FP8 of every linear but the embedding and LM head).
+    A per-tensor FP8 checkpoint (`quantization_config` quant_method "fp8" without
+    weight_block_size) loads into `Fp8LinearMethod` linears (`self.quant_config`).
+
+    Raises:
+        NotImplementedError / ValueError: an unsupported `quantization_config` or setting
+            (`quant_config_from_hf`).
     """
 
     def __init__(self, hf_config: Any, model_config: ModelConfig | None = None) -> None:
@@ -161,7 +182,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         qkv_bias = hf_config.model_type == "qwen2" or bool(
             getattr(hf_config, "attention_bias", False))
-        self.model = LlamaModel(hf_config, qkv_bias)
+        self.quant_config = quant_config_from_hf(
+            getattr(hf_config, "quantization_config", None),
+            getattr(model_config, "quantization", "") or "")
+        self.model = LlamaModel(hf_config, qkv_bias, self.quant_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
                                       self.model.embed_tokens if self.tie_word_embeddings
@@ -223,7 +247,11 @@ class LlamaForCausalLM(nn.Module):
         return loaded
 
     def post_load_weights(self) -> None:
-        """Nothing to derive for this family."""
+        """Finish quantized linears (quantize / requantize weights, settle scales)."""
+        for mod in self.modules():
+            method = getattr(mod, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(mod)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -272,12 +272,12 @@ def test_weights_real_names_mtp_skipped_fp32_router(tiny_deepseek_v3_factory):
     # Configs V3 cannot mean are refused with a clear error.
     with pytest.raises(ValueError, match="noaux_tc"):
         DeepseekV3ForCausalLM(AutoConfig.from_pretrained(path, topk_method="greedy"))
-    # Block-FP8 (V3's published format) is supported (tests/models/test_deepseek_v3_fp8.py);
-    # other quantizations are refused.
-    fp8_cfg = AutoConfig.from_pretrained(path)
-    fp8_cfg.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    with pytest.raises(NotImplementedError, match="per-tensor FP8"):
-        DeepseekV3ForCausalLM(fp8_cfg)
+    # Block-FP8 (V3's published format, tests/models/test_deepseek_v3_fp8.py) and per-tensor FP8
+    # (tests/models/test_fp8_per_tensor.py) are supported; other quantizations are refused.
+    other = AutoConfig.from_pretrained(path)
+    other.quantization_config = {"quant_method": "awq"}
+    with pytest.raises(NotImplementedError, match="awq"):
+        DeepseekV3ForCausalLM(other)
 
 
 # bf16: logits std ~3; bf16 rounding moves a position's logits by <= ~0.3 (HF's own bf16 run

@@ -230,10 +230,10 @@ def test_loading_errors(ckpt, tmp_path):
     # the first FP8 tensor or scale met, whichever comes first, names the likely cause
     with pytest.raises((ValueError, KeyError), match="quantization_config"):
         load(sd, plain)
-    with pytest.raises(NotImplementedError, match="per-tensor"):
-        per_tensor = AutoConfig.from_pretrained(fp8)
-        per_tensor.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-        DeepseekV3ForCausalLM(per_tensor)
+    # per-tensor FP8 (no weight_block_size) is its own format (tests/models/test_fp8_per_tensor.py)
+    per_tensor = AutoConfig.from_pretrained(fp8)
+    per_tensor.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    assert type(DeepseekV3ForCausalLM(per_tensor).quant_config).__name__ == "Fp8Config"
 
 
 def test_engine_serves_the_fp8_checkpoint(ckpt):
