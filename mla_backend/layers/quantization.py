@@ -9,6 +9,9 @@ float32 per 128x128 block, per-token-group FP8 activations, the triton block-sca
 (`BlockFP8Config.from_hf`, then `for_module(prefix)`). The linear classes call `_make_weight` to
 create their parameters and `_rows` to expand a checkpoint's block scales to one row per weight
 row while loading (so every TP / merged-shard slicing rule of the weight applies to them).
+Also the absorbed-MLA FP8 batched matmul: `quantize_fp8_bmm_weight` (per-tensor FP8 weight,
+column-major per batch entry) and `fp8_per_tensor_bmm` (dynamic per-tensor activations, a loop
+of `torch._scaled_mm`), with its float32 reference `fp8_per_tensor_bmm_ref`.
 """
 
 from __future__ import annotations
@@ -299,6 +302,42 @@ def fp8_per_tensor_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale: torch.Tensor,
         return ((q.float() @ w_t.float()) * (xs * w_scale)).to(out_dtype)
     return torch._scaled_mm(q, w_t, scale_a=xs, scale_b=w_scale.float().reshape(()),
                             out_dtype=out_dtype)
+
+
+def quantize_fp8_bmm_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batched weight [B, K, N] (any float) -> (float8_e4m3fn [B, K, N], each w[b] column-major,
+    i.e. stored as [B, N, K] row-major: the B operand `torch._scaled_mm` wants; float32 0-dim
+    scale = amax(|w|) / 448 over the whole tensor)."""
+    q, s = quantize_fp8_per_tensor(w.transpose(1, 2).contiguous())  # [B, N, K] row-major
+    return q.transpose(1, 2), s
+
+
+def fp8_per_tensor_bmm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                       x_scale: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y[b] = (x quantized per tensor)[b] @ w[b] * x_scale * w_scale: the absorbed-MLA products
+    (q_nope . w_kc, o . w_vc) as a loop over the batch (heads) of `fp8_per_tensor_mm`.
+
+    Args:
+        x: [B, M, K] float (any strides). w: [B, K, N] float8_e4m3fn, each w[b] column-major
+            (`quantize_fp8_bmm_weight`). w_scale: float32 0-dim. x_scale: static 0-dim scale or
+            None = dynamic, amax(|x|) / 448 over the whole x (one scale for every head; values
+            beyond +-448 * x_scale saturate, never NaN). out_dtype: default x's dtype.
+    Returns:
+        [B, M, N] in out_dtype, fp32 accumulation. Reference: `fp8_per_tensor_bmm_ref`.
+    """
+    if x_scale is None:
+        x_scale = (x.detach().abs().amax().float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    return torch.stack([fp8_per_tensor_mm(x[b], w[b], w_scale, x_scale, out_dtype)
+                        for b in range(x.shape[0])])
+
+
+def fp8_per_tensor_bmm_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                           x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 torch reference of `fp8_per_tensor_bmm`: the same quantized operands,
+    dequantized, multiplied with `torch.bmm` in float32 -> [B, M, N] float32."""
+    q, xs = quantize_fp8_per_tensor(x, x_scale)
+    return torch.bmm(q.float() * xs, w.float() * w_scale.float())
 
 
 class Fp8LinearMethod:

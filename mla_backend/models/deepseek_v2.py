@@ -32,13 +32,20 @@ MLP and shared experts keeps `weight` float8_e4m3fn + `weight_scale_inv` and run
 triton GEMM; the embedding, router, LM head and norms are unquantized (they have no scales in the
 checkpoint). Routed experts are dequantized at load into the bf16/fp32 stacked-expert weights
 (no FP8 fused-MoE kernel yet). `kv_b_proj` stays FP8 for the decompressed path; the absorbed
-`w_kc`/`w_vc` are split from its dequantized weight (model dtype) in `post_load_weights`.
+`w_kc`/`w_vc` are split from its dequantized weight in `post_load_weights`.
 
 Per-tensor FP8 (`layers.quantization.Fp8Config`: a vLLM/ModelOpt-style FP8 checkpoint, or the
 engine setting `quantization="fp8"` on an unquantized one): the same linears become
 `Fp8LinearMethod` (fp8 weight, one scale, `torch._scaled_mm`). Routed experts of a per-tensor
 FP8 checkpoint are dequantized at load (weight * weight_scale; input_scale dropped); with online
 "fp8" they stay unquantized (model dtype).
+
+Absorbed matrices with per-tensor FP8 linears (kv_b_proj `Fp8LinearMethod`: FP8 checkpoint or
+online "fp8"): `w_kc`/`w_vc` are float8_e4m3fn, each with one float32 scale (`w_kc_scale`,
+`w_vc_scale` = amax/448 of the dequantized matrix), stored column-major per head for
+`torch._scaled_mm`; the two absorbed products run as `layers.quantization.fp8_per_tensor_bmm`
+(dynamic per-tensor activation scale, a loop over heads). Otherwise (unquantized, or block-FP8
+for now: its tests pin w_kc/w_vc to the dequantized kv_b_proj) they are model-dtype `torch.bmm`s.
 """
 
 from __future__ import annotations
@@ -59,7 +66,14 @@ from mla_backend.layers.linear import (
 )
 from mla_backend.layers.logits import ParallelLMHead, VocabParallelEmbedding
 from mla_backend.layers.moe import DeepseekV2MoE, GatedMLP, StackedExperts
-from mla_backend.layers.quantization import BlockFP8Config, Fp8Config, quant_config_from_hf
+from mla_backend.layers.quantization import (
+    BlockFP8Config,
+    Fp8Config,
+    Fp8LinearMethod,
+    fp8_per_tensor_bmm,
+    quant_config_from_hf,
+    quantize_fp8_bmm_weight,
+)
 from mla_backend.layers.radix_attention import RadixAttention, load_kv_scale
 from mla_backend.layers.rotary_deepseek import (
     DeepseekRotaryEmbedding,
@@ -92,7 +106,9 @@ class DeepseekV2Attention(nn.Module):
     `q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`).
 
     Buffers after `post_load_weights`: `w_kc` [H, qk_nope, kv_lora], `w_vc` [H, kv_lora, v_head]
-    (model dtype; from the dequantized kv_b_proj when it is block-FP8). `quant_config`: None or
+    (model dtype, contiguous; `w_kc_scale`/`w_vc_scale` None) or, when kv_b_proj is per-tensor
+    FP8 (`Fp8LinearMethod`), float8_e4m3fn with each head's matrix column-major and one float32
+    0-dim scale each (`w_kc_scale`, `w_vc_scale`). `quant_config`: None or
     a `BlockFP8Config` applied to every projection (per module name, `for_module`).
     """
 
@@ -149,15 +165,26 @@ class DeepseekV2Attention(nn.Module):
             layer_id=layer_id, v_head_dim=self.kv_lora_rank)
         self.register_buffer("w_kc", None, persistent=False)
         self.register_buffer("w_vc", None, persistent=False)
+        self.register_buffer("w_kc_scale", None, persistent=False)
+        self.register_buffer("w_vc_scale", None, persistent=False)
 
     def post_load_weights(self) -> None:
         """Split kv_b_proj.weight [H*(nope+v), kv_lora] into w_kc and w_vc (once, after load).
         A block-FP8 kv_b_proj is dequantized (weight * weight_scale_inv per 128x128 block, as
-        DeepSeek-V3's `inference/model.py` does for absorption) and cast to the model dtype."""
+        DeepSeek-V3's `inference/model.py` does for absorption). A per-tensor FP8 kv_b_proj
+        (`Fp8LinearMethod`) gives FP8 w_kc/w_vc requantized per tensor from its dequantized
+        weight (`quantize_fp8_bmm_weight`); otherwise they are cast to the model dtype."""
         dtype = self.kv_a_layernorm.weight.dtype
         kv_b = self.kv_b_proj
-        w = kv_b.quant_method.dequantized_weight(kv_b).to(dtype).view(
+        w = kv_b.quant_method.dequantized_weight(kv_b).view(
             self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        if isinstance(kv_b.quant_method, Fp8LinearMethod):
+            w = w.float()
+            self.w_kc, self.w_kc_scale = quantize_fp8_bmm_weight(w[:, : self.qk_nope_head_dim])
+            self.w_vc, self.w_vc_scale = quantize_fp8_bmm_weight(
+                w[:, self.qk_nope_head_dim:].transpose(1, 2))
+            return
+        w = w.to(dtype)
         self.w_kc = w[:, : self.qk_nope_head_dim].contiguous()  # [H, nope, kv_lora]
         self.w_vc = w[:, self.qk_nope_head_dim:].transpose(1, 2).contiguous()  # [H, kv_lora, v]
 
@@ -196,14 +223,24 @@ class DeepseekV2Attention(nn.Module):
                   k_pe: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
         t, heads = q_nope.shape[0], self.num_heads
         # [H, T, nope] x [H, nope, kv_lora] -> [T, H, kv_lora]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)
+        q_latent = self._absorb_bmm(q_nope.transpose(0, 1), self.w_kc,
+                                    self.w_kc_scale).transpose(0, 1)
         q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, kv_lora + rope]
         k = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [T, 1, kv_lora + rope]
         v = k[..., : self.kv_lora_rank]  # [T, 1, kv_lora] (the pool's value view)
         o = self.attn_mqa(q, k, v, forward_batch)  # [T, H * kv_lora]
         # [H, T, kv_lora] x [H, kv_lora, v_head] -> [T, H, v_head]
-        o = torch.bmm(o.view(t, heads, self.kv_lora_rank).transpose(0, 1), self.w_vc)
+        o = self._absorb_bmm(o.view(t, heads, self.kv_lora_rank).transpose(0, 1), self.w_vc,
+                             self.w_vc_scale)
         return self.o_proj(o.transpose(0, 1).reshape(t, heads * self.v_head_dim))
+
+    @staticmethod
+    def _absorb_bmm(x: torch.Tensor, w: torch.Tensor,
+                    w_scale: torch.Tensor | None) -> torch.Tensor:
+        """[H, T, K] x [H, K, N] -> [H, T, N] in x's dtype: FP8 (w has a scale) or torch.bmm."""
+        if w_scale is None:
+            return torch.bmm(x, w)
+        return fp8_per_tensor_bmm(x, w, w_scale)
 
 
 class DeepseekV2DecoderLayer(nn.Module):
