@@ -22,10 +22,8 @@ sets it: NCCL_NVLS_ENABLE=0). Prints markdown tables and writes every number to 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -46,18 +44,8 @@ from mla_backend.engine import Engine  # noqa: E402
 from mla_backend.request import SamplingParams  # noqa: E402
 from mla_backend.tools.model_shapes import DEEPSEEK_V2_LITE, shape_config, write_shape_model  # noqa: E402
 
-T0 = time.perf_counter()
 DEVICE, DTYPE = "cuda", "bfloat16"  # --device cpu (gloo, float32) only smoke-tests the script
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
-
-
-def release() -> None:
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
+log, release = suite.log, suite.release  # release() follows suite.DEVICE, set in main()
 
 
 def write_checkpoints(root: str, tokenizer_dir: str, layers: int,
@@ -66,7 +54,7 @@ def write_checkpoints(root: str, tokenizer_dir: str, layers: int,
     from safetensors.torch import save_file
 
     from mla_backend.tools.checkpoints import make_tiny_llama
-    from mla_backend.tools.tiny_deepseek import (_TOKENIZER_FILES, tiny_deepseek_v2_config,
+    from mla_backend.tools.tiny_deepseek import (copy_tokenizer_files, tiny_deepseek_v2_config,
                                                  tiny_deepseek_v2_state_dict)
 
     out = {}
@@ -80,9 +68,7 @@ def write_checkpoints(root: str, tokenizer_dir: str, layers: int,
     del sd
     with open(os.path.join(ds, "config.json"), "w") as f:
         json.dump(dict(cfg, torch_dtype="bfloat16"), f)
-    for name in _TOKENIZER_FILES:
-        if os.path.exists(os.path.join(tokenizer_dir, name)):
-            shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(ds, name))
+    copy_tokenizer_files(tokenizer_dir, ds)
     out["deepseek-v2-lite"] = ds
     log(f"wrote {ds} in {time.perf_counter() - t:.0f} s")
     t = time.perf_counter()
@@ -91,9 +77,7 @@ def write_checkpoints(root: str, tokenizer_dir: str, layers: int,
     keep = {k: v for k, v in lcfg.items() if k not in ("architectures", "model_type",
                                                        "torch_dtype", "transformers_version")}
     ll = make_tiny_llama(os.path.join(root, "llama-8b-few"), seed=0, init_std=0.02, **keep)
-    for name in _TOKENIZER_FILES:
-        if os.path.exists(os.path.join(tokenizer_dir, name)):
-            shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(ll, name))
+    copy_tokenizer_files(tokenizer_dir, ll)
     out["llama-3.1-8b"] = ll
     log(f"wrote {ll} in {time.perf_counter() - t:.0f} s")
     return out

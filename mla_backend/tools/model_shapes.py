@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any
 
-from mla_backend.tools.tiny_deepseek import _TOKENIZER_FILES, tiny_deepseek_v2_config
+from mla_backend.tools.tiny_deepseek import copy_tokenizer_files, tiny_deepseek_v2_config
 
 DEEPSEEK_V2_LITE: dict[str, Any] = {
     "vocab_size": 102400,
@@ -112,10 +111,7 @@ def write_shape_model(out_dir: str, name: str, tokenizer_dir: str | None = None,
     if tokenizer_dir is not None:
         if not os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")):
             raise FileNotFoundError(f"no tokenizer.json in {tokenizer_dir!r}")
-        for fname in _TOKENIZER_FILES:
-            src = os.path.join(tokenizer_dir, fname)
-            if os.path.exists(src):
-                shutil.copy(src, os.path.join(out_dir, fname))
+        copy_tokenizer_files(tokenizer_dir, out_dir)
     return out_dir
 
 

@@ -99,6 +99,21 @@ _TOKENIZER_FILES = (
 )
 
 
+def copy_tokenizer_files(src_dir: str, dst_dir: str) -> int:
+    """Copy the tokenizer files of HF folder `src_dir` that exist into `dst_dir`.
+
+    Returns:
+        How many of tokenizer.json / tokenizer_config.json were copied (0 = no usable tokenizer).
+    """
+    copied = 0
+    for name in _TOKENIZER_FILES:
+        src = os.path.join(src_dir, name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(dst_dir, name))
+            copied += name in ("tokenizer.json", "tokenizer_config.json")
+    return copied
+
+
 def tiny_deepseek_v2_config(**overrides: Any) -> dict[str, Any]:
     """The config.json dict: defaults updated by `overrides`.
 
@@ -222,13 +237,7 @@ def _write_folder(out_dir: str, cfg: dict[str, Any], sd: dict[str, torch.Tensor]
             json.dump(gen_cfg, f, indent=2)
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         if tokenizer_dir is not None:
-            copied = 0
-            for name in _TOKENIZER_FILES:
-                src = os.path.join(tokenizer_dir, name)
-                if os.path.isfile(src):
-                    shutil.copyfile(src, os.path.join(tmp, name))
-                    copied += name in ("tokenizer.json", "tokenizer_config.json")
-            if not copied:
+            if not copy_tokenizer_files(tokenizer_dir, tmp):
                 raise FileNotFoundError(f"no tokenizer files in {tokenizer_dir!r}")
         if os.path.isdir(out_dir):
             shutil.rmtree(out_dir)
@@ -257,15 +266,9 @@ TINY_DEEPSEEK_V3_DEFAULTS: dict[str, Any] = {
     "routed_scaling_factor": 2.5,
     "scoring_func": "sigmoid",
     "num_nextn_predict_layers": 1,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 40,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
+    # V2-Lite's YaRN with V3's mscale (1.0 / 1.0)
+    "rope_scaling": {**TINY_DEEPSEEK_V2_DEFAULTS["rope_scaling"], "mscale": 1.0,
+                     "mscale_all_dim": 1.0},
 }
 
 E_SCORE_CORRECTION_BIAS_STD = 0.1

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import math
 import os
@@ -42,7 +41,6 @@ import shutil
 import tarfile
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,6 +51,8 @@ SEQ_LEN = 512
 SHARD_BYTES = 10 * 2**20
 
 # config.json overrides of tools.tiny_deepseek's defaults (which are V2-Lite's architecture).
+# Every size is spelled out, also where it equals those defaults, so that retraining reproduces
+# the shipped checkpoint even if the test defaults change.
 MODEL_CONFIG: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
     "hidden_size": 256,

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 # The V2 suite's oracle helpers and tolerances (one definition of the comparison).
 from test_deepseek_v2 import (ATOL, RTOL, _check_gap, _hf, _hf_greedy, _prompts,
-                              assert_absorbed_matches_hf)
+                              assert_absorbed_matches_hf, assert_greedy_matches_hf)
 
 from mla_backend.layers.moe import DeepseekV2MoE, select_experts_noaux_tc
 from mla_backend.model_executor.forward_batch import ForwardMode
@@ -98,11 +98,7 @@ def test_default_tiny_v3_decompressed_prefill_matches_hf(tiny_deepseek_v3_factor
     with torch.inference_mode():
         ref = hf(torch.tensor([prompts[0]])).logits[0]
     torch.testing.assert_close(prefill[:9], ref, atol=ATOL, rtol=RTOL)
-    for i, p in enumerate(prompts):
-        ref_tokens, ref_scores = _hf_greedy(hf, p, 32)
-        assert new_tokens[i] == ref_tokens
-        torch.testing.assert_close(step_logits[i], ref_scores, atol=ATOL, rtol=RTOL)
-        _check_gap(ref_scores)
+    assert_greedy_matches_hf(hf, prompts, new_tokens, step_logits)
 
 
 def test_absorbed_decompressed_mha_agree(tiny_deepseek_v3_factory):

@@ -25,7 +25,7 @@ from fp8_per_tensor_ckpt import write_fp8_per_tensor_copy
 from test_llama import make_runner, new_seq, release, step
 
 from mla_backend.config import ConfigError, EngineConfig
-from mla_backend.layers.quantization import Fp8LinearMethod, UnquantizedLinearMethod
+from mla_backend.layers.quantization import Fp8LinearMethod
 from mla_backend.model_executor.forward_batch import ForwardMode
 
 LLAMA_REL_RMS, LLAMA_TOP1, LLAMA_CKPT_ONLINE = 0.3, 0.65, 0.3
