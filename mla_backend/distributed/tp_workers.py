@@ -8,9 +8,10 @@ instances can run side by side), and each step sends every worker one plain-data
 Message per forward (a dict of Python ints/lists, pickled over a pipe):
 - "batch": the `ModelRunner.make_forward_batch` arguments (mode, input_ids, positions,
   req_pool_indices, seq_lens, prefix_lens, extend_lens, out_cache_loc, return_all_logits);
-- "req_to_token": (row, start, slots) writes that make the worker's `req_to_token` mirror rank
-  0's for this batch: extend sends each request's whole row [0, seq_len) (prefix-cache hits were
-  written by rank 0's cache at admission), decode only the new token's slot.
+- "req_to_token": (rows, columns, slots) int lists: the writes that make the worker's
+  `req_to_token` mirror rank 0's for this batch (`apply_req_to_token_writes`: one copy and one
+  scatter): extend sends each request's whole row [0, seq_len) (prefix-cache hits were written
+  by rank 0's cache at admission), decode only the new token's slot.
 Workers hold the same pools; their KV is written by their own forward at `out_cache_loc`, so the
 pools mirror rank 0's. A worker runs the same forward (its collectives meet rank 0's) and drops
 the logits. `None` stops it.
@@ -117,9 +118,8 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: "EngineCo
             msg = conn.recv()
             if msg is None:
                 break
-            r2t = runner.req_to_token_pool.req_to_token
-            for row, start, slots in msg["req_to_token"]:
-                r2t[row, start:start + len(slots)] = torch.tensor(slots, dtype=r2t.dtype)
+            apply_req_to_token_writes(runner.req_to_token_pool.req_to_token,
+                                      msg["req_to_token"])
             runner.forward(runner.make_forward_batch(**msg["batch"]))
     except (EOFError, KeyboardInterrupt):
         pass
@@ -263,8 +263,16 @@ class TpWorkerGroup:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
+        # Rank 0 leaves the group while the workers leave theirs (destroying a NCCL group waits
+        # for the peers: done one after the other, the workers' join would wait out its
+        # timeout). Leaving can block (ncclCommDestroy also waits for CUDA graphs that captured
+        # its collectives): a daemon thread, so it never hangs the caller (Triton's finalize).
+        leave = threading.Thread(target=destroy_tensor_parallel, name="mla-tp-destroy",
+                                 daemon=True)
+        leave.start()
+        deadline = time.monotonic() + timeout_s
         for proc in self._procs:
-            proc.join(timeout_s)
+            proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.terminate()
                 proc.join(2.0)
@@ -273,12 +281,7 @@ class TpWorkerGroup:
                 proc.join(2.0)
         for conn in self._conns:
             conn.close()
-        # Leaving a NCCL group can block (ncclCommDestroy waits for peers and for CUDA graphs
-        # that captured its collectives): never let that hang the caller (Triton's finalize).
-        leave = threading.Thread(target=destroy_tensor_parallel, name="mla-tp-destroy",
-                                 daemon=True)
-        leave.start()
-        leave.join(timeout_s)
+        leave.join(max(0.0, deadline - time.monotonic()))
         if leave.is_alive():
             logger.warning("leaving the tensor-parallel process group did not finish within "
                            "%.0f s; continuing without it", timeout_s)
@@ -286,23 +289,30 @@ class TpWorkerGroup:
 
 
 def step_message(fb: "ForwardBatch") -> dict:
-    """The plain-data message for one forward (see the module docstring)."""
-    rows = fb.req_pool_indices.tolist()
-    out_loc = fb.out_cache_loc.tolist()
-    r2t = fb.req_to_token_pool.req_to_token
-    writes = []
+    """The plain-data message for one forward (see the module docstring). Reads the batch's
+    host copies (`ForwardBatch.host_ints`) where present, so building it costs no device sync."""
+    host = fb.host_ints
+    if host is None:
+        host = {k: getattr(fb, k).tolist() for k in
+                ("input_ids", "positions", "req_pool_indices", "out_cache_loc")}
+    rows, out_loc = host["req_pool_indices"], host["out_cache_loc"]
     if fb.forward_mode.is_decode():
-        for i, row in enumerate(rows):
-            writes.append((row, fb.seq_lens_cpu[i] - 1, [out_loc[i]]))
+        w_rows, w_cols, w_slots = rows, [s - 1 for s in fb.seq_lens_cpu], out_loc
     else:
-        for i, row in enumerate(rows):
-            writes.append((row, 0, r2t[row, : fb.seq_lens_cpu[i]].tolist()))
+        r2t = fb.req_to_token_pool.req_to_token
+        w_rows, w_cols, w_slots = [], [], []
+        for row, n in zip(rows, fb.seq_lens_cpu):
+            w_rows += [row] * n
+            w_cols += range(n)
+        idx = torch.tensor(w_rows, dtype=torch.int64, device=r2t.device)
+        col = torch.tensor(w_cols, dtype=torch.int64, device=r2t.device)
+        w_slots = r2t[idx, col].tolist()
     return {
-        "req_to_token": writes,
+        "req_to_token": (list(w_rows), list(w_cols), list(w_slots)),
         "batch": {
             "mode": fb.forward_mode,
-            "input_ids": fb.input_ids.tolist(),
-            "positions": fb.positions.tolist(),
+            "input_ids": host["input_ids"],
+            "positions": host["positions"],
             "req_pool_indices": rows,
             "seq_lens": list(fb.seq_lens_cpu),
             "prefix_lens": list(fb.extend_prefix_lens_cpu),
@@ -313,4 +323,16 @@ def step_message(fb: "ForwardBatch") -> dict:
     }
 
 
-__all__ = ["TpWorkerError", "TpWorkerGroup", "step_message"]
+def apply_req_to_token_writes(req_to_token: torch.Tensor,
+                              writes: tuple[list[int], list[int], list[int]]) -> None:
+    """Copy rank 0's `req_to_token` entries into this rank's table: `writes` = (rows, columns,
+    slots), equal-length int lists; one host-to-device copy and one scatter, whatever the
+    batch size."""
+    rows, cols, slots = writes
+    if not rows:
+        return
+    t = torch.tensor([rows, cols, slots], dtype=torch.int64).to(req_to_token.device)
+    req_to_token[t[0], t[1]] = t[2].to(req_to_token.dtype)
+
+
+__all__ = ["TpWorkerError", "TpWorkerGroup", "apply_req_to_token_writes", "step_message"]

@@ -44,6 +44,11 @@ class ForwardBatch:
     attn_backend: "AttentionBackend"
     # True: the model returns logits for every new token (tests); False: last new token per request.
     return_all_logits: bool = False
+    # Host copies of the per-token / per-request ints this batch was built from (set by
+    # `ModelRunner.make_forward_batch`): keys input_ids, positions, req_pool_indices,
+    # out_cache_loc (lists of int). Tensor-parallel step messages read them instead of copying
+    # the device tensors back. None when the batch was built another way.
+    host_ints: dict[str, list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -343,29 +343,31 @@ class ModelRunner:
                 raise ValueError("EXTEND needs prefix_lens and extend_lens")
             prefix, ext = _as_list(prefix_lens), _as_list(extend_lens)
         prefix, ext = [int(x) for x in prefix], [int(x) for x in ext]
-        num_tokens = len(_as_list(input_ids))
-        if not (len(prefix) == len(ext) == len(seq) == len(_as_list(req_pool_indices))):
+        ids, pos = [int(x) for x in _as_list(input_ids)], [int(x) for x in _as_list(positions)]
+        rows, out_loc = [int(x) for x in _as_list(req_pool_indices)], [
+            int(x) for x in _as_list(out_cache_loc)]
+        num_tokens = len(ids)
+        if not (len(prefix) == len(ext) == len(seq) == len(rows)):
             raise ValueError(
                 "req_pool_indices, seq_lens, prefix_lens, extend_lens differ in length")
         if any(p + e != s for p, e, s in zip(prefix, ext, seq)) or sum(ext) != num_tokens:
             raise ValueError(f"inconsistent lengths: prefix {prefix} + extend {ext} vs seq {seq}, "
                              f"{num_tokens} tokens")
-        dev = self.device
-
-        def to_dev(x: Any) -> torch.Tensor:
-            return torch.as_tensor(x, dtype=torch.int64).to(dev)
-
-        out_loc = to_dev(out_cache_loc)
-        if out_loc.shape[0] != num_tokens or to_dev(positions).shape[0] != num_tokens:
+        if len(out_loc) != num_tokens or len(pos) != num_tokens:
             raise ValueError("positions / out_cache_loc must have one entry per input token")
+        # One host-to-device copy for all five index tensors (each a contiguous slice of it):
+        # separate small copies cost a few microseconds of host time each, every step.
+        packed = torch.tensor(ids + pos + out_loc + rows + seq, dtype=torch.int64)
+        packed = packed.to(self.device)
+        t, b = num_tokens, len(seq)
         return ForwardBatch(
             forward_mode=mode,
-            batch_size=len(seq),
-            input_ids=to_dev(input_ids),
-            positions=to_dev(positions),
-            req_pool_indices=to_dev(req_pool_indices),
-            seq_lens=to_dev(seq),
-            out_cache_loc=out_loc,
+            batch_size=b,
+            input_ids=packed[:t],
+            positions=packed[t:2 * t],
+            out_cache_loc=packed[2 * t:3 * t],
+            req_pool_indices=packed[3 * t:3 * t + b],
+            seq_lens=packed[3 * t + b:],
             seq_lens_cpu=seq,
             extend_prefix_lens_cpu=prefix,
             extend_seq_lens_cpu=ext,
@@ -373,6 +375,8 @@ class ModelRunner:
             token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend,
             return_all_logits=return_all_logits,
+            host_ints={"input_ids": ids, "positions": pos, "req_pool_indices": rows,
+                       "out_cache_loc": out_loc},
         )
 
     def check_workers(self) -> None:
