@@ -38,6 +38,16 @@ time, about what the two grouped GEMMs take (2 x 16 us); the gain, 100 -> 43 us 
 replay of one call, is mostly the sort's launches that are gone. It loses once many rows share
 experts (the weight reads then repeat, L2 saves only part of it): see `GEMV_MAX_ROWS`.
 
+FP8 weights (W8A8, both paths; `fused_experts` documents the layouts): w13/w2
+float8_e4m3fn with per-expert per-tensor scales [E] or DeepSeek-V3 block scales
+[E, nb, kb]; each GEMM's activations are quantized in torch (`quantize_activations_fp8`: one
+scale per tensor, or per token per 128 columns), since the interpreter's in-kernel float -> fp8
+rounding is wrong for a few percent of values (its fp8 loads are exact). `_grouped_gemm_kernel`
+(QUANT 1 / 2) accumulates fp8 x fp8 tl.dots in fp32 (tiles upcast to fp32 off sm89+ GPUs and in
+the interpreter) and applies the scales: per tensor once after the K loop, per block on each
+BLOCK_K step (BLOCK_K divides the 128-column scale group). The GEMV kernels (in
+`fused_moe_gemv`) do the same with fp32 multiply + tl.sum. Twin: `reference.fused_experts_fp8_ref`.
+
 Nothing here reads device data on the host: the sort is torch device ops with buffers sized by the
 worst case (T*k + min(E, T*k) * (BLOCK_M - 1) rows), the sorted kernels read the used row count
 (`num_tokens_post_padded`) on the device and skip the blocks beyond it, and the GEMV kernels read
@@ -52,6 +62,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from .fused_moe_gemv import _gemv_down_kernel, _gemv_gate_up_kernel
 
 
 class MoEConfig(NamedTuple):
@@ -163,14 +175,33 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit
+def _tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+              FP8_DOT: tl.constexpr):
+    # acc + a @ b in fp32. FP8 weights: fp8 x fp8 tensor-core dot (FP8_DOT, GPU), else both
+    # tiles upcast to fp32 (the interpreter's form, and fp8 weights with unquantized a).
+    if not FP8:
+        out = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    elif FP8_DOT:
+        out = tl.dot(a, b, acc)
+    else:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return out
+
+
+@triton.jit
 def _grouped_gemm_kernel(
-    A, B, C, TopkWeights, SortedTokenIds, ExpertIds, NumTokensPostPadded,
-    N, K, num_rows, a_row_div, num_blocks_m, up_offset,
+    A, B, C, TopkWeights, SortedTokenIds, ExpertIds, NumTokensPostPadded, AScale, BScale,
+    N, K, num_rows, a_row_div, num_blocks_m, up_offset, group_n, group_k, up_scale_offset,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     FUSE_SILU_MUL: tl.constexpr, MUL_ROUTING_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
+    # QUANT: 0 = a, B in one float dtype; 1 = FP8 B with one scale per expert (BScale[e]) and
+    # one activation scale (AScale[0]), applied after the K loop; 2 = FP8 B with block scales
+    # BScale[e, n // group_n, k // group_k] and per-(row, K group) activation scales
+    # AScale[a_row, k // group_k], applied per K step (BLOCK_K divides group_k).
     # Program -> (row block, column block), GROUP_M row blocks at a time so consecutive programs
     # reuse a column block of one expert's weights from L2.
     pid = tl.program_id(0)
@@ -195,22 +226,45 @@ def _grouped_gemm_kernel(
         a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
         b_ptrs = (B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
                   + offs_k[:, None].to(tl.int64) * stride_bk)  # [BLOCK_K, BLOCK_N] = W^T tile
+        # Block scales (QUANT 2): this tile's scale rows, and the activation rows' scales.
+        as_ptrs = AScale + a_rows * stride_asm  # [BLOCK_M]
+        bs_ptrs = BScale + expert * stride_bse + (offs_n // group_n).to(tl.int64) * stride_bsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if FUSE_SILU_MUL:
             up_ptrs = b_ptrs + up_offset  # up rows follow the N gate rows
+            bsu_ptrs = bs_ptrs + up_scale_offset  # and their scale rows the gate's
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kb in range(tl.cdiv(K, BLOCK_K)):
             mask_k = offs_k < K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if QUANT == 2:
+                g = (kb * BLOCK_K) // group_k
+                a_s = tl.load(as_ptrs + g * stride_ask, mask=mask_m, other=0.0)
+                b_s = tl.load(bs_ptrs + g * stride_bsk, mask=mask_n, other=0.0)
+                part = _tile_dot(a, b, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                                 DOT_PRECISION, True, FP8_DOT)
+                acc += part * a_s[:, None] * b_s[None, :]
+            else:
+                acc = _tile_dot(a, b, acc, DOT_PRECISION, QUANT == 1, FP8_DOT)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
             if FUSE_SILU_MUL:
                 bu = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                acc_up = tl.dot(a, bu, acc_up, input_precision=DOT_PRECISION)
+                if QUANT == 2:
+                    bu_s = tl.load(bsu_ptrs + g * stride_bsk, mask=mask_n, other=0.0)
+                    part_up = _tile_dot(a, bu, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                                        DOT_PRECISION, True, FP8_DOT)
+                    acc_up += part_up * a_s[:, None] * bu_s[None, :]
+                else:
+                    acc_up = _tile_dot(a, bu, acc_up, DOT_PRECISION, QUANT == 1, FP8_DOT)
                 up_ptrs += BLOCK_K * stride_bk
 
+        if QUANT == 1:  # one scale for the expert's whole matrix and one for all of A
+            s = tl.load(AScale).to(tl.float32) * tl.load(BScale + expert * stride_bse)
+            acc = acc * s
+            if FUSE_SILU_MUL:
+                acc_up = acc_up * s
         if FUSE_SILU_MUL:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if MUL_ROUTING_WEIGHT:
@@ -220,11 +274,24 @@ def _grouped_gemm_kernel(
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_SCALE_FLOOR = 1e-10  # amax floor of a dynamic activation scale (an all-zero A: no 0/0)
+
+
+def _fp8_dot_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """fp8 x fp8 tensor-core tl.dot: CUDA, both operands fp8, sm89 or newer."""
+    return (a.is_cuda and a.dtype == FP8_DTYPE and b.dtype == FP8_DTYPE
+            and torch.cuda.get_device_capability(a.device) >= (8, 9))
+
+
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
                  sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
                  num_tokens_post_padded: torch.Tensor, num_rows: int, a_row_div: int,
                  config: MoEConfig, fuse_silu_mul: bool = False,
-                 topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+                 topk_weights: torch.Tensor | None = None,
+                 a_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                 block_shape: tuple[int, int] | None = None) -> torch.Tensor:
     """c[r] = a[r // a_row_div] @ w[expert of r]^T for every sorted row r < num_rows.
 
     Args:
@@ -239,30 +306,75 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
         config: tile sizes.
         fuse_silu_mul: c = silu(a @ gate^T) * (a @ up^T) instead.
         topk_weights: optional [num_rows] contiguous fp32 routing weights multiplied into row r.
+        a_scale, w_scale, block_shape: required with FP8 w (float8_e4m3fn), refused without;
+            the real operands are a * a_scale and w * w_scale. Per tensor (block_shape None):
+            w_scale [E], a_scale [1]. Blocks (bn, bk), bk a multiple of 16: w_scale
+            [E, ceil(N/bn) (x2 with fuse_silu_mul: gate's rows, then up's), ceil(K/bk)],
+            a_scale [Ta, ceil(K/bk)]. a: float8_e4m3fn, or a float dtype with scales of 1.
     Returns:
-        c. a, w and c share a dtype (float16, bfloat16 or float32); accumulation is fp32.
+        c. Without FP8, a, w and c share a dtype (float16, bfloat16 or float32); with FP8, c is
+        any of those. Accumulation is fp32; scales are applied to the fp32 sums.
     Raises:
-        ValueError: shape mismatch.
+        ValueError: shape mismatch, FP8 weights without both scales (or scales for float
+            weights), a scale of the wrong shape, or bk not a multiple of 16.
     """
-    _, n_w, k = w.shape
+    e, n_w, k = w.shape
     n = n_w // 2 if fuse_silu_mul else n_w
     if a.shape[1] != k or c.shape != (num_rows, n) or (fuse_silu_mul and n_w % 2):
         raise ValueError(f"grouped_gemm: a {tuple(a.shape)}, w {tuple(w.shape)}, "
                          f"c {tuple(c.shape)} do not fit (num_rows {num_rows})")
+    quant, group_n, group_k, up_scale_offset = 0, 1, 1, 0
+    if w.dtype == FP8_DTYPE:
+        if a_scale is None or w_scale is None:
+            raise ValueError("grouped_gemm: FP8 weights need a_scale and w_scale")
+        a_scale, w_scale = a_scale.float(), w_scale.float()
+        if block_shape is None:
+            quant = 1
+            if tuple(w_scale.shape) != (e,) or a_scale.numel() != 1:
+                raise ValueError(f"grouped_gemm: per-tensor scales must be w_scale [{e}] and "
+                                 f"a_scale [1], got {tuple(w_scale.shape)}, "
+                                 f"{tuple(a_scale.shape)}")
+        else:
+            quant = 2
+            group_n, group_k = int(block_shape[0]), int(block_shape[1])
+            if group_n < 1 or group_k < 16 or group_k % 16:
+                raise ValueError(f"grouped_gemm: block_shape {block_shape}: bk % 16 != 0")
+            nb, kb = triton.cdiv(n, group_n), triton.cdiv(k, group_k)
+            want = (e, 2 * nb if fuse_silu_mul else nb, kb)
+            if tuple(w_scale.shape) != want or tuple(a_scale.shape) != (a.shape[0], kb):
+                raise ValueError(f"grouped_gemm: block scales must be w_scale {want} and "
+                                 f"a_scale {(a.shape[0], kb)}, got {tuple(w_scale.shape)}, "
+                                 f"{tuple(a_scale.shape)}")
+            up_scale_offset = nb * w_scale.stride(1)
+            block_k = config.block_k
+            while group_k % block_k:  # every K step inside one scale group
+                block_k //= 2
+            config = config._replace(block_k=max(block_k, 16))
+    elif a_scale is not None or w_scale is not None:
+        raise ValueError("grouped_gemm: scales given for unquantized weights")
     num_blocks_m = expert_ids.shape[0]
     if num_blocks_m == 0 or n == 0:
         return c
     grid = (num_blocks_m * triton.cdiv(n, config.block_n),)
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     weights = topk_weights if topk_weights is not None else c  # unused pointer when not weighted
+    if quant:
+        a_strides = (a_scale.stride(0), a_scale.stride(1)) if quant == 2 else (0, 0)
+        w_strides = (w_scale.stride(0),) + ((w_scale.stride(1), w_scale.stride(2))
+                                            if quant == 2 else (0, 0))
+    else:  # unused pointers
+        a_scale = w_scale = c
+        a_strides, w_strides = (0, 0), (0, 0, 0)
     _grouped_gemm_kernel[grid](
-        a, w, c, weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
-        n, k, num_rows, a_row_div, num_blocks_m, n * w.stride(1),
+        a, w, c, weights, sorted_token_ids, expert_ids, num_tokens_post_padded, a_scale, w_scale,
+        n, k, num_rows, a_row_div, num_blocks_m, n * w.stride(1), group_n, group_k,
+        up_scale_offset,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        c.stride(0), c.stride(1),
+        c.stride(0), c.stride(1), *a_strides, *w_strides,
         FUSE_SILU_MUL=fuse_silu_mul, MUL_ROUTING_WEIGHT=topk_weights is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, DOT_PRECISION=precision,
+        GROUP_M=config.group_m, DOT_PRECISION=precision, QUANT=quant,
+        FP8_DOT=bool(quant) and _fp8_dot_ok(a, w),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return c
@@ -332,95 +444,22 @@ def get_default_gemv_config(top_k: int, device: torch.device | str) -> GemvConfi
     return GemvConfig(down_block_n=max(8, 64 // k_pad))
 
 
-@triton.jit
-def _gemv_gate_up_kernel(
-    X, W13, Inter, TopkIds,
-    H, I, up_offset,
-    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ir, stride_in,
-    stride_idt, stride_idk,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    # inter[row, n-block] = silu(x[t] . gate rows) * (x[t] . up rows), e = topk_ids[t, j].
-    row = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    t = (row // TOP_K).to(tl.int64)
-    j = (row % TOP_K).to(tl.int64)
-    e = tl.load(TopkIds + t * stride_idt + j * stride_idk).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = X + t * stride_xt + offs_k[None, :].to(tl.int64) * stride_xh  # [1, BLOCK_K]
-    g_ptrs = (W13 + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-              + offs_k[None, :].to(tl.int64) * stride_wh)  # [BLOCK_N, BLOCK_K] gate rows
-    u_ptrs = g_ptrs + up_offset  # the up rows follow the I gate rows
-    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for kb in range(tl.cdiv(H, BLOCK_K)):
-        mask_k = offs_k[None, :] < H - kb * BLOCK_K
-        xv = tl.load(x_ptrs, mask=mask_k, other=0.0).to(tl.float32)
-        w_mask = mask_n[:, None] & mask_k
-        g = tl.load(g_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-        acc_g += tl.sum(g * xv, axis=1)
-        acc_u += tl.sum(u * xv, axis=1)
-        x_ptrs += BLOCK_K * stride_xh
-        g_ptrs += BLOCK_K * stride_wh
-        u_ptrs += BLOCK_K * stride_wh
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    i_ptrs = Inter + row.to(tl.int64) * stride_ir + offs_n.to(tl.int64) * stride_in
-    tl.store(i_ptrs, act.to(Inter.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
-def _gemv_down_kernel(
-    Inter, W2, Out, TopkWeights, TopkIds,
-    H, I,
-    stride_ir, stride_in, stride_we, stride_wn, stride_wi, stride_ot, stride_on,
-    stride_twt, stride_twk, stride_idt, stride_idk,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    # out[t, n-block] = sum_j topk_weights[t, j] * inter[t*k + j] . w2[e_j, n-block rows].
-    t = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1)
-    slots = tl.arange(0, K_PAD)
-    mask_s = slots < TOP_K
-    e = tl.load(TopkIds + t * stride_idt + slots.to(tl.int64) * stride_idk, mask=mask_s,
-                other=0).to(tl.int64)  # [K_PAD]
-    rw = tl.load(TopkWeights + t * stride_twt + slots.to(tl.int64) * stride_twk, mask=mask_s,
-                 other=0.0).to(tl.float32)  # [K_PAD]
-    rows = t * TOP_K + slots.to(tl.int64)  # [K_PAD]
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < H
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = (Inter + rows[:, None, None] * stride_ir
-              + offs_k[None, None, :].to(tl.int64) * stride_in)  # [K_PAD, 1, BLOCK_K]
-    w_ptrs = (W2 + e[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
-              + offs_k[None, None, :].to(tl.int64) * stride_wi)  # [K_PAD, BLOCK_N, BLOCK_K]
-    mask_sn = mask_s[:, None, None] & mask_n[None, :, None]
-    acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
-    for kb in range(tl.cdiv(I, BLOCK_K)):
-        mask_k = offs_k[None, None, :] < I - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=mask_s[:, None, None] & mask_k, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=mask_sn & mask_k, other=0.0).to(tl.float32)
-        acc += tl.sum(w * a, axis=2)
-        a_ptrs += BLOCK_K * stride_in
-        w_ptrs += BLOCK_K * stride_wi
-    y = tl.sum(acc * rw[:, None], axis=0)  # [BLOCK_N]
-    o_ptrs = Out + t * stride_ot + offs_n.to(tl.int64) * stride_on
-    tl.store(o_ptrs, y.to(Out.dtype.element_ty), mask=mask_n)
-
-
 def _is_pow2(v: int) -> bool:
     return v >= 1 and v & (v - 1) == 0
 
 
 def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
-                 config: GemvConfig) -> torch.Tensor:
-    """The GEMV path of `fused_experts` (no sort): two kernel launches and one [T*k, I] buffer.
+                 config: GemvConfig, w13_scale: torch.Tensor | None = None,
+                 w2_scale: torch.Tensor | None = None,
+                 block_shape: tuple[int, int] | None = None,
+                 activation_quant: bool = True) -> torch.Tensor:
+    """The GEMV path of `fused_experts` (no sort): two kernel launches and one [T*k, I] buffer
+    (with FP8 weights also the torch quantization of x and of that buffer).
 
     Shapes as in `fused_experts`, already checked there (any strides; topk_weights any float
-    dtype, read as fp32; out [T, H] of x's dtype is written whole). T*k >= 1, H >= 1.
+    dtype, read as fp32; out [T, H] of x's dtype is written whole). T*k >= 1, H >= 1. FP8
+    arguments as in `fused_experts` (block_shape resolved; None = per tensor).
     Raises:
         ValueError: a tile size that is not a power of two.
     """
@@ -432,36 +471,138 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     top_k = topk_ids.shape[1]
     if inter == 0:
         return out.zero_()
+    fp8 = w13.dtype == FP8_DTYPE
+    quant = 0 if not fp8 else (1 if block_shape is None else 2)
+    group_n, group_k = block_shape or (1, 1)
+    block_k, down_block_k = config.block_k, config.down_block_k
+    if quant == 2:  # every K step inside one scale group
+        block_k, down_block_k = _pow2_divisor(group_k, block_k), _pow2_divisor(group_k,
+                                                                              down_block_k)
+    group = group_k if quant == 2 else None
+    a1, x_scale = _quantize(x, fp8, group, activation_quant)
     h_act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)  # [T*k, I]
+    s13, xs = _scale_args(w13_scale, x_scale, quant, h_act)
     _gemv_gate_up_kernel[(t * top_k, triton.cdiv(inter, config.block_n))](
-        x, w13, h_act, topk_ids,
-        h, inter, inter * w13.stride(1),
-        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        a1, w13, h_act, topk_ids, xs[0], s13[0],
+        h, inter, inter * w13.stride(1), group_n, group_k,
+        (triton.cdiv(inter, group_n) * s13[2]) if quant == 2 else 0,
+        a1.stride(0), a1.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         h_act.stride(0), h_act.stride(1), topk_ids.stride(0), topk_ids.stride(1),
-        TOP_K=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        *xs[1:], *s13[1:],
+        TOP_K=top_k, BLOCK_N=config.block_n, BLOCK_K=block_k, QUANT=quant,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    a2, a2_scale = _quantize(h_act, fp8, group, activation_quant)
+    s2, as2 = _scale_args(w2_scale, a2_scale, quant, out)
     _gemv_down_kernel[(t, triton.cdiv(h, config.down_block_n))](
-        h_act, w2, out, topk_weights, topk_ids,
-        h, inter,
-        h_act.stride(0), h_act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        a2, w2, out, topk_weights, topk_ids, as2[0], s2[0],
+        h, inter, group_n, group_k,
+        a2.stride(0), a2.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         out.stride(0), out.stride(1), topk_weights.stride(0), topk_weights.stride(1),
-        topk_ids.stride(0), topk_ids.stride(1),
+        topk_ids.stride(0), topk_ids.stride(1), *as2[1:], *s2[1:],
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_N=config.down_block_n,
-        BLOCK_K=config.down_block_k,
+        BLOCK_K=down_block_k, QUANT=quant,
         num_warps=config.down_num_warps, num_stages=config.num_stages,
     )
     return out
 
 
+def _pow2_divisor(group: int, block: int) -> int:
+    """The largest power of two <= block that divides group (>= 1)."""
+    while block > 1 and group % block:
+        block //= 2
+    return block
+
+
+def _scale_args(w_scale: torch.Tensor | None, a_scale: torch.Tensor | None, quant: int,
+                dummy: torch.Tensor) -> tuple[tuple, tuple]:
+    """(w_scale, its 3 strides), (a_scale, its 2 strides) as kernel arguments; unused slots
+    0 and dummy pointers when the weights are not FP8."""
+    if not quant:
+        return (dummy, 0, 0, 0), (dummy, 0, 0)
+    w_scale, a_scale = w_scale.float(), a_scale.float()
+    ws = (w_scale, w_scale.stride(0)) + ((w_scale.stride(1), w_scale.stride(2)) if quant == 2
+                                         else (0, 0))
+    return ws, (a_scale,) + ((a_scale.stride(0), a_scale.stride(1)) if quant == 2 else (0, 0))
+
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def quantize_activations_fp8(x: torch.Tensor, group_size: int | None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic e4m3 quantization of a GEMM's activations, in torch (never in a kernel: the
+    interpreter rounds float -> fp8 wrongly for a few percent of values).
+
+    Args:
+        x: [M, K] float.
+        group_size: None = one scale for the whole tensor; else per row per group_size columns
+            (DeepSeek-V3's per-token-group quantization: `per_token_group_quant_fp8`).
+    Returns:
+        (q float8_e4m3fn [M, K], scale float32 [1] or [M, ceil(K/group_size)]) with
+        q * scale ~ x; scale = max(amax, 1e-10) / 448 (saturating: |x / scale| <= 448). Device
+        ops only (no host read).
+    """
+    if group_size is not None:
+        from .block_fp8_gemm import per_token_group_quant_fp8
+
+        return per_token_group_quant_fp8(x, group_size)
+    xf = x.float()
+    scale = (xf.abs().amax().clamp(min=_SCALE_FLOOR) / FP8_MAX).reshape(1)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def _quantize(a: torch.Tensor, fp8: bool, group: int | None, activation_quant: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A GEMM's activations for the kernels: unchanged without FP8 weights; else quantized
+    (`quantize_activations_fp8`), or unchanged with scales of 1 (activation_quant off)."""
+    if not fp8:
+        return a, None
+    if activation_quant:
+        return quantize_activations_fp8(a, group)
+    shape = (1,) if group is None else (a.shape[0], triton.cdiv(a.shape[1], group))
+    return a, torch.ones(shape, dtype=torch.float32, device=a.device)
+
+
+def _check_fp8_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                      w2_scale: torch.Tensor | None, block_shape: tuple[int, int] | None
+                      ) -> tuple[int, int] | None:
+    """The block shape of `fused_experts`' FP8 operands (None: per tensor), after checking them.
+
+    Raises:
+        ValueError: see `fused_experts`.
+    """
+    if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
+        raise ValueError(f"fused_experts: w13 and w2 must both be float8_e4m3fn or both be x's "
+                         f"dtype, got {w13.dtype}, {w2.dtype}")
+    if w13_scale is None or w2_scale is None:
+        raise ValueError("fused_experts: FP8 weights need w13_scale and w2_scale")
+    e, two_i, h = w13.shape
+    if w13_scale.dim() == 1 and block_shape is None:
+        want13 = want2 = (e,)
+    else:
+        bn, bk = block_shape = tuple(int(v) for v in (block_shape or (128, 128)))
+        if bn < 1 or bk < 16 or bk % 16:
+            raise ValueError(f"fused_experts: block_shape {block_shape}: bk % 16 != 0")
+        nb = triton.cdiv(two_i // 2, bn)
+        want13 = (e, 2 * nb, triton.cdiv(h, bk))
+        want2 = (e, triton.cdiv(h, bn), triton.cdiv(two_i // 2, bk))
+    if tuple(w13_scale.shape) != want13 or tuple(w2_scale.shape) != want2:
+        kind = "per-tensor" if block_shape is None else f"block {block_shape}"
+        raise ValueError(f"fused_experts: {kind} scales must be w13_scale {want13} and "
+                         f"w2_scale {want2}, got {tuple(w13_scale.shape)}, "
+                         f"{tuple(w2_scale.shape)}")
+    return block_shape
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   out: torch.Tensor | None = None, *,
                   config: MoEConfig | None = None, gemv_config: GemvConfig | None = None,
-                  path: str = "auto") -> torch.Tensor:
+                  path: str = "auto", w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None,
+                  block_shape: tuple[int, int] | None = None,
+                  activation_quant: bool = True) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), SiLU-gated experts:
     expert_e(v) = w2[e] @ (silu(w13[e, :I] @ v) * (w13[e, I:] @ v)).
 
@@ -469,10 +610,23 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     [T*k, I] intermediate is rounded to x's dtype, products accumulate in fp32; the sorted path
     also rounds each slot's weighted output to x's dtype before the sum over k, the GEMV path
     sums the slots in fp32 and rounds once.
+
+    FP8 weights (w13, w2 float8_e4m3fn, W8A8): the real weights are w * scale, in one of two
+    forms, and each GEMM's activations (x, then the intermediate after rounding to x's dtype)
+    are quantized dynamically in torch (`quantize_activations_fp8`) to match:
+    - per expert per tensor: w13_scale, w2_scale [E] float32; one activation scale for the
+      whole x (resp. intermediate), amax / 448 (vLLM's Fp8MoEMethod with dynamic activations);
+    - DeepSeek-V3 block scales (`weight_scale_inv`, multiplied): block_shape (bn, bk) (default
+      (128, 128)), w13_scale [E, 2*ceil(I/bn), ceil(H/bk)] (gate's block rows, then up's: gate
+      and up are blocked separately, as in the checkpoint; = ceil(2I/bn) rows when bn divides
+      I), w2_scale [E, ceil(H/bn), ceil(I/bk)]; activations per token per bk columns.
+    Any H and I (ragged blocks are masked). Both paths take FP8: the sorted path's tiles are
+    fp8 x fp8 tensor-core dots on sm89+ GPUs (else upcast to fp32), the GEMV path upcasts the
+    fp8 weights to fp32 as it reads them. Float32 twin: `reference.fused_experts_fp8_ref`.
     Args:
         x: [T, H] float16/bfloat16/float32 (last dim any stride).
-        w13: [E, 2I, H], x's dtype (gate rows then up rows).
-        w2: [E, H, I], x's dtype.
+        w13: [E, 2I, H], x's dtype or float8_e4m3fn (gate rows then up rows).
+        w2: [E, H, I], x's dtype or float8_e4m3fn (as w13).
         topk_weights: [T, k] float (cast to fp32).
         topk_ids: [T, k] int32/int64, each in [0, E) (not checked on the host).
         out: optional [T, H] destination of x's dtype.
@@ -480,11 +634,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         gemv_config: GEMV-path tile sizes (default `get_default_gemv_config(k, x.device)`).
         path: "auto" (GEMV when T*k <= GEMV_MAX_ROWS, see `use_gemv_path`; else sorted),
             "gemv" or "sorted" (forced, for tests and benchmarks). Chosen from shapes only.
+        w13_scale, w2_scale, block_shape: the FP8 scales (required with FP8 weights, refused
+            without).
+        activation_quant: FP8 only; False keeps activations in x's dtype (W8A16, a diagnostic
+            that isolates the weight format).
     Returns:
         out, or a new [T, H] tensor of x's dtype.
     Raises:
         ValueError: shapes or dtypes do not fit together, unknown path, GEMV tiles not powers
-            of two.
+            of two, FP8 weights without fitting scales (or scales without FP8 weights).
     """
     if path not in ("auto", "gemv", "sorted"):
         raise ValueError(f"fused_experts: path must be 'auto', 'gemv' or 'sorted', got {path!r}")
@@ -500,9 +658,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != t:
         raise ValueError(f"fused_experts: topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must both be [T={t}, k]")
-    if x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+    fp8 = w13.dtype == FP8_DTYPE or w2.dtype == FP8_DTYPE
+    if x.dtype not in _DTYPES or (not fp8 and (w13.dtype != x.dtype or w2.dtype != x.dtype)):
         raise ValueError(f"fused_experts: x, w13, w2 must share a float16/bfloat16/float32 "
-                         f"dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+                         f"dtype (or w13, w2 float8_e4m3fn), got {x.dtype}, {w13.dtype}, "
+                         f"{w2.dtype}")
+    if fp8:
+        block_shape = _check_fp8_scales(w13, w2, w13_scale, w2_scale, block_shape)
+    elif w13_scale is not None or w2_scale is not None:
+        raise ValueError("fused_experts: scales given for unquantized weights")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"fused_experts: topk_ids must be int32/int64, got {topk_ids.dtype}")
     if out is None:
@@ -516,21 +680,30 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return out.zero_()
     if path == "gemv" or (path == "auto" and use_gemv_path(t, top_k)):
         return gemv_experts(x, w13, w2, topk_weights, topk_ids, out,
-                            gemv_config or get_default_gemv_config(top_k, x.device))
+                            gemv_config or get_default_gemv_config(top_k, x.device),
+                            w13_scale, w2_scale, block_shape, activation_quant)
     cfg = config or get_default_config(t, top_k, e, x.device)
+    group = None if block_shape is None else block_shape[1]
+
+    def quant(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _quantize(a, fp8, group, activation_quant)
 
     sorted_ids, expert_ids, used = moe_align_block_size(topk_ids, e, cfg.block_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     h_act = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)  # [T*k, I]
-    grouped_gemm(x, w13, h_act, sorted_ids, expert_ids, used, num_rows, top_k, cfg,
-                 fuse_silu_mul=True)
+    a1, a1_scale = quant(x)
+    grouped_gemm(a1, w13, h_act, sorted_ids, expert_ids, used, num_rows, top_k, cfg,
+                 fuse_silu_mul=True, a_scale=a1_scale, w_scale=w13_scale,
+                 block_shape=block_shape)
     y = torch.empty((num_rows, h), dtype=x.dtype, device=x.device)  # [T*k, H]
-    grouped_gemm(h_act, w2, y, sorted_ids, expert_ids, used, num_rows, 1, cfg,
-                 topk_weights=weights)
+    a2, a2_scale = quant(h_act)
+    grouped_gemm(a2, w2, y, sorted_ids, expert_ids, used, num_rows, 1, cfg,
+                 topk_weights=weights, a_scale=a2_scale, w_scale=w2_scale,
+                 block_shape=block_shape)
     torch.sum(y.view(t, top_k, h), dim=1, out=out)
     return out
 
 
-__all__ = ["GEMV_MAX_ROWS", "GemvConfig", "MoEConfig", "fused_experts", "gemv_experts",
+__all__ = ["FP8_DTYPE", "GEMV_MAX_ROWS", "GemvConfig", "MoEConfig", "fused_experts", "gemv_experts",
            "get_default_config", "get_default_gemv_config", "grouped_gemm", "max_padded_rows",
-           "moe_align_block_size", "use_gemv_path"]
+           "moe_align_block_size", "quantize_activations_fp8", "use_gemv_path"]

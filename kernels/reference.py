@@ -187,3 +187,73 @@ def block_fp8_matmul_ref(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor
     a_full = a.to(dt) * a_scale.to(dt).repeat_interleave(bk, 1)[:, :k]
     b_s = b_scale.to(dt).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return a_full @ (b.to(dt) * b_s).T
+
+
+def _quant_act_ref(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """Dynamic e4m3 activation quantization then dequantization, float32 [M, K]: one scale
+    max(amax, 1e-10) / 448 for the whole x (group_size None) or per row per group_size columns;
+    values saturate at +-448 * scale."""
+    xf = x.float()
+    m, k = xf.shape
+    g = k if group_size is None else group_size
+    groups = -(-k // g)
+    xp = torch.nn.functional.pad(xf, (0, groups * g - k)).view(m, groups, g)
+    if group_size is None:
+        amax = xp.abs().amax().expand(m, groups)
+    else:
+        amax = xp.abs().amax(dim=-1)
+    scale = (amax.clamp(min=1e-10) / 448.0).unsqueeze(-1)  # [m, groups, 1]
+    q = (xp / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return (q * scale).view(m, groups * g)[:, :k]
+
+
+def dequant_experts_ref(w: torch.Tensor, scale: torch.Tensor,
+                        block_shape: tuple[int, int] | None, fused_gate_up: bool = False
+                        ) -> torch.Tensor:
+    """FP8 stacked expert weights [E, N, K] -> float32 w * scale: per expert (scale [E]) or per
+    (bn, bk) block (scale [E, ceil(N/bn), ceil(K/bk)]; with fused_gate_up, N = 2I and the gate
+    and up halves are blocked separately: scale [E, 2*ceil(I/bn), ceil(K/bk)])."""
+    wf = w.float()
+    if block_shape is None:
+        return wf * scale.float()[:, None, None]
+    bn, bk = block_shape
+    e, n, k = w.shape
+    if fused_gate_up:
+        half, nb = n // 2, -(-(n // 2) // bn)
+        return torch.cat([dequant_experts_ref(w[:, :half], scale[:, :nb], block_shape),
+                          dequant_experts_ref(w[:, half:], scale[:, nb:], block_shape)], dim=1)
+    s = scale.float().repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)[:, :, :k]
+    return wf * s
+
+
+def fused_experts_fp8_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                          w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                          block_shape: tuple[int, int] | None = None,
+                          activation_quant: bool = True) -> torch.Tensor:
+    """Twin of `fused_moe.fused_experts` with FP8 weights: dequantize the weights
+    (`dequant_experts_ref`), quantize-dequantize each GEMM's activations as the kernel path does
+    (x, then the whole [T*k, I] intermediate: one scale per tensor, or per row per bk columns
+    with block scales; skipped when activation_quant is False), compute in float32.
+
+    Args:
+        x: [T, H]; w13: [E, 2I, H] fp8; w2: [E, H, I] fp8; topk_weights, topk_ids: [T, k].
+        w13_scale, w2_scale: [E] (per tensor, block_shape None) or block scales as
+            `fused_experts` documents. block_shape: (bn, bk) or None.
+    Returns:
+        [T, H] float32.
+    """
+    group = None if block_shape is None else block_shape[1]
+    w13f = dequant_experts_ref(w13, w13_scale, block_shape, fused_gate_up=True)
+    w2f = dequant_experts_ref(w2, w2_scale, block_shape)
+    xq = _quant_act_ref(x, group) if activation_quant else x.float()
+    t, k = topk_ids.shape
+    inter = w2.shape[2]
+    ids = topk_ids.reshape(-1).long()
+    gate_up = torch.einsum("rh,rnh->rn", xq.repeat_interleave(k, 0), w13f[ids])  # [T*k, 2I]
+    act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    act = act.to(x.dtype).float()  # the kernel rounds the intermediate to x's dtype
+    if activation_quant:
+        act = _quant_act_ref(act, group)
+    y = torch.einsum("ri,rhi->rh", act, w2f[ids]) * topk_weights.reshape(-1, 1).float()
+    return y.view(t, k, -1).sum(dim=1)

@@ -23,9 +23,24 @@ CUDA graph), elsewhere `experts_forward`, a plain loop over the experts that rec
 reads the per-expert counts back to the host). `DeepseekV2MoE(fused_moe=True)` forces the fused
 form (on CPU it runs in triton's interpreter, for tests). The shared experts are a `GatedMLP`
 added to the routed output.
+
+Routed-expert storage is `StackedExperts.quant_method`, chosen from the model's quant config:
+- `UnquantizedMoEMethod`: model dtype (no quantization; also the fallback below);
+- `BlockFP8MoEMethod` (DeepSeek-V3 block-FP8 checkpoints): the checkpoint's float8_e4m3fn
+  weights and 128x128 `weight_scale_inv` kept as they are (gate and up blocked separately),
+  per-token-group FP8 activations. Under TP a rank's slice of the intermediate dim must be whole
+  blocks; otherwise the experts fall back to the model dtype, dequantized at load (reason
+  logged, `StackedExperts.fp8_fallback_reason`);
+- `Fp8MoEMethod` (`Fp8Config`: online `quantization="fp8"`, or a per-tensor FP8 checkpoint whose
+  expert weights the loader dequantizes): each expert's stacked w13 and w2 quantized per tensor
+  after load (amax / 448), per-tensor dynamic activations.
+Both FP8 forms run through the same two functions (`fused_experts` with scales; the loop
+dequantizes each used expert on the fly and quantizes activations the same way).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +53,15 @@ from mla_backend.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from mla_backend.layers.quantization import BlockFP8Config
+from mla_backend.layers.quantization import (
+    FP8_E4M3,
+    BlockFP8Config,
+    Fp8Config,
+    QuantConfig,
+    quantize_fp8_per_tensor,
+)
+
+logger = logging.getLogger(__name__)
 
 
 class GatedMLP(nn.Module):
@@ -181,12 +204,22 @@ def experts_forward(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
+    activation_quant: bool = True,
 ) -> torch.Tensor:
     """sum_k w[t, k] * expert_{ids[t, k]}(x[t]) with SiLU-gated experts.
 
+    FP8 weights (w13, w2 float8_e4m3fn with scales, as `mla_kernels.fused_moe.fused_experts`
+    takes them): the same math as the fused kernels, in torch: each used expert's weights are
+    dequantized on the fly (float32), each GEMM's activations quantized dynamically
+    (`quantize_activations_fp8`: x, then the whole [T*k, I] intermediate rounded to x's dtype;
+    per tensor, or per token per bk columns with block scales) unless `activation_quant` is off.
     Args:
         x: [T, H]. w13: [E, 2I, H] (gate rows then up rows). w2: [E, H, I].
         topk_weights: [T, k] fp32. topk_ids: [T, k] int64.
+        w13_scale, w2_scale, block_shape, activation_quant: FP8 only (see `fused_experts`).
     Returns:
         [T, H], dtype of x.
     """
@@ -195,15 +228,60 @@ def experts_forward(
     inter = w2.shape[2]
     flat_ids = topk_ids.reshape(-1)
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
+    if w13_scale is None:
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            token_idx, slot = torch.where(topk_ids == e)
+            h = F.linear(x[token_idx], w13[e])  # [n, 2I]
+            h = F.silu(h[:, :inter]) * h[:, inter:]
+            h = F.linear(h, w2[e]) * topk_weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, h.to(out.dtype))
+        return out
+    from mla_kernels.fused_moe import quantize_activations_fp8
+
+    group = None if block_shape is None else block_shape[1]
+
+    def act(a: torch.Tensor) -> torch.Tensor:  # quantized-dequantized activations, float32
+        if not activation_quant:
+            return a.float()
+        q, sc = quantize_activations_fp8(a, group)
+        if group is None:
+            return q.float() * sc
+        return q.float() * sc.repeat_interleave(group, 1)[:, : a.shape[1]]
+
+    top_k = topk_ids.shape[1]
+    xq = act(x)
+    h_act = torch.zeros(x.shape[0] * top_k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
+    used = [e for e, n in enumerate(counts) if n]
+    for e in used:  # GEMM1 for every expert, then one activation scale over all rows
         token_idx, slot = torch.where(topk_ids == e)
-        h = F.linear(x[token_idx], w13[e])  # [n, 2I]
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        h = F.linear(h, w2[e]) * topk_weights[token_idx, slot, None]
-        out.index_add_(0, token_idx, h.to(out.dtype))
+        h = F.linear(xq[token_idx], dequantize_expert(w13, w13_scale, e, block_shape, True))
+        h_act[token_idx * top_k + slot] = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
+    hq = act(h_act)
+    for e in used:
+        token_idx, slot = torch.where(topk_ids == e)
+        y = F.linear(hq[token_idx * top_k + slot],
+                     dequantize_expert(w2, w2_scale, e, block_shape, False))
+        out.index_add_(0, token_idx, (y * topk_weights[token_idx, slot, None]).to(out.dtype))
     return out
+
+
+def dequantize_expert(w: torch.Tensor, scale: torch.Tensor, e: int,
+                      block_shape: tuple[int, int] | None, gate_up: bool) -> torch.Tensor:
+    """Expert e of FP8 stacked weights -> float32 [N, K] = w[e] * scale: per tensor
+    (scale [E]) or per (bn, bk) block (scale [E, nb, kb]; with gate_up the gate and up halves
+    of w13 are blocked separately, scale rows gate's then up's)."""
+    if block_shape is None:
+        return w[e].float() * scale[e].float()
+    from mla_kernels.block_fp8_gemm import dequant_weight_block_fp8
+
+    if not gate_up:
+        return dequant_weight_block_fp8(w[e], scale[e], block_shape)
+    half = w.shape[1] // 2
+    nb = -(-half // block_shape[0])
+    return torch.cat([dequant_weight_block_fp8(w[e, :half], scale[e, :nb], block_shape),
+                      dequant_weight_block_fp8(w[e, half:], scale[e, nb:], block_shape)])
 
 
 class NoAuxRouterGate(ReplicatedLinear):
@@ -243,15 +321,16 @@ class DeepseekV2MoE(nn.Module):
             The attribute of the same name may be changed after construction.
         scoring_func: "softmax" (V2) or "sigmoid" (V3, only with topk_method "noaux_tc"); one of
             `ROUTING_METHODS`.
-        quant_config: None or a `BlockFP8Config` for the shared experts' linears. The routed
-            experts are never stored in FP8: a block-FP8 checkpoint's expert weights are
-            dequantized by the model's `load_weights` into `experts` (model dtype), and the
-            router stays unquantized (as in DeepSeek-V3's checkpoint).
+        quant_config: None, a `BlockFP8Config` or `Fp8Config` for the shared experts' linears.
+            The router stays unquantized (as in DeepSeek-V3's checkpoint).
+        experts_quant_config: None, a `BlockFP8Config` or `Fp8Config` for the routed experts
+            (see `StackedExperts`).
     Parameters (HF names in brackets): `gate.weight` [E, H] (`mlp.gate.weight`; fp32 with
     noaux_tc, see `NoAuxRouterGate`), `gate.e_score_correction_bias` [E] fp32 (noaux_tc only,
     `mlp.gate.e_score_correction_bias`), `experts.w13_weight` [E, 2I, H]
     (`mlp.experts.{e}.gate_proj/up_proj.weight`), `experts.w2_weight` [E, H, I]
-    (`mlp.experts.{e}.down_proj.weight`), `shared_experts.*`.
+    (`mlp.experts.{e}.down_proj.weight`), with block FP8 also `experts.w13_weight_scale_inv` /
+    `experts.w2_weight_scale_inv` (`...weight_scale_inv`), `shared_experts.*`.
     Raises:
         ValueError: a (scoring_func, topk_method) pair outside `ROUTING_METHODS`.
     """
@@ -271,6 +350,7 @@ class DeepseekV2MoE(nn.Module):
         fused_moe: bool | None = None,
         scoring_func: str = "softmax",
         quant_config: BlockFP8Config | None = None,
+        experts_quant_config: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         if (scoring_func, topk_method) not in ROUTING_METHODS:
@@ -285,7 +365,8 @@ class DeepseekV2MoE(nn.Module):
         self.fused_moe = fused_moe
         self.gate = (NoAuxRouterGate(hidden_size, n_routed_experts) if topk_method == "noaux_tc"
                      else ReplicatedLinear(hidden_size, n_routed_experts))
-        self.experts = StackedExperts(n_routed_experts, hidden_size, moe_intermediate_size)
+        self.experts = StackedExperts(n_routed_experts, hidden_size, moe_intermediate_size,
+                                      experts_quant_config)
         self.shared_experts = (GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts,
                                         reduce_results=False, quant_config=quant_config)
                                if n_shared_experts else None)
@@ -301,14 +382,8 @@ class DeepseekV2MoE(nn.Module):
             weights, ids = select_experts(logits, self.top_k, self.topk_method, self.n_group,
                                           self.topk_group, self.norm_topk_prob,
                                           self.routed_scaling_factor)
-        w13, w2 = self.experts.w13_weight, self.experts.w2_weight
-        # The fused form is kept while torch.compile traces, as an opaque call (the loop reads
-        # counts to the host, which a CUDA graph capture would reject).
         use_fused = x.is_cuda if self.fused_moe is None else self.fused_moe
-        if use_fused:  # no host sync: the form CUDA graphs capture
-            out = _fused_experts_opaque(x, w13, w2, weights, ids)
-        else:
-            out = experts_forward(x, w13, w2, weights, ids)
+        out = self.experts(x, weights, ids, use_fused)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         # Tensor parallel: each rank holds a slice of every expert's intermediate dim, so routed
@@ -318,33 +393,170 @@ class DeepseekV2MoE(nn.Module):
 
 @torch.compiler.disable
 def _fused_experts_opaque(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                          weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                          weights: torch.Tensor, ids: torch.Tensor, **fp8: object
+                          ) -> torch.Tensor:
     """`mla_kernels.fused_moe.fused_experts`, not traced by torch.compile (inductor compiles the
     router and the shared experts around it)."""
     from mla_kernels.fused_moe import fused_experts
 
-    return fused_experts(x, w13, w2, weights, ids)
+    return fused_experts(x, w13, w2, weights, ids, **fp8)
+
+
+class UnquantizedMoEMethod:
+    """Routed experts in the model dtype: `w13_weight` [E, 2I, H], `w2_weight` [E, H, I]."""
+
+    def create_weights(self, layer: "StackedExperts") -> None:
+        e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+        layer.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+
+    def process_weights_after_loading(self, layer: "StackedExperts") -> None:
+        pass
+
+    def kernel_args(self, layer: "StackedExperts") -> dict:
+        """Extra keyword arguments of `fused_experts` / `experts_forward`."""
+        return {}
+
+
+class Fp8MoEMethod(UnquantizedMoEMethod):
+    """Per-tensor FP8 routed experts (`Fp8Config`: online `quantization="fp8"`, or a per-tensor
+    FP8 checkpoint, whose expert weights the loader dequantizes (weight * weight_scale) into the
+    model-dtype parameters; their `input_scale` is not used).
+
+    Loads like `UnquantizedMoEMethod`; `process_weights_after_loading` quantizes each expert's
+    stacked w13 and w2 per tensor (scale = amax(|W_e|) / 448, one for gate and up together, as
+    vLLM's Fp8MoEMethod after `requantize_with_max_scale`): `w13_weight` float8_e4m3fn
+    [E, 2I, H] + `w13_weight_scale` float32 [E], `w2_weight` [E, H, I] + `w2_weight_scale` [E].
+    Activations are quantized dynamically per tensor (one scale per GEMM call).
+    """
+
+    def __init__(self, config: Fp8Config) -> None:
+        self.config = config
+
+    def process_weights_after_loading(self, layer: "StackedExperts") -> None:
+        for name in ("w13_weight", "w2_weight"):
+            w = getattr(layer, name)
+            if w.dtype == FP8_E4M3:
+                continue  # already processed
+            pairs = [quantize_fp8_per_tensor(w.data[e]) for e in range(w.shape[0])]
+            q = torch.stack([p[0] for p in pairs]) if pairs else w.data.to(FP8_E4M3)
+            scale = torch.stack([p[1] for p in pairs]) if pairs else torch.ones(0)
+            setattr(layer, name, nn.Parameter(q, requires_grad=False))
+            setattr(layer, name + "_scale", nn.Parameter(scale.float().to(q.device),
+                                                         requires_grad=False))
+
+    def kernel_args(self, layer: "StackedExperts") -> dict:
+        if layer.w13_weight.dtype != FP8_E4M3:  # before processing: still the model dtype
+            return {}
+        return {"w13_scale": layer.w13_weight_scale, "w2_scale": layer.w2_weight_scale}
+
+
+class BlockFP8MoEMethod(UnquantizedMoEMethod):
+    """DeepSeek-V3 block-FP8 routed experts kept in FP8 (`BlockFP8Config`, blocks (bn, bk)).
+
+    Parameters: `w13_weight` float8_e4m3fn [E, 2I, H] + `w13_weight_scale_inv` float32
+    [E, 2*ceil(I/bn), ceil(H/bk)] (gate's block rows, then up's: the checkpoint blocks gate and
+    up separately), `w2_weight` float8_e4m3fn [E, H, I] + `w2_weight_scale_inv` float32
+    [E, ceil(H/bn), ceil(I/bk)], I the local (per TP rank) intermediate size. Activations are
+    quantized per token per bk columns (`activation_quant`, the format's dynamic scheme).
+    """
+
+    def __init__(self, config: BlockFP8Config) -> None:
+        self.config = config
+        self.block_shape = tuple(int(v) for v in config.weight_block_size)
+
+    @staticmethod
+    def unsupported_reason(config: BlockFP8Config, full_intermediate: int,
+                           tp_size: int) -> str | None:
+        """Why the experts cannot stay block-FP8 (None: they can): under tensor parallelism a
+        rank's slice of the intermediate dim must be whole blocks (a multiple of bn for the
+        gate/up rows and of bk for the down columns)."""
+        bn, bk = config.weight_block_size
+        local = full_intermediate // tp_size
+        if tp_size > 1 and (local % bn or local % bk):
+            return (f"moe_intermediate_size {full_intermediate} / tp {tp_size} = {local} is not "
+                    f"a multiple of the FP8 block {bn}x{bk}: a rank's slice would cut blocks")
+        return None
+
+    def create_weights(self, layer: "StackedExperts") -> None:
+        e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+        bn, bk = self.block_shape
+        nbi = -(-i // bn)
+        layer.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h, dtype=FP8_E4M3),
+                                        requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(e, h, i, dtype=FP8_E4M3), requires_grad=False)
+        layer.w13_weight_scale_inv = nn.Parameter(
+            torch.empty(e, 2 * nbi, -(-h // bk), dtype=torch.float32), requires_grad=False)
+        layer.w2_weight_scale_inv = nn.Parameter(
+            torch.empty(e, -(-h // bn), -(-i // bk), dtype=torch.float32), requires_grad=False)
+
+    def kernel_args(self, layer: "StackedExperts") -> dict:
+        return {"w13_scale": layer.w13_weight_scale_inv, "w2_scale": layer.w2_weight_scale_inv,
+                "block_shape": self.block_shape,
+                "activation_quant": self.config.activation_quant}
 
 
 class StackedExperts(nn.Module):
-    """Holds the routed experts' weights stacked over experts (no forward of its own).
+    """Holds the routed experts' weights stacked over experts and runs them.
     Tensor parallel: each rank holds rows [r*I/tp, (r+1)*I/tp) of every gate and up matrix and
-    the same columns of every down matrix (`intermediate_size` is the local I/tp)."""
+    the same columns of every down matrix (`intermediate_size` is the local I/tp).
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    `quant_config` picks `quant_method`: None -> `UnquantizedMoEMethod` (model dtype);
+    `Fp8Config` -> `Fp8MoEMethod` (per-expert per-tensor FP8 after load); `BlockFP8Config` ->
+    `BlockFP8MoEMethod` (the checkpoint's FP8 weights and block scales), or, when a TP slice
+    would cut blocks (`BlockFP8MoEMethod.unsupported_reason`, logged and kept in
+    `fp8_fallback_reason`), `UnquantizedMoEMethod` with the loader dequantizing at load.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.full_intermediate_size = intermediate_size
         self.hidden_size = hidden_size
-        intermediate_size = divide(intermediate_size, get_tp_size(), "moe_intermediate_size")
+        tp = get_tp_size()
+        intermediate_size = divide(intermediate_size, tp, "moe_intermediate_size")
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.fp8_fallback_reason: str | None = None
+        if isinstance(quant_config, BlockFP8Config):
+            self.fp8_fallback_reason = BlockFP8MoEMethod.unsupported_reason(
+                quant_config, self.full_intermediate_size, tp)
+            if self.fp8_fallback_reason:
+                logger.warning("routed experts dequantized at load: %s", self.fp8_fallback_reason)
+        if isinstance(quant_config, Fp8Config):
+            self.quant_method: UnquantizedMoEMethod = Fp8MoEMethod(quant_config)
+        elif isinstance(quant_config, BlockFP8Config) and not self.fp8_fallback_reason:
+            self.quant_method = BlockFP8MoEMethod(quant_config)
+        else:
+            self.quant_method = UnquantizedMoEMethod()
+        self.quant_method.create_weights(self)
+
+    @property
+    def is_block_fp8(self) -> bool:
+        """The experts keep a block-FP8 checkpoint's weights and scales (no dequantization)."""
+        return isinstance(self.quant_method, BlockFP8MoEMethod)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                fused: bool) -> torch.Tensor:
+        """Routed output [T, H] in x's dtype (before any TP all-reduce).
+
+        Args:
+            x: [T, H]. topk_weights: [T, k] fp32. topk_ids: [T, k] int64.
+            fused: the triton `fused_experts` (no host sync: the form CUDA graphs capture; kept
+                while torch.compile traces, as an opaque call), else the loop `experts_forward`
+                (reads per-expert counts to the host). Both do the same (FP8) math.
+        """
+        args = self.quant_method.kernel_args(self)
+        if fused:
+            return _fused_experts_opaque(x, self.w13_weight, self.w2_weight, topk_weights,
+                                         topk_ids, **args)
+        return experts_forward(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                               **args)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int,
                       shard: str) -> None:
-        """Copy one HF expert matrix. shard: "gate" | "up" (into w13) or "down" (into w2).
+        """Copy one HF expert matrix, or (block FP8) its `weight_scale_inv`, into this rank's
+        slice. shard: "gate" | "up" (into w13) or "down" (into w2). A block-FP8 layer given an
+        unquantized weight quantizes it in blocks here (weight and scale both filled).
 
         Raises:
             ValueError: expert_id out of range, unknown shard or shape mismatch.
@@ -352,20 +564,47 @@ class StackedExperts(nn.Module):
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert id {expert_id} out of range 0..{self.num_experts - 1}")
         inter, full_i, hidden = self.intermediate_size, self.full_intermediate_size, self.hidden_size
+        if shard not in ("gate", "up", "down"):
+            raise ValueError(f"unknown expert shard {shard!r}")
+        rank = get_tp_rank()
+        is_scale = param is getattr(self, "w13_weight_scale_inv", None) or \
+            param is getattr(self, "w2_weight_scale_inv", None)
+        if is_scale:
+            bn, bk = self.quant_method.block_shape
+            nbi = -(-inter // bn)
+            # shard -> (scale rows of the expert's entry, full checkpoint shape, dim, start, len)
+            layout = {"gate": (slice(0, nbi), (-(-full_i // bn), -(-hidden // bk)), 0,
+                               rank * inter // bn, nbi),
+                      "up": (slice(nbi, 2 * nbi), (-(-full_i // bn), -(-hidden // bk)), 0,
+                             rank * inter // bn, nbi),
+                      "down": (slice(None), (-(-hidden // bn), -(-full_i // bk)), 1,
+                               rank * inter // bk, -(-inter // bk))}
+            rows, full, dim, start, length = layout[shard]
+            if tuple(loaded.shape) != full:
+                raise ValueError(f"expert {expert_id} {shard} weight_scale_inv: expected "
+                                 f"{full}, got {tuple(loaded.shape)}")
+            param.data[expert_id, rows].copy_(loaded.narrow(dim, start, length))
+            return
         # shard -> (rows of w13 / the whole w2 entry, full HF shape, dim split across TP ranks)
         layout = {"gate": (slice(0, inter), (full_i, hidden), 0),
                   "up": (slice(inter, 2 * inter), (full_i, hidden), 0),
                   "down": (slice(None), (hidden, full_i), 1)}
-        if shard not in layout:
-            raise ValueError(f"unknown expert shard {shard!r}")
         rows, full, dim = layout[shard]
         if tuple(loaded.shape) != full:
             raise ValueError(f"expert {expert_id} {shard}: expected the full HF matrix "
                              f"{full}, got {tuple(loaded.shape)}")
+        if param.dtype == FP8_E4M3 and loaded.dtype != FP8_E4M3 and self.is_block_fp8:
+            from mla_kernels.block_fp8_gemm import quant_weight_block_fp8
+
+            q, s = quant_weight_block_fp8(loaded.float(), self.quant_method.block_shape)
+            scale = self.w2_weight_scale_inv if shard == "down" else self.w13_weight_scale_inv
+            self.weight_loader(scale, s, expert_id, shard)
+            loaded = q
         target = param.data[expert_id, rows]
-        loaded = loaded.narrow(dim, get_tp_rank() * inter, inter)  # this rank's slice
+        loaded = loaded.narrow(dim, rank * inter, inter)  # this rank's slice
         target.copy_(loaded)
 
 
-__all__ = ["ROUTING_METHODS", "DeepseekV2MoE", "GatedMLP", "NoAuxRouterGate", "StackedExperts",
+__all__ = ["ROUTING_METHODS", "BlockFP8MoEMethod", "DeepseekV2MoE", "Fp8MoEMethod", "GatedMLP",
+           "NoAuxRouterGate", "StackedExperts", "UnquantizedMoEMethod", "dequantize_expert",
            "experts_forward", "select_experts", "select_experts_noaux_tc"]

@@ -295,12 +295,18 @@ def fp8_per_tensor_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale: torch.Tensor,
     Returns:
         [M, N] in out_dtype, fp32 accumulation.
     """
-    out_dtype = out_dtype or x.dtype
     q, xs = quantize_fp8_per_tensor(x, x_scale)
+    return _fp8_scaled_mm(q, xs, w_t, w_scale, out_dtype or x.dtype)
+
+
+def _fp8_scaled_mm(q: torch.Tensor, q_scale: torch.Tensor, w_t: torch.Tensor,
+                   w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """q [M, K] float8_e4m3fn @ w_t [K, N] float8_e4m3fn (column-major) * q_scale * w_scale ->
+    [M, N] out_dtype (fp32 accumulation)."""
     k, n = w_t.shape
-    if x.is_cuda and (k % 16 or n % 16):  # cuBLASLt FP8 needs K, N multiples of 16
-        return ((q.float() @ w_t.float()) * (xs * w_scale)).to(out_dtype)
-    return torch._scaled_mm(q, w_t, scale_a=xs, scale_b=w_scale.float().reshape(()),
+    if q.is_cuda and (k % 16 or n % 16):  # cuBLASLt FP8 needs K, N multiples of 16
+        return ((q.float() @ w_t.float()) * (q_scale * w_scale)).to(out_dtype)
+    return torch._scaled_mm(q, w_t, scale_a=q_scale, scale_b=w_scale.float().reshape(()),
                             out_dtype=out_dtype)
 
 
@@ -316,7 +322,8 @@ def fp8_per_tensor_bmm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                        x_scale: torch.Tensor | None = None,
                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y[b] = (x quantized per tensor)[b] @ w[b] * x_scale * w_scale: the absorbed-MLA products
-    (q_nope . w_kc, o . w_vc) as a loop over the batch (heads) of `fp8_per_tensor_mm`.
+    (q_nope . w_kc, o . w_vc): x quantized once, then one `torch._scaled_mm` per batch entry
+    (head).
 
     Args:
         x: [B, M, K] float (any strides). w: [B, K, N] float8_e4m3fn, each w[b] column-major
@@ -326,9 +333,11 @@ def fp8_per_tensor_bmm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     Returns:
         [B, M, N] in out_dtype, fp32 accumulation. Reference: `fp8_per_tensor_bmm_ref`.
     """
-    if x_scale is None:
-        x_scale = (x.detach().abs().amax().float() / FP8_MAX).clamp(min=_MIN_SCALE)
-    return torch.stack([fp8_per_tensor_mm(x[b], w[b], w_scale, x_scale, out_dtype)
+    # x is quantized once for all heads (one scale); each head is then one FP8 GEMM.
+    q, xs = quantize_fp8_per_tensor(x.detach(), x_scale)
+    q = q.contiguous()  # row-major per head: the A operand `torch._scaled_mm` wants
+    out_dtype = out_dtype or x.dtype
+    return torch.stack([_fp8_scaled_mm(q[b], xs, w[b], w_scale, out_dtype)
                         for b in range(x.shape[0])])
 
 

@@ -30,15 +30,19 @@ Block-FP8 checkpoints (DeepSeek-V3's published format, `quantization_config` qua
 with `weight_block_size`; see `layers.quantization.BlockFP8Config`): every linear of attention, dense
 MLP and shared experts keeps `weight` float8_e4m3fn + `weight_scale_inv` and runs the block-scaled
 triton GEMM; the embedding, router, LM head and norms are unquantized (they have no scales in the
-checkpoint). Routed experts are dequantized at load into the bf16/fp32 stacked-expert weights
-(no FP8 fused-MoE kernel yet). `kv_b_proj` stays FP8 for the decompressed path; the absorbed
-`w_kc`/`w_vc` are split from its dequantized weight in `post_load_weights`.
+checkpoint). Routed experts keep their FP8 weights and block scales too (`layers.moe.
+BlockFP8MoEMethod`, run by the FP8 fused-MoE kernel), unless a tensor-parallel slice of the
+intermediate dim would cut 128-blocks: then they are dequantized at load (`_dequantize_experts`)
+into the model-dtype stacked weights. `kv_b_proj` stays FP8 for the decompressed path; the
+absorbed `w_kc`/`w_vc` are split from its dequantized weight in `post_load_weights`.
 
 Per-tensor FP8 (`layers.quantization.Fp8Config`: a vLLM/ModelOpt-style FP8 checkpoint, or the
 engine setting `quantization="fp8"` on an unquantized one): the same linears become
-`Fp8LinearMethod` (fp8 weight, one scale, `torch._scaled_mm`). Routed experts of a per-tensor
-FP8 checkpoint are dequantized at load (weight * weight_scale; input_scale dropped); with online
-"fp8" they stay unquantized (model dtype).
+`Fp8LinearMethod` (fp8 weight, one scale, `torch._scaled_mm`). Routed experts become FP8 per
+expert per tensor (`layers.moe.Fp8MoEMethod`, amax / 448 of each expert's stacked w13 and w2
+in `post_load_weights`): with online "fp8" from the model-dtype weights; a per-tensor FP8
+checkpoint's expert weights are first dequantized at load (weight * weight_scale; input_scale
+dropped, activations are dynamic) and then requantized.
 
 Absorbed matrices with per-tensor FP8 linears (kv_b_proj `Fp8LinearMethod`: FP8 checkpoint or
 online "fp8"): `w_kc`/`w_vc` are float8_e4m3fn, each with one float32 scale (`w_kc_scale`,
@@ -262,7 +266,9 @@ class DeepseekV2DecoderLayer(nn.Module):
                 routing.n_group, routing.topk_group, routing.norm_topk_prob,
                 routing.routed_scaling_factor, scoring_func=routing.scoring_func,
                 quant_config=(None if quant_config is None else quant_config.for_module(
-                    f"model.layers.{layer_id}.mlp.shared_experts")))
+                    f"model.layers.{layer_id}.mlp.shared_experts")),
+                experts_quant_config=(None if quant_config is None else quant_config.for_module(
+                    f"model.layers.{layer_id}.mlp.experts")))
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, quant_config=mlp_qc)
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
@@ -315,7 +321,8 @@ class DeepseekV2Model(nn.Module):
         return hidden
 
 
-_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_RE = re.compile(
+    r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 _EXPERT_FP8_RE = re.compile(
     r"^(.*\.mlp\.experts\.\d+\.(?:gate_proj|up_proj|down_proj)\.weight)(_scale_inv)?$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -395,8 +402,11 @@ class DeepseekV2ForCausalLM(nn.Module):
         `self.kv_cache_scales` {layer: {"k": s, "v": s}} (the latent pool uses "k").
 
         Block-FP8 checkpoints: `X.weight` (float8_e4m3fn) + `X.weight_scale_inv` go to the FP8
-        linears as they are; routed-expert pairs are dequantized here (`_dequantize_experts`)
-        into the model-dtype stacked experts.
+        linears and block-FP8 routed experts (`StackedExperts.is_block_fp8`; each expert's
+        scale through `StackedExperts.weight_loader`) as they are; routed-expert pairs of
+        experts that fell back to the model dtype are dequantized here
+        (`_dequantize_experts`). Per-tensor FP8 checkpoints: routed-expert weights are
+        dequantized here (`_dequantize_experts_per_tensor`), requantized after load.
         Raises:
             KeyError: an unknown weight name (e.g. a `weight_scale_inv` for a layer that is not
                 quantized). ValueError: a shape mismatch, an FP8 tensor for an unquantized
@@ -405,7 +415,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         if isinstance(self.quant_config, BlockFP8Config):
-            weights = _dequantize_experts(weights, self.quant_config.weight_block_size)
+            keep = {n for n, m in self.named_modules()
+                    if isinstance(m, StackedExperts) and m.is_block_fp8}
+            weights = _dequantize_experts(weights, self.quant_config.weight_block_size, keep)
         elif isinstance(self.quant_config, Fp8Config) and self.quant_config.is_checkpoint_fp8:
             weights = _dequantize_experts_per_tensor(weights)
         expected = self._expected_load_units(params)
@@ -430,9 +442,17 @@ class DeepseekV2ForCausalLM(nn.Module):
             if m:
                 prefix, e, shard = m.group(1), int(m.group(2)), m.group(3)[: -len("_proj")]
                 pname = f"{prefix}.{'w2_weight' if shard == 'down' else 'w13_weight'}"
+                suffix = m.group(4) or ""  # "_scale_inv": a block-FP8 expert's scale
+                if pname + suffix not in params:
+                    hint = (" (a block-FP8 scale: is the config's quantization_config missing?)"
+                            if self.quant_config is None else "")
+                    raise KeyError(f"unexpected weight {name!r} for {type(self).__name__}{hint}")
                 _check_fp8(name, params[pname], w)
-                self.get_submodule(prefix).weight_loader(params[pname], w, e, shard)
-                loaded.add(f"{pname}:{e}:{shard}")
+                self.get_submodule(prefix).weight_loader(params[pname + suffix], w, e, shard)
+                loaded.add(f"{pname}{suffix}:{e}:{shard}")
+                if not suffix and pname + "_scale_inv" in params and \
+                        w.dtype != torch.float8_e4m3fn:  # quantized by the loader, scale too
+                    loaded.add(f"{pname}_scale_inv:{e}:{shard}")
                 continue
             if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
                 stacked = name.endswith("gate_up_proj")
@@ -440,6 +460,8 @@ class DeepseekV2ForCausalLM(nn.Module):
                 pname = prefix + (".w13_weight" if stacked else ".w2_weight")
                 _check_fp8(name, params[pname], w)
                 experts = self.get_submodule(prefix)
+                if experts.is_block_fp8 and w.dtype != torch.float8_e4m3fn:
+                    loaded |= {u for u in expected if u.startswith(pname + "_scale_inv:")}
                 full_i = experts.full_intermediate_size
                 for e in range(w.shape[0]):  # through the per-expert loader (TP slicing)
                     if stacked:
@@ -489,10 +511,11 @@ class DeepseekV2ForCausalLM(nn.Module):
         covered: set[str] = set()
         for mname, mod in self.named_modules():
             if isinstance(mod, StackedExperts):
-                for e in range(mod.num_experts):
-                    units |= {f"{mname}.w13_weight:{e}:gate", f"{mname}.w13_weight:{e}:up",
-                              f"{mname}.w2_weight:{e}:down"}
-                covered |= {f"{mname}.w13_weight", f"{mname}.w2_weight"}
+                for pname, _ in mod.named_parameters():  # weights and block scales
+                    full = f"{mname}.{pname}"
+                    shards = ("down",) if pname.startswith("w2_") else ("gate", "up")
+                    units |= {f"{full}:{e}:{s}" for e in range(mod.num_experts) for s in shards}
+                    covered.add(full)
             elif hasattr(mod, "shard_offsets"):  # merged (column-parallel) linear layers
                 names = ["weight"] + [p for p in ("weight_scale_inv", "weight_scale",
                                                   "input_scale") if hasattr(mod, p)]
@@ -520,11 +543,15 @@ def _check_fp8(name: str, param: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def _dequantize_experts(weights: Iterable[tuple[str, torch.Tensor]],
-                        block_size: tuple[int, int]) -> Iterable[tuple[str, torch.Tensor]]:
-    """Pass weights through, except routed-expert FP8 pairs: `mlp.experts.{e}.{proj}.weight`
-    (float8_e4m3fn [N, K]) and its `weight_scale_inv` [ceil(N/bn), ceil(K/bk)] are held until
-    both arrived, then yielded once as `...weight` = dequantized float32 [N, K] (DeepSeek-V3
-    `inference/fp8_cast_bf16.py` math). Expert weights that are not FP8 pass through.
+                        block_size: tuple[int, int],
+                        keep: frozenset[str] | set[str] = frozenset()
+                        ) -> Iterable[tuple[str, torch.Tensor]]:
+    """Pass weights through, except routed-expert FP8 pairs of experts modules not in `keep`
+    (the `StackedExperts` names that hold block FP8 themselves, see `StackedExperts.
+    is_block_fp8`): `mlp.experts.{e}.{proj}.weight` (float8_e4m3fn [N, K]) and its
+    `weight_scale_inv` [ceil(N/bn), ceil(K/bk)] are held until both arrived, then yielded once
+    as `...weight` = dequantized float32 [N, K] (DeepSeek-V3 `inference/fp8_cast_bf16.py`
+    math). Expert weights that are not FP8 pass through.
 
     Raises:
         ValueError: an FP8 expert weight without its scale, or a scale without its weight.
@@ -534,7 +561,8 @@ def _dequantize_experts(weights: Iterable[tuple[str, torch.Tensor]],
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, w in weights:
         m = _EXPERT_FP8_RE.match(name)
-        if m is None or (m.group(2) is None and w.dtype != torch.float8_e4m3fn):
+        if m is None or (m.group(2) is None and w.dtype != torch.float8_e4m3fn) or \
+                m.group(1).rsplit(".", 3)[0] in keep:
             yield name, w
             continue
         base = m.group(1)
@@ -604,7 +632,7 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     Weights: bf16 / fp32, or the published block-wise FP8 format (`quantization_config`
     {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
     "weight_block_size": [128, 128]}; see the module docstring for what stays unquantized and
-    how routed experts are dequantized at load).
+    how routed experts are kept in FP8).
 
     Args: as `DeepseekV2ForCausalLM`.
     Raises:

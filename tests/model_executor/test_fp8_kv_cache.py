@@ -44,16 +44,6 @@ FP8 = ["fp8_e4m3", "fp8_e5m2"]
 
 
 @pytest.fixture(scope="module")
-def deepseek(tiny_deepseek_factory):
-    return tiny_deepseek_factory(seed=1, hidden_size=128, num_hidden_layers=3)
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_llama_factory):
-    return tiny_llama_factory(seed=2, init_std=0.1)
-
-
-@pytest.fixture(scope="module")
 def models(deepseek, llama):
     """name → (path, tolerance, agreement, reference logits of the auto cache)."""
     out = {}

@@ -42,6 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from test_deepseek_v2 import ATOL, RTOL, _hf, _hf_greedy, _prompts
 
+from mla_backend.layers.moe import BlockFP8MoEMethod, dequantize_expert
 from mla_backend.layers.quantization import BlockFP8LinearMethod, UnquantizedLinearMethod
 from mla_backend.model_executor.forward_batch import ForwardMode
 from mla_backend.models.deepseek_v2 import DeepseekV3ForCausalLM
@@ -77,6 +78,10 @@ def _harness(path: str, activation_quant: bool = True, **kwargs) -> DeepseekHarn
         for m in _fp8_linears(h.model):
             cfg = dataclasses.replace(m.quant_method.config, activation_quant=False)
             m.quant_method = BlockFP8LinearMethod(cfg)
+        for m in h.model.modules():  # FP8 routed experts
+            if isinstance(getattr(m, "quant_method", None), BlockFP8MoEMethod):
+                cfg = dataclasses.replace(m.quant_method.config, activation_quant=False)
+                m.quant_method = BlockFP8MoEMethod(cfg)
     return h
 
 
@@ -124,7 +129,11 @@ def test_checkpoint_format_and_what_is_quantized(ckpt):
     assert layer.mlp.shared_experts.gate_up_proj.scale_block_n == 1  # 64-row shards
     assert isinstance(layer.mlp.gate.quant_method, UnquantizedLinearMethod)
     assert layer.mlp.gate.weight.dtype == torch.float32
-    assert layer.mlp.experts.w13_weight.dtype == torch.float32  # dequantized at load
+    experts = layer.mlp.experts  # routed experts stay FP8 with their block scales
+    assert isinstance(experts.quant_method, BlockFP8MoEMethod)
+    assert experts.w13_weight.dtype == experts.w2_weight.dtype == torch.float8_e4m3fn
+    assert experts.w13_weight_scale_inv.shape == (16, 2, 2)  # gate's block row, then up's
+    assert experts.w2_weight_scale_inv.shape == (16, 2, 1)  # [E, 256/128, ceil(64/128)]
     assert not any("lm_head" in n or "embed" in n for n, _ in model.named_modules()
                    if isinstance(getattr(_, "quant_method", None), BlockFP8LinearMethod))
     # Absorbed MLA: w_kc / w_vc from the dequantized kv_b_proj.
@@ -136,7 +145,8 @@ def test_checkpoint_format_and_what_is_quantized(ckpt):
     kv_b = kv_b.view(8, 64, 128)
     torch.testing.assert_close(attn.w_kc, kv_b[:, :32])
     torch.testing.assert_close(attn.w_vc, kv_b[:, 32:].transpose(1, 2))
-    e0 = layer.mlp.experts.w13_weight[0, :64]
+    e0 = dequantize_expert(experts.w13_weight, experts.w13_weight_scale_inv, 0, (128, 128),
+                           gate_up=True)[:64]
     torch.testing.assert_close(e0, dequant_weight_block_fp8(
         sd["model.layers.1.mlp.experts.0.gate_proj.weight"],
         sd["model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv"]))
@@ -194,6 +204,10 @@ def test_ignoring_weight_scale_inv_breaks_agreement(ckpt, hf_ref):
         h = _harness(ckpt[0], activation_quant=activation_quant, decompress_min_tokens=10**9)
         for m in _fp8_linears(h.model):
             m.weight_scale_inv.data.fill_(1.0)
+        for m in h.model.modules():
+            if isinstance(getattr(m, "quant_method", None), BlockFP8MoEMethod):
+                m.w13_weight_scale_inv.data.fill_(1.0)
+                m.w2_weight_scale_inv.data.fill_(1.0)
         bad = _prefill(h, prompts)
         assert (bad - ref).abs().max().item() > 100 * ATOL
         assert _rel_rms(bad, ref) > 10 * FP8_REL_RMS
@@ -213,7 +227,7 @@ def test_loading_errors(ckpt, tmp_path):
 
     bad = dict(sd)
     del bad["model.layers.2.mlp.experts.5.up_proj.weight_scale_inv"]
-    with pytest.raises(ValueError, match="experts.5.up_proj.weight"):
+    with pytest.raises(ValueError, match="experts.w13_weight_scale_inv:5:up"):
         load(bad)
     bad = dict(sd)
     del bad["model.layers.2.self_attn.o_proj.weight_scale_inv"]

@@ -1,0 +1,122 @@
+"""The GEMV path's two kernels of `fused_moe` (the small-batch, sort-free path; its launch,
+tile configs and path choice live in `fused_moe`: `gemv_experts`, `GemvConfig`,
+`GEMV_MAX_ROWS`). See `fused_moe`'s module docstring for the design and measurements.
+
+QUANT (constexpr) picks the weight format, as in `fused_moe._grouped_gemm_kernel`:
+0 = weights in the activations' float dtype; 1 = float8_e4m3fn weights with one scale per
+expert (WScale[e]) and one activation scale (XScale[0]), applied after the reduction;
+2 = float8_e4m3fn weights with block scales WScale[e, n // group_n, k // group_k] and
+per-(row, K group) activation scales, applied per BLOCK_K step (BLOCK_K divides group_k).
+FP8 tiles are upcast to fp32 (a GEMV has no tl.dot); activations arrive already quantized
+(in torch) or unquantized with scales of 1.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_gate_up_kernel(
+    X, W13, Inter, TopkIds, XScale, WScale,
+    H, I, up_offset, group_n, group_k, up_scale_offset,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ir, stride_in,
+    stride_idt, stride_idk, stride_xst, stride_xsk, stride_wse, stride_wsn, stride_wsk,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
+):
+    # inter[row, n-block] = silu(x[t] . gate rows) * (x[t] . up rows), e = topk_ids[t, j].
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    t = (row // TOP_K).to(tl.int64)
+    j = (row % TOP_K).to(tl.int64)
+    e = tl.load(TopkIds + t * stride_idt + j * stride_idk).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + t * stride_xt + offs_k[None, :].to(tl.int64) * stride_xh  # [1, BLOCK_K]
+    g_ptrs = (W13 + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+              + offs_k[None, :].to(tl.int64) * stride_wh)  # [BLOCK_N, BLOCK_K] gate rows
+    u_ptrs = g_ptrs + up_offset  # the up rows follow the I gate rows
+    gs_ptrs = WScale + e * stride_wse + (offs_n // group_n).to(tl.int64) * stride_wsn  # QUANT 2
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for kb in range(tl.cdiv(H, BLOCK_K)):
+        mask_k = offs_k[None, :] < H - kb * BLOCK_K
+        xv = tl.load(x_ptrs, mask=mask_k, other=0.0).to(tl.float32)
+        w_mask = mask_n[:, None] & mask_k
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        if QUANT == 2:
+            grp = (kb * BLOCK_K) // group_k
+            xs = tl.load(XScale + t * stride_xst + grp * stride_xsk)
+            gs = tl.load(gs_ptrs + grp * stride_wsk, mask=mask_n, other=0.0)
+            us = tl.load(gs_ptrs + up_scale_offset + grp * stride_wsk, mask=mask_n, other=0.0)
+            acc_g += tl.sum(g * xv, axis=1) * (gs * xs)
+            acc_u += tl.sum(u * xv, axis=1) * (us * xs)
+        else:
+            acc_g += tl.sum(g * xv, axis=1)
+            acc_u += tl.sum(u * xv, axis=1)
+        x_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wh
+        u_ptrs += BLOCK_K * stride_wh
+    if QUANT == 1:
+        s = tl.load(XScale) * tl.load(WScale + e * stride_wse)
+        acc_g = acc_g * s
+        acc_u = acc_u * s
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    i_ptrs = Inter + row.to(tl.int64) * stride_ir + offs_n.to(tl.int64) * stride_in
+    tl.store(i_ptrs, act.to(Inter.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _gemv_down_kernel(
+    Inter, W2, Out, TopkWeights, TopkIds, AScale, WScale,
+    H, I, group_n, group_k,
+    stride_ir, stride_in, stride_we, stride_wn, stride_wi, stride_ot, stride_on,
+    stride_twt, stride_twk, stride_idt, stride_idk, stride_asr, stride_ask,
+    stride_wse, stride_wsn, stride_wsk,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,
+):
+    # out[t, n-block] = sum_j topk_weights[t, j] * inter[t*k + j] . w2[e_j, n-block rows].
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    slots = tl.arange(0, K_PAD)
+    mask_s = slots < TOP_K
+    e = tl.load(TopkIds + t * stride_idt + slots.to(tl.int64) * stride_idk, mask=mask_s,
+                other=0).to(tl.int64)  # [K_PAD]
+    rw = tl.load(TopkWeights + t * stride_twt + slots.to(tl.int64) * stride_twk, mask=mask_s,
+                 other=0.0).to(tl.float32)  # [K_PAD]
+    rows = t * TOP_K + slots.to(tl.int64)  # [K_PAD]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = (Inter + rows[:, None, None] * stride_ir
+              + offs_k[None, None, :].to(tl.int64) * stride_in)  # [K_PAD, 1, BLOCK_K]
+    w_ptrs = (W2 + e[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
+              + offs_k[None, None, :].to(tl.int64) * stride_wi)  # [K_PAD, BLOCK_N, BLOCK_K]
+    ws_ptrs = (WScale + e[:, None] * stride_wse
+               + (offs_n[None, :] // group_n).to(tl.int64) * stride_wsn)  # QUANT 2 [K_PAD, BN]
+    mask_sn = mask_s[:, None, None] & mask_n[None, :, None]
+    acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
+    for kb in range(tl.cdiv(I, BLOCK_K)):
+        mask_k = offs_k[None, None, :] < I - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_s[:, None, None] & mask_k, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=mask_sn & mask_k, other=0.0).to(tl.float32)
+        if QUANT == 2:
+            grp = (kb * BLOCK_K) // group_k
+            a_s = tl.load(AScale + rows * stride_asr + grp * stride_ask, mask=mask_s, other=0.0)
+            w_s = tl.load(ws_ptrs + grp * stride_wsk, mask=mask_s[:, None] & mask_n[None, :],
+                          other=0.0)
+            acc += tl.sum(w * a, axis=2) * w_s * a_s[:, None]
+        else:
+            acc += tl.sum(w * a, axis=2)
+        a_ptrs += BLOCK_K * stride_in
+        w_ptrs += BLOCK_K * stride_wi
+    if QUANT == 1:
+        ws = tl.load(WScale + e * stride_wse, mask=mask_s, other=0.0)  # [K_PAD]
+        acc = acc * (ws * tl.load(AScale))[:, None]
+    y = tl.sum(acc * rw[:, None], axis=0)  # [BLOCK_N]
+    o_ptrs = Out + t * stride_ot + offs_n.to(tl.int64) * stride_on
+    tl.store(o_ptrs, y.to(Out.dtype.element_ty), mask=mask_n)
