@@ -10,12 +10,12 @@ greedy, streaming. At concurrency C, N requests (default max(8, C)) run closed-l
 flight (a finished request is replaced at once); C = 64 with N = 64 is "64 submitted together".
 Radix cache off (every prompt is new anyway), pool and request slots sized for the largest C.
 
-- in-process: `Engine` in this process (`serving_client.engine_load`), stepped (1) by the main
-  thread, which built it, and (2) by a second thread, as the adapter does (it builds the engine
-  on the stub's main thread and steps it on its engine thread). Torch's OpenMP runtime (libgomp)
-  then holds a thread team per calling thread, sees more threads than cores and lets its workers
-  sleep soon after each parallel region: on a 2-core CPU that alone costs up to a third of the
-  throughput at concurrency 1, so (2) is the baseline that isolates the serving path proper;
+- in-process: `Engine` in this process (`serving_client.engine_load`), (1) built and stepped by
+  the main thread with torch's default threads, and (2) as the adapter runs it: built and
+  stepped on one second thread with the adapter's default intra-op threads
+  (INTRA_OP_THREAD_COUNT "auto": one fewer than the cores, at least 1). (2) isolates the serving
+  path proper (same engine, same threads); (1) shows what the engine does with every core to
+  itself;
 - server: a tritonserver over a temp repository with a copy of the model folder and the same
   settings, one gRPC stream carrying the C requests (`serving_client.stream_load`; the client
   runs in this process, on the same cores as the server). One copy per `--stream-intervals`
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -145,24 +146,31 @@ def main() -> int:
     print(f"model {args.model}, settings {params}, max_tokens {args.max_tokens}, "
           f"torch threads {torch.get_num_threads()}", flush=True)
 
+    default_threads = torch.get_num_threads()
     engine = Engine(EngineConfig.create(model_path=str(weights), **params))
     inproc = measure(lambda jobs, c: engine_load(engine, jobs, c), levels, n_requests,
                      args.max_tokens, args.repeats, "in-process")
-    threaded: dict[int, dict] = {}
-
-    def on_thread() -> None:
-        threaded.update(measure(lambda jobs, c: engine_load(engine, jobs, c), levels,
-                                n_requests, args.max_tokens, args.repeats, "in-proc thr"))
-
-    worker = threading.Thread(target=on_thread)
-    worker.start()
-    worker.join()
-    if not threaded:
-        raise SystemExit("the in-process run on a second thread failed")
     engine.check_invariant()
     engine.shutdown()
     del engine
     gc.collect()
+    threaded: dict[int, dict] = {}
+    adapter_threads = max(1, len(os.sched_getaffinity(0)) - 1)  # INTRA_OP_THREAD_COUNT "auto"
+
+    def as_the_adapter() -> None:  # built and stepped on one non-main thread, capped threads
+        torch.set_num_threads(adapter_threads)
+        eng = Engine(EngineConfig.create(model_path=str(weights), **params))
+        threaded.update(measure(lambda jobs, c: engine_load(eng, jobs, c), levels,
+                                n_requests, args.max_tokens, args.repeats, "in-proc adp"))
+        eng.check_invariant()
+        eng.shutdown()
+
+    worker = threading.Thread(target=as_the_adapter)
+    worker.start()
+    worker.join()
+    if not threaded:
+        raise SystemExit("the in-process run as the adapter runs it failed")
+    torch.set_num_threads(default_threads)
 
     names = {k: f"{args.model}-bench-si{k}" for k in args.stream_intervals}
     served: dict[int, dict[int, dict]] = {}
@@ -181,10 +189,10 @@ def main() -> int:
     rows = []
     print(f"\nmodel {args.model}, {args.max_tokens} output tokens per request, greedy, "
           f"median of {args.repeats}; {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} torch threads")
+          f"torch threads: {default_threads} in-process, {adapter_threads} as the adapter")
     print("| concurrency | requests | STREAM_INTERVAL | in-process tok/s (main thread) "
-          "| in-process tok/s (2nd thread) | server tok/s | server / in-process "
-          "| server / in-process (2nd thread) | in-process CPU s/1k tok | server CPU s/1k tok "
+          "| in-process tok/s (as the adapter) | server tok/s | server / in-process "
+          "| server / in-process (as the adapter) | in-process CPU s/1k tok | server CPU s/1k tok "
           "| client CPU s/1k tok |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in levels:

@@ -5,8 +5,10 @@ Threading follows Triton's official vLLM backend (REFERENCE.md §4.3):
 - Triton's execute thread, `execute()`: parses each request (`protocol.parse_request`),
   registers it and calls `Engine.add_request`; a bad request gets one INVALID_ARGUMENT error
   flagged FINAL right there; returns None.
-- engine thread: loops `Engine.wait_for_work` / `Engine.step` and puts each step's
-  `RequestOutput`s on a queue.
+- engine thread: builds the `Engine` (`initialize` waits for it and fails the load with its
+  error), then loops `Engine.wait_for_work` / `Engine.step` and puts each step's
+  `RequestOutput`s on a queue. All of the engine's torch work runs on this one thread (one
+  OpenMP thread team; see `_engine_main`).
 - response thread: the only sender for accepted requests; takes every step's outputs queued so
   far, merges the increments of one request into one (`coalesce`: when sending falls behind the
   engine, a request gets one response carrying several tokens instead of one response per token),
@@ -34,7 +36,9 @@ libtriton_python.so when the next request arrived).
 Data: tensors and parameters come from Triton (`pb_utils`), engine settings from config.pbtxt
 `parameters` (`EngineConfig.from_parameters`, `model_path` relative to the model's folder);
 adapter-only parameters: `REPORT_CUSTOM_METRICS` (default "true"), `LOG_REQUESTS` (default
-"false"), `UNLOAD_ON_FATAL_ERROR` (default "false"; see above), `STREAM_INTERVAL` (default "1": a streamed response per token; N > 1: after a
+"false"), `UNLOAD_ON_FATAL_ERROR` (default "false"; see above), `INTRA_OP_THREAD_COUNT` (torch's
+intra-op threads; default "auto": on a CPU one fewer than the process's cores, at least 1, on a
+GPU torch's default; see `_intra_op_threads`), `STREAM_INTERVAL` (default "1": a streamed response per token; N > 1: after a
 request's first streamed response, which goes out at once, each carries at least N tokens (the
 last one may carry fewer): N times fewer sends, each an IPC round trip to the server process, for
 N - 1 steps more latency per delta; as SGLang's `stream_interval`).
@@ -51,6 +55,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import triton_python_backend_utils as pb_utils  # provided by the Python backend stub
 
 from mla_backend.config import EngineConfig
@@ -107,6 +112,24 @@ def _positive_int(parameters: dict[str, Any], key: str, default: int) -> int:
     return number
 
 
+def _intra_op_threads(parameters: dict[str, Any], device: str) -> int | None:
+    """INTRA_OP_THREAD_COUNT (as Triton's PyTorch backend names it): torch's intra-op threads for
+    this instance's engine. "" / "auto" (default): on a CPU device one fewer than this process
+    may use (at least 1), leaving a core to tritonserver, the response thread and the clients;
+    on a GPU device None (torch's default; the host does little parallel work). Else an
+    integer >= 1.
+
+    Raises:
+        pb_utils.TritonModelException: not "auto" nor an integer >= 1.
+    """
+    value = str(parameters.get("INTRA_OP_THREAD_COUNT", {}).get("string_value", "")).strip()
+    if value.lower() in ("", "auto"):
+        if device != "cpu" and not (device == "auto" and not torch.cuda.is_available()):
+            return None
+        return max(1, len(os.sched_getaffinity(0)) - 1)
+    return _positive_int(parameters, "INTRA_OP_THREAD_COUNT", 1)
+
+
 def _flag(parameters: dict[str, Any], key: str, default: bool) -> bool:
     """A "true"/"false" config.pbtxt parameter (case-insensitive; absent or "" → default)."""
     value = str(parameters.get(key, {}).get("string_value", "")).strip().lower()
@@ -152,23 +175,42 @@ class TritonPythonModel:
         if args.get("model_instance_kind") == "GPU" and config.model.device == "auto":
             # KIND_GPU: one engine per GPU, on the device Triton assigned to this instance.
             config = config.replace(device=f"cuda:{args.get('model_instance_device_id', '0')}")
+        threads = _intra_op_threads(params, config.model.device)
         t0 = time.monotonic()
-        # NOTE (torch threads): the engine is built here, on the stub's main thread, and stepped
-        # on the engine thread, so libgomp holds two OpenMP teams and, seeing more threads than
-        # cores, lets its workers sleep soon after each parallel region (its "throttled" spin).
-        # Building it on the engine thread (one team, full spin) measured ~1.4x faster decode
-        # steps on a 2-core CPU with nothing else running, but made the engine collapse under
-        # CPU contention (another busy process, or a second instance stepping at the same
-        # time): the overload e2e test went from 33 s to a 300 s timeout next to a 1-core busy
-        # loop. See docs/benchmarks.md, "Server-path cost".
-        self.engine = Engine(config)
+        self._running = True
+        self._engine_ready = threading.Event()
+        self._steps_may_start = threading.Event()  # set once initialize has finished
+        self._engine_error: BaseException | None = None
+        # The engine is built on the engine thread that steps it: torch work on one thread only
+        # (see `_engine_main` and docs/benchmarks.md, "Server-path cost").
+        self._engine_thread = threading.Thread(
+            target=self._engine_main, args=(config, threads), name="mla-engine", daemon=True
+        )
+        self._engine_thread.start()
+        self._engine_ready.wait()
+        if self._engine_error is not None:
+            raise self._engine_error  # the load fails with the engine's own message
+        try:
+            self._start_serving(args, config, report_metrics, t0)
+        except BaseException:
+            self._running = False  # the engine thread returns without stepping
+            self._steps_may_start.set()
+            self.engine.close()
+            raise
+        self._steps_may_start.set()
+
+    def _start_serving(self, args: dict[str, str], config: EngineConfig, report_metrics: bool,
+                       t0: float) -> None:
+        """After the engine is built: log it, create the metrics, the request table and the
+        response thread."""
         device = getattr(getattr(self.engine, "runner", None), "device", config.model.device)
         workers = getattr(getattr(self.engine, "runner", None), "tp_workers", None)
         self.logger.log_info(
             f"[mla_backend] {self.model_name}: loaded {config.model.model_path} on {device} in "
             f"{time.monotonic() - t0:.1f}s; "
             f"context {self.engine.context_len} tokens, KV pool {self.engine.max_total_tokens} "
-            f"tokens, radix cache {'on' if config.cache.enable_radix_cache else 'off'}"
+            f"tokens, radix cache {'on' if config.cache.enable_radix_cache else 'off'}, "
+            f"torch intra-op threads {torch.get_num_threads()}"
             + ("" if workers is None else f"; tensor-parallel worker pids {workers.pids()}")
         )
         self.metrics: MetricsRecorder | None = None
@@ -181,15 +223,10 @@ class TritonPythonModel:
         self._outputs: queue.SimpleQueue[list[RequestOutput] | None] = queue.SimpleQueue()
         self._ids = itertools.count()
         self._accepting = True
-        self._running = True
         self._fatal: str | None = None  # Engine.failed, once the engine thread has seen it
-        self._engine_thread = threading.Thread(
-            target=self._engine_loop, name="mla-engine", daemon=True
-        )
         self._response_thread = threading.Thread(
             target=self._response_loop, name="mla-responses", daemon=True
         )
-        self._engine_thread.start()
         self._response_thread.start()
 
     # ------------------------------------------------------------------ execute
@@ -252,6 +289,26 @@ class TritonPythonModel:
             return ""
 
     # ------------------------------------------------------------------ engine thread
+    def _engine_main(self, config: EngineConfig, threads: int | None) -> None:
+        """The engine thread: build the engine, then step it until finalize.
+
+        Every torch operation of the engine (loading, warm-up, graph capture, steps) runs on this
+        one thread. Built on the stub's main thread and stepped here, torch's OpenMP runtime
+        (libgomp) would keep two thread teams, see more threads than cores and let its workers
+        sleep after each parallel region: on a 2-core CPU that halved decode throughput.
+        `threads` (INTRA_OP_THREAD_COUNT) caps the intra-op threads before anything runs."""
+        try:
+            if threads is not None:
+                torch.set_num_threads(threads)
+            self.engine = Engine(config)
+        except BaseException as e:  # noqa: BLE001 - initialize re-raises it: the load fails
+            self._engine_error = e
+            return
+        finally:
+            self._engine_ready.set()
+        self._steps_may_start.wait()
+        self._engine_loop()
+
     def _engine_loop(self) -> None:
         while self._running:
             try:
