@@ -343,9 +343,10 @@ class ModelRunner:
                 raise ValueError("EXTEND needs prefix_lens and extend_lens")
             prefix, ext = _as_list(prefix_lens), _as_list(extend_lens)
         prefix, ext = [int(x) for x in prefix], [int(x) for x in ext]
-        ids, pos = [int(x) for x in _as_list(input_ids)], [int(x) for x in _as_list(positions)]
-        rows, out_loc = [int(x) for x in _as_list(req_pool_indices)], [
-            int(x) for x in _as_list(out_cache_loc)]
+        # Per-token lists as given (Python ints from the scheduler, `tolist()` of tensors): no
+        # per-element conversion on the prefill path.
+        ids, pos, out_loc = _as_list(input_ids), _as_list(positions), _as_list(out_cache_loc)
+        rows = [int(x) for x in _as_list(req_pool_indices)]
         num_tokens = len(ids)
         if not (len(prefix) == len(ext) == len(seq) == len(rows)):
             raise ValueError(
