@@ -308,7 +308,7 @@ def step_message(fb: "ForwardBatch") -> dict:
         col = torch.tensor(w_cols, dtype=torch.int64, device=r2t.device)
         w_slots = r2t[idx, col].tolist()
     return {
-        "req_to_token": (list(w_rows), list(w_cols), list(w_slots)),
+        "req_to_token": (w_rows, w_cols, w_slots),
         "batch": {
             "mode": fb.forward_mode,
             "input_ids": host["input_ids"],

@@ -60,6 +60,7 @@ import triton_python_backend_utils as pb_utils  # provided by the Python backend
 
 from mla_backend.config import EngineConfig
 from mla_backend.engine import Engine, EngineFailedError, InvalidRequestError
+from mla_backend.model_executor.model_runner import resolve_device
 from mla_backend.request import RequestOutput
 from mla_backend.serving.metrics import FinishedRequest, MetricsRecorder
 from mla_backend.serving.protocol import (
@@ -124,7 +125,7 @@ def _intra_op_threads(parameters: dict[str, Any], device: str) -> int | None:
     """
     value = str(parameters.get("INTRA_OP_THREAD_COUNT", {}).get("string_value", "")).strip()
     if value.lower() in ("", "auto"):
-        if device != "cpu" and not (device == "auto" and not torch.cuda.is_available()):
+        if resolve_device(device).type != "cpu":
             return None
         return max(1, len(os.sched_getaffinity(0)) - 1)
     return _positive_int(parameters, "INTRA_OP_THREAD_COUNT", 1)
