@@ -22,6 +22,12 @@ pointless at prefill sizes).
     # sweep GEMV tiles (cartesian product of the values given; others stay at their defaults):
     PYTHONPATH=. python3 benchmarks/bench_fused_moe.py --tokens 1 8 --paths gemv --no-loop \\
         --gemv-block-n 16 32 64 --gemv-block-k 128 256 --gemv-warps 4 8
+    # FP8 experts (per expert per tensor scales, dynamic activations), sorted-path tile sweep:
+    PYTHONPATH=. python3 benchmarks/bench_fused_moe.py --fp8 --tokens 64 512 --paths sorted \\
+        --no-loop --tol 0.25 --sorted-block-n 64 128 --sorted-block-k 64 128 --sorted-warps 4 8
+
+With --fp8 the loop reference runs on the dequantized weights, so "max abs diff" is the FP8
+activation-quantization error (random O(1) outputs), not a kernel error.
 
 Needs a CUDA device (exits with a message otherwise). Imports torch, triton, mla_backend.
 """
@@ -37,8 +43,10 @@ import triton
 
 import mla_backend  # noqa: F401  registers the mla_kernels alias
 from mla_backend.layers.moe import experts_forward, select_experts
+from mla_backend.layers.quantization import quantize_fp8_per_tensor
 from mla_kernels.fused_moe import (
     GemvConfig,
+    MoEConfig,
     fused_experts,
     get_default_config,
     get_default_gemv_config,
@@ -92,9 +100,27 @@ def gemv_configs(args: argparse.Namespace, top_k: int) -> list[GemvConfig]:
     return [GemvConfig(*vals) for vals in itertools.product(*choices.values())]
 
 
+def sorted_configs(args: argparse.Namespace, t: int, k: int, e: int) -> list[MoEConfig]:
+    """The sorted-path tile configs to time: the cartesian product of the --sorted-* values
+    given, each field not given at `get_default_config`'s value for this T."""
+    base = get_default_config(t, k, e, "cuda", fp8=args.fp8)
+    fields = {"block_m": "block_m", "block_n": "block_n", "block_k": "block_k",
+              "num_warps": "warps", "num_stages": "stages"}
+    choices = {f: getattr(args, "sorted_" + a) or [getattr(base, f)] for f, a in fields.items()}
+    return [base._replace(**dict(zip(choices, vals)))
+            for vals in itertools.product(*choices.values())]
+
+
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (float8_e4m3fn [E, N, K], float32 [E] per-expert scales)."""
+    qs = [quantize_fp8_per_tensor(w[i]) for i in range(w.shape[0])]
+    return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
+
+
 def describe(path: str, cfg) -> str:
     if path == "sorted":
-        return f"BM{cfg.block_m} BN{cfg.block_n} BK{cfg.block_k} w{cfg.num_warps}"
+        return (f"BM{cfg.block_m} BN{cfg.block_n} BK{cfg.block_k} w{cfg.num_warps} "
+                f"s{cfg.num_stages}")
     return (f"up BN{cfg.block_n} BK{cfg.block_k} w{cfg.num_warps} / down BN{cfg.down_block_n} "
             f"BK{cfg.down_block_k} w{cfg.down_num_warps} / s{cfg.num_stages}")
 
@@ -125,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
             ("--gemv-stages", "num_stages", "num_stages of both kernels")]:
         sweep.add_argument(flag, dest="gemv_" + field, type=int, nargs="+", default=None,
                            help=what)
+    ssweep = ap.add_argument_group("sorted-path tile sweep (each takes one or more values)")
+    for a in ("block_m", "block_n", "block_k", "warps", "stages"):
+        ssweep.add_argument("--sorted-" + a.replace("_", "-"), dest="sorted_" + a, type=int,
+                            nargs="+", default=None)
+    ap.add_argument("--fp8", action="store_true",
+                    help="FP8 experts, per-expert per-tensor scales (dynamic activations)")
     ap.add_argument("--no-loop", action="store_true", help="skip timing the per-expert loop")
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay timing")
     ap.add_argument("--tol", type=float, default=5e-2,
@@ -148,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype]
     h, inter, e, k = args.hidden, args.inter, args.experts, args.top_k
     print(f"# fused MoE, {torch.cuda.get_device_name()}: H {h}, I {inter}, E {e}, top-{k}, "
-          f"{args.dtype}")
+          f"{args.dtype}{', FP8 experts (per-expert scales)' if args.fp8 else ''}")
     print("| T | path | config | experts used | max abs diff | fused us | fused graph us "
           "| loop us | speed-up vs loop | weight GB/s (graph) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -156,21 +188,29 @@ def main(argv: list[str] | None = None) -> int:
     for t in args.tokens:
         x, w13, w2, weights, ids = make_problem(t, h, inter, e, k, dtype, "cuda", seed=t)
         out = torch.empty_like(x)
-        loop_out = experts_forward(x, w13, w2, weights, ids)
+        fp8_kw: dict = {}
+        if args.fp8:
+            (w13, s13), (w2, s2) = quantize_experts(w13), quantize_experts(w2)
+            fp8_kw = {"w13_scale": s13, "w2_scale": s2}
+            loop_out = experts_forward(x, (w13.float() * s13[:, None, None]).to(dtype),
+                                       (w2.float() * s2[:, None, None]).to(dtype), weights, ids)
+        else:
+            loop_out = experts_forward(x, w13, w2, weights, ids)
         loop_ms = float("nan")
-        if not args.no_loop:
+        if not args.no_loop and not args.fp8:  # the loop takes model-dtype weights
             loop_ms = bench(lambda x=x, w13=w13, w2=w2, weights=weights, ids=ids:
                             experts_forward(x, w13, w2, weights, ids), args.warmup, args.rep)
-        nbytes = weight_bytes(ids, h, inter, x.element_size())
+        nbytes = weight_bytes(ids, h, inter, w13.element_size())
         n_used = int(torch.unique(ids).numel())
         auto = "gemv" if use_gemv_path(t, k) else "sorted"
         runs: list[tuple[str, object]] = []
         if "sorted" in args.paths:
-            runs.append(("sorted", get_default_config(t, k, e, x.device)))
+            runs += [("sorted", cfg) for cfg in sorted_configs(args, t, k, e)]
         if "gemv" in args.paths and t * k <= args.gemv_max_rows:
             runs += [("gemv", cfg) for cfg in gemv_configs(args, k)]
         for path, cfg in runs:
             kw = {"config": cfg} if path == "sorted" else {"gemv_config": cfg}
+            kw.update(fp8_kw)
 
             def call(x=x, w13=w13, w2=w2, weights=weights, ids=ids, out=out, path=path, kw=kw
                      ) -> torch.Tensor:

@@ -21,8 +21,8 @@ Sections (`--sections`):
 - mla: absorbed (default) vs decompressed (`disable_mla`) decode step at bs 64, context 2048.
 - prefix: 64 requests sharing a 4096-token prefix (+16 own tokens, 1 new token): mean TTFT with the
   radix cache (prefix cached by one earlier request) vs without.
-- breakdown: one decode step at bs 64 split into scheduler, batch building, forward (GPU, synced),
-  sampling and the engine's own bookkeeping (detokenization, outputs).
+- breakdown: one decode step at bs 64 (`--breakdown-bs`) split into scheduler, batch building,
+  forward (GPU, synced), sampling and the engine's own bookkeeping (detokenization, outputs).
 
 `--quantization fp8 --kv-cache-dtype fp8_e4m3` runs every engine with FP8 weights and KV cache
 (issue 6: compare with a bf16 run of the same command).
@@ -379,7 +379,8 @@ def section_prefix(args, model_dir: str, vocab: int, res: dict) -> None:
 
 
 def section_breakdown(args, model_dir: str, vocab: int, res: dict) -> None:
-    eng = make_engine(model_dir, cuda_graph_max_bs=64, max_running_requests=64)
+    bsz = args.breakdown_bs
+    eng = make_engine(model_dir, cuda_graph_max_bs=bsz, max_running_requests=bsz)
     acc: dict[str, float] = {}
 
     def timed(name: str, fn: Callable, sync_after: bool = False) -> Callable:
@@ -399,33 +400,33 @@ def section_breakdown(args, model_dir: str, vocab: int, res: dict) -> None:
     eng.runner.make_forward_batch = timed("batch building", eng.runner.make_forward_batch)
     eng.runner.forward = timed("forward (GPU, synced)", eng.runner.forward, sync_after=True)
     eng.sampler.sample = timed("sampling", eng.sampler.sample)
-    decode_step_ms(eng, 64, 16, 8, vocab)  # warm-up
+    decode_step_ms(eng, bsz, 16, 8, vocab)  # warm-up
     snapshots: list[dict[str, float]] = []
     steps: list[float] = []
 
     def on_step(dt: float, outs: list) -> None:
-        if len(outs) == 64 and all(len(o.new_token_ids) == 1 for o in outs):
+        if len(outs) == bsz and all(len(o.new_token_ids) == 1 for o in outs):
             steps.append(dt)
             snapshots.append(dict(acc))
         acc.clear()
 
     gen = torch.Generator().manual_seed(1)
     acc.clear()
-    run_requests(eng, [random_prompt(gen, args.breakdown_prompt, vocab) for _ in range(64)],
-                 [64] * 64, on_step)
+    run_requests(eng, [random_prompt(gen, args.breakdown_prompt, vocab) for _ in range(bsz)],
+                 [64] * bsz, on_step)
     del eng
     release()
-    steps, snapshots = steps[1:], snapshots[1:]  # the first one is the prefill of all 64
+    steps, snapshots = steps[1:], snapshots[1:]  # the first one may follow the last prefill
     n = len(steps)
     if not n:
-        raise RuntimeError("the batch never reached 64 decoding requests (pool too small?)")
+        raise RuntimeError(f"the batch never reached {bsz} decoding requests (pool too small?)")
     per = {k: 1000 * sum(s.get(k, 0.0) for s in snapshots) / n for k in
            ("scheduler", "batch building", "forward (GPU, synced)", "sampling")}
     total = 1000 * sum(steps) / n
     per["engine bookkeeping (detokenize, outputs)"] = total - sum(per.values())
-    res["breakdown"] = {"steps": n, "total_ms": total, "parts_ms": per}
+    res["breakdown"] = {"bs": bsz, "steps": n, "total_ms": total, "parts_ms": per}
     res["breakdown"]["table"] = table(
-        f"One decode step at bs 64, prompt {args.breakdown_prompt}, {args.model} (CUDA graphs)",
+        f"One decode step at bs {bsz}, prompt {args.breakdown_prompt}, {args.model} (CUDA graphs)",
         ["part", "ms/step", "%"],
         [[k, v, 100 * v / total] for k, v in per.items()] + [["total", total, 100.0]])
 
@@ -449,6 +450,7 @@ def main() -> None:
     ap.add_argument("--mla-context", type=int, default=2048)
     ap.add_argument("--prefix-len", type=int, default=4096)
     ap.add_argument("--breakdown-prompt", type=int, default=512)
+    ap.add_argument("--breakdown-bs", type=int, default=64)
     ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quantization", default="", choices=["", "fp8"],
@@ -479,21 +481,25 @@ def main() -> None:
         "command": "python3 benchmarks/bench_suite.py " + " ".join(sys.argv[1:]),
     }
     log(f"{res['device']}, copy bandwidth {bw / 1e12:.2f} TB/s")
-    for name in args.sections:
+    run_sections(args.sections, {
+        "throughput": lambda: section_throughput(args, model_dir, vocab, res),
+        "latency": lambda: section_latency(args, model_dir, vocab, bw, res),
+        "mla": lambda: section_mla(args, model_dir, vocab, res),
+        "prefix": lambda: section_prefix(args, model_dir, vocab, res),
+        "breakdown": lambda: section_breakdown(args, model_dir, vocab, res),
+    }, res, args.out)
+
+
+def run_sections(names: list[str], sections: dict[str, Callable[[], None]], res: dict,
+                 out: str | None) -> None:
+    """Run the named sections in order, logging each one's time and rewriting the JSON results
+    file `out` (when given) after each, so a run cut by a time limit keeps what it measured."""
+    for name in names:
         t = time.perf_counter()
-        if name == "throughput":
-            section_throughput(args, model_dir, vocab, res)
-        elif name == "latency":
-            section_latency(args, model_dir, vocab, bw, res)
-        elif name == "mla":
-            section_mla(args, model_dir, vocab, res)
-        elif name == "prefix":
-            section_prefix(args, model_dir, vocab, res)
-        elif name == "breakdown":
-            section_breakdown(args, model_dir, vocab, res)
+        sections[name]()
         log(f"section {name} took {time.perf_counter() - t:.0f} s")
-        if args.out:
-            with open(args.out, "w") as f:
+        if out:
+            with open(out, "w") as f:
                 json.dump(res, f, indent=1, default=str)
 
 

@@ -257,3 +257,36 @@ def fused_experts_fp8_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         act = _quant_act_ref(act, group)
     y = torch.einsum("ri,rhi->rh", act, w2f[ids]) * topk_weights.reshape(-1, 1).float()
     return y.view(t, k, -1).sum(dim=1)
+
+
+def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of `fp8_quant.quantize_fp8`: saturating per-tensor e4m3 quantization in torch.
+
+    Args:
+        x: any float tensor. scale: static float32 scale (one element) or None = dynamic
+            max(amax(|x.float()|) / 448, 1e-12).
+    Returns:
+        (q float8_e4m3fn, x's shape, = (x.float() / scale).clamp(-448, 448) cast (round to
+        nearest even); scale float32 0-dim).
+    """
+    xf = x.float()
+    if scale is None:
+        scale = (xf.abs().amax() / 448.0).clamp(min=1e-12)
+    scale = scale.float().reshape(())
+    return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def bmm_fp8_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Twin of `bmm_fp8.bmm_fp8`: quantize x as `quantize_fp8_ref` does (same scale, same
+    saturation and rounding), then torch.bmm of the fp8 values in float32, times both scales.
+
+    Args:
+        x: [H, M, K] float (any strides). w: [H, K, N] float8_e4m3fn. w_scale: float32, one
+            element. x_scale: static scale (one element) or None = dynamic.
+    Returns:
+        [H, M, N] float32 = bmm(q, w) * (x_scale * w_scale).
+    """
+    q, xs = quantize_fp8_ref(x, x_scale)
+    return torch.bmm(q.float(), w.float()) * (xs * w_scale.float().reshape(()))

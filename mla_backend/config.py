@@ -74,6 +74,11 @@ class SchedulerConfig:
     max_prefill_tokens: int = 16384  # new tokens admitted per extend batch
     max_running_requests: int | None = None  # None = derived from pool sizes
     schedule_conservativeness: float = 1.0
+    # While requests decode, a new prefill starts only once at least this many request rows
+    # are free (or every waiting request fits the free rows, or the queue has waited
+    # `scheduler.PREFILL_MAX_DELAY_STEPS` decode steps): fewer, larger prefill batches under
+    # saturation. 1 = admit as soon as one row is free (SGLang v0.3's behaviour).
+    prefill_min_free_rows: int = 1
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,7 @@ class EngineConfig:
         _check(s.schedule_policy in ("lpm", "fcfs"), "schedule_policy",
                f"must be lpm or fcfs, got {s.schedule_policy!r}")
         _check(s.max_prefill_tokens >= 1, "max_prefill_tokens", "must be >= 1")
+        _check(s.prefill_min_free_rows >= 1, "prefill_min_free_rows", "must be >= 1")
         _check(s.max_running_requests is None or s.max_running_requests >= 1,
                "max_running_requests", "must be >= 1")
         _check(s.schedule_conservativeness > 0, "schedule_conservativeness", "must be > 0")

@@ -254,8 +254,11 @@ class Engine:
         finished = [False] * len(batch.reqs)
         if not rows:
             return finished
-        sample_reqs = [batch.reqs[i] for i in rows]
-        out = self.sampler.sample(logits[rows], sample_reqs)
+        if len(rows) == len(batch.reqs):  # every row samples (decode): no gather
+            sample_reqs, sample_logits = batch.reqs, logits
+        else:
+            sample_reqs, sample_logits = [batch.reqs[i] for i in rows], logits[rows]
+        out = self.sampler.sample(sample_logits, sample_reqs)
         for j, i in enumerate(rows):
             req = batch.reqs[i]
             tok = out.next_token_ids[j]

@@ -10,8 +10,11 @@ float32 per 128x128 block, per-token-group FP8 activations, the triton block-sca
 create their parameters and `_rows` to expand a checkpoint's block scales to one row per weight
 row while loading (so every TP / merged-shard slicing rule of the weight applies to them).
 Also the absorbed-MLA FP8 batched matmul: `quantize_fp8_bmm_weight` (per-tensor FP8 weight,
-column-major per batch entry) and `fp8_per_tensor_bmm` (dynamic per-tensor activations, a loop
-of `torch._scaled_mm`), with its float32 reference `fp8_per_tensor_bmm_ref`.
+column-major per batch entry) and `fp8_per_tensor_bmm` (dynamic per-tensor activations; on
+CUDA the triton `mla_kernels.bmm_fp8` quantizing x on load, one GEMM launch for all heads; on CPU
+a loop of `torch._scaled_mm`), with its float32 reference `fp8_per_tensor_bmm_ref`. Per-tensor
+activation quantization (`quantize_fp8_per_tensor`) runs on CUDA as the two-launch triton
+kernel `mla_kernels.fp8_quant`, on CPU in torch.
 """
 
 from __future__ import annotations
@@ -185,6 +188,7 @@ class BlockFP8LinearMethod:
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _MIN_SCALE = 1e-12  # floor of a dynamic scale (an all-zero tensor must not divide by 0)
 QUANTIZATION_METHODS = ("", "fp8")  # the engine setting `quantization`
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the FP8 kernels read
 
 
 @dataclass(frozen=True)
@@ -268,14 +272,22 @@ def quant_config_from_hf(quantization_config: Any, quantization: str = "") -> Qu
 
 def quantize_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Saturating per-tensor e4m3 quantization (in torch, never in a kernel).
+    """Saturating per-tensor e4m3 quantization: on CUDA (float32/bf16/fp16 x, outside
+    torch.compile) the two-launch triton kernel `mla_kernels.fp8_quant.quantize_fp8` (no host
+    sync; its scale within one bit of torch's, q exact for that scale), else torch.
 
     Args:
         x: any float tensor. scale: float32 scalar, or None = amax(|x|) / 448 (floored at 1e-12).
     Returns:
         (q float8_e4m3fn, x's shape, q * scale ~ x; values beyond +-448 * scale saturate to
-        +-448, never NaN for finite x; NaN in x stays NaN), scale float32 0-dim.
+        +-448, never NaN for finite x; NaN in x stays NaN — on CUDA a NaN element does not
+        reach the dynamic scale, in torch it makes the scale NaN), scale float32 0-dim.
     """
+    if (x.is_cuda and x.dtype in _KERNEL_DTYPES and not torch.compiler.is_compiling()
+            and (scale is None or scale.device == x.device)):
+        from mla_kernels.fp8_quant import quantize_fp8
+
+        return quantize_fp8(x, scale)
     xf = x.float()
     if scale is None:
         scale = (xf.abs().amax() / FP8_MAX).clamp(min=_MIN_SCALE)
@@ -322,8 +334,10 @@ def fp8_per_tensor_bmm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                        x_scale: torch.Tensor | None = None,
                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y[b] = (x quantized per tensor)[b] @ w[b] * x_scale * w_scale: the absorbed-MLA products
-    (q_nope . w_kc, o . w_vc): x quantized once, then one `torch._scaled_mm` per batch entry
-    (head).
+    (q_nope . w_kc, o . w_vc). On CUDA (float32/bf16/fp16 x, outside torch.compile): the triton
+    `mla_kernels.bmm_fp8.bmm_fp8` (one amax launch when dynamic + one GEMM launch for all
+    heads, x quantized on load); else x is quantized once and each batch entry (head) is one
+    `torch._scaled_mm`.
 
     Args:
         x: [B, M, K] float (any strides). w: [B, K, N] float8_e4m3fn, each w[b] column-major
@@ -331,12 +345,21 @@ def fp8_per_tensor_bmm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
             None = dynamic, amax(|x|) / 448 over the whole x (one scale for every head; values
             beyond +-448 * x_scale saturate, never NaN). out_dtype: default x's dtype.
     Returns:
-        [B, M, N] in out_dtype, fp32 accumulation. Reference: `fp8_per_tensor_bmm_ref`.
+        [B, M, N] in out_dtype, fp32 accumulation. Reference: `fp8_per_tensor_bmm_ref`. On
+        CUDA the result is a transposed view of a contiguous [M, B, N] tensor (the engine's
+        next step transposes it to token-major rows, which is then free).
     """
+    out_dtype = out_dtype or x.dtype
+    if (x.is_cuda and x.dtype in _KERNEL_DTYPES and not torch.compiler.is_compiling()
+            and out_dtype in _KERNEL_DTYPES):
+        from mla_kernels.bmm_fp8 import bmm_fp8
+
+        b, m, _ = x.shape
+        out = torch.empty(m, b, w.shape[2], dtype=out_dtype, device=x.device).transpose(0, 1)
+        return bmm_fp8(x.detach(), w, w_scale, x_scale, out=out)
     # x is quantized once for all heads (one scale); each head is then one FP8 GEMM.
     q, xs = quantize_fp8_per_tensor(x.detach(), x_scale)
     q = q.contiguous()  # row-major per head: the A operand `torch._scaled_mm` wants
-    out_dtype = out_dtype or x.dtype
     return torch.stack([_fp8_scaled_mm(q[b], xs, w[b], w_scale, out_dtype)
                         for b in range(x.shape[0])])
 

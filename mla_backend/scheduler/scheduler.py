@@ -35,6 +35,9 @@ INIT_NEW_TOKEN_RATIO = 0.7  # reservation ratio after idle (times schedule_conse
 BASE_MIN_NEW_TOKEN_RATIO = 0.1  # floor (times schedule_conservativeness)
 NEW_TOKEN_RATIO_DECAY = 0.001  # per decode step
 RETRACT_DECODE_STEPS = 20  # retraction keeps room for this many decode steps of the survivors
+# With `prefill_min_free_rows` > 1, the longest run of decode steps a waiting request can be
+# held back for while fewer rows than that are free.
+PREFILL_MAX_DELAY_STEPS = 64
 
 
 class Scheduler:
@@ -74,6 +77,7 @@ class Scheduler:
         self._admitted_once: set[str] = set()  # rids whose cached_tokens is final
         self._rejected: list[Req] = []
         self.num_retractions = 0
+        self._decode_steps_waited = 0  # decode steps since a prefill was last held back
 
     # ------------------------------------------------------------------ queue state
     @property
@@ -141,7 +145,7 @@ class Scheduler:
             raise RuntimeError("get_next_batch: the previous batch has not been processed")
         self._release_marked()
         batch = None
-        if self.waiting or self.chunked_req is not None:
+        if self.chunked_req is not None or (self.waiting and not self._hold_prefill()):
             batch = self._get_new_batch_prefill()
         if batch is None and self.running:
             batch = self._get_new_batch_decode()
@@ -149,6 +153,20 @@ class Scheduler:
             self.new_token_ratio = self.init_new_token_ratio  # idle
         self._batch = batch
         return batch
+
+    def _hold_prefill(self) -> bool:
+        """True when this step should decode instead of admitting waiting requests: requests
+        are decoding, fewer than `prefill_min_free_rows` rows are free, not every waiting
+        request fits them, and the queue has waited fewer than PREFILL_MAX_DELAY_STEPS
+        decode steps. Counts the held-back steps."""
+        free = self.max_running_requests - len(self.running)
+        if (not self.running or free >= self.config.prefill_min_free_rows
+                or len(self.waiting) <= free
+                or self._decode_steps_waited >= PREFILL_MAX_DELAY_STEPS):
+            self._decode_steps_waited = 0
+            return False
+        self._decode_steps_waited += 1
+        return True
 
     def process_batch_result(self, batch: ScheduleBatch, finished: list[bool],
                              failed: bool = False) -> None:

@@ -59,7 +59,7 @@ class IncrementalDetokenizer:
     def add(self, ids: Sequence[int]) -> str:
         """Append token ids; return the text they complete ("" while a UTF-8 character is still
         incomplete or the ids decode to nothing, e.g. skipped special tokens)."""
-        self.ids.extend(int(t) for t in ids)
+        self.ids += map(int, ids)
         return self._emit(final=False)
 
     def flush(self) -> str:

@@ -53,6 +53,7 @@ class Sim:
     context_len: int = 256
     append_for_aborted: bool = False
     conservativeness: float = 1.0  # small values make admission optimistic: forces retraction
+    min_free_rows: int = 1  # SchedulerConfig.prefill_min_free_rows
     stats: dict = field(default_factory=lambda: {"extend": 0, "decode": 0, "chunked": 0})
 
     def __post_init__(self) -> None:
@@ -63,7 +64,8 @@ class Sim:
         cfg = SchedulerConfig(schedule_policy=self.policy, chunked_prefill_size=self.chunk,
                               max_prefill_tokens=self.max_prefill,
                               max_running_requests=self.max_running,
-                              schedule_conservativeness=self.conservativeness)
+                              schedule_conservativeness=self.conservativeness,
+                              prefill_min_free_rows=self.min_free_rows)
         self.sched = Scheduler(cfg, self.radix, self.r2t, self.alloc, self.tree,
                                self.max_running, self.context_len)
         self.kv: list[tuple[int, int] | None] = [None] * (self.pool_size + 1)

@@ -282,3 +282,45 @@ def test_failed_batch_discards_its_kv_but_keeps_earlier_kv():
     sim.sched.check_invariant()
     toks = c.origin_input_ids + c.output_ids
     assert sim.tree.match_prefix(toks).device_indices.numel() == 4 and sim.drained()
+
+
+def test_prefill_min_free_rows_batches_admissions():
+    """With prefill_min_free_rows 2, a request waiting behind a full batch is admitted only
+    once 2 rows are free (one finished request alone does not start a prefill), unless every
+    waiting request fits; outputs are unchanged."""
+    reqs = [([1, 2, 3], 2), ([4, 5], 4), ([6, 7, 8], 12), ([9, 1], 12),
+            ([2, 2, 3], 3), ([3, 4], 3), ([5, 6, 7], 3)]
+    for min_free in (1, 2):
+        sim, out = sim_with(reqs, max_running=4, pool_size=256, min_free_rows=min_free)
+        sizes = [b.batch_size for b in run_all(sim) if b.forward_mode is ForwardMode.EXTEND]
+        # 1: r0 finishes first and r4 is admitted alone; 2: held until r1 also finishes, then
+        # r4 + r5 together, then r6 (the last waiting request fits one free row)
+        assert sizes == ([4, 2, 1] if min_free == 2 else sizes[:1] + [1] + sizes[2:]), sizes
+        for (p, m), r in zip(reqs, out):
+            assert r.output_ids == expected_output(p, m)
+        assert sim.drained()
+
+
+def test_prefill_hold_is_bounded():
+    """A request held back by prefill_min_free_rows is admitted after at most
+    PREFILL_MAX_DELAY_STEPS decode steps even if the rows never free up."""
+    from mla_backend.scheduler.scheduler import PREFILL_MAX_DELAY_STEPS
+
+    n = PREFILL_MAX_DELAY_STEPS + 40
+    reqs = [([1, 2], 1), ([3, 4], n), ([5, 6], n), ([7, 8], 2), ([9, 9], 2)]
+    sim, out = sim_with(reqs, max_running=3, pool_size=1024, min_free_rows=3)
+    decode_steps = 0
+    admitted_at = None
+    for _ in range(1000):
+        if not sim.sched.has_work():
+            break
+        b = sim.step()
+        if b is None:
+            continue
+        if b.forward_mode is ForwardMode.DECODE:
+            decode_steps += 1
+        elif out[3] in b.reqs and admitted_at is None:
+            admitted_at = decode_steps
+    assert admitted_at is not None and 1 <= admitted_at <= PREFILL_MAX_DELAY_STEPS + 2
+    assert [r.output_ids for r in out] == [expected_output(p, m) for p, m in reqs]
+    assert sim.drained()

@@ -1,0 +1,320 @@
+"""Where the GPU time goes (issues 4 and 6): a kernel-level profile of decode steps and a
+step-level log of a peak-throughput run, for the same random-weight model shapes as
+`bench_suite.py` (whose engine and request helpers this script reuses).
+
+Sections (`--sections`):
+- kernels: for each `--bs`, `--steps` decode steps of `--bs` requests (prompt `--prompt`
+  tokens) under `torch.profiler` with CUDA activity, CUDA graphs on (the kernels inside graph
+  replays are recorded by CUPTI; if none are, the engine is rebuilt eager). Prints, per decode
+  step: wall time, summed kernel time, kernel count, then time by category (MoE, attention,
+  GEMM, quantization, norms/rotary, elementwise, ...) and the top kernels by time.
+- steps: `--num-requests` ShareGPT requests all at once (radix off, as bench_suite's throughput
+  section), every step logged (mode, batch size, tokens, wall seconds). Prints the time share of
+  prefill steps and of decode steps by batch-size range (graph replay or eager), mean decode
+  batch, and the output tok/s of the run.
+
+`--quantization fp8 --kv-cache-dtype fp8_e4m3` profiles the FP8 engine (issue 6).
+
+    PYTHONPATH=. python3 benchmarks/bench_profile.py --model deepseek-v2-lite \
+        --tokenizer-dir TOK --sections kernels steps --bs 1 64 --num-requests 800
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_suite as bs_  # noqa: E402
+from bench_suite import (log, make_engine, random_prompt, release, run_requests,  # noqa: E402
+                         run_sections, table)
+from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
+
+from mla_backend.tools.model_shapes import SHAPES, write_shape_model  # noqa: E402
+
+# (category, substrings of the kernel name, lower case); first match wins.
+CATEGORIES = [
+    ("MoE (fused experts)", ("fused_moe", "moe_gemv", "moe_")),
+    ("attention decode", ("decode_attn", "decode_att", "_fwd_grouped", "_fwd_kernel_stage")),
+    ("attention extend", ("extend",)),
+    ("KV store", ("store_kv", "_store")),
+    ("FP8 quantize / scaled GEMM", ("fp8", "scaled_mm", "quant", "e4m3")),
+    ("GEMM (cuBLAS / cutlass)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90", "bmm",
+                                 "splitk", "dot_kernel")),
+    ("norm / rotary / activation", ("rmsnorm", "rms_norm", "rotary", "silu", "act_and_mul",
+                                    "layer_norm", "norm")),
+    ("top-k / routing / sort", ("topk", "sort", "radix", "scan", "argmax", "cumsum")),
+    ("reduction", ("reduce",)),
+    ("copy / cat / index", ("copy", "cat", "index", "gather", "scatter", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "triton_poi", "triton_per")),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def _kernel_events(prof, device: str) -> list[tuple[str, float]]:
+    """(name, microseconds) of every CUDA kernel / memcpy / memset event in the profile (on a
+    CPU device, for a smoke test only: the aten ops)."""
+    out = []
+    for e in prof.events():
+        on_gpu = "CUDA" in str(getattr(e, "device_type", ""))
+        if (on_gpu if device == "cuda" else e.name.startswith("aten::")):
+            out.append((e.name, float(e.time_range.end - e.time_range.start)))
+    return out
+
+
+def profile_decode(eng, bs: int, prompt: int, steps: int, vocab: int) -> dict:
+    """Profile `steps` full-batch decode steps of `bs` requests. Returns per-step numbers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(bs)
+    prompts = [random_prompt(gen, prompt, vocab) for _ in range(bs)]
+    walls: list[float] = []
+    state = {"prof": None, "n": 0}
+
+    def on_step(dt: float, outs: list) -> None:
+        full = len(outs) == bs and all(len(o.new_token_ids) == 1 for o in outs)
+        if not full:
+            return
+        state["n"] += 1
+        if state["n"] == 2:  # start after one full decode step (past the last prefill)
+            bs_.sync()
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bs_.DEVICE == "cuda"
+                                             else [])
+            state["prof"] = profile(activities=acts)
+            state["prof"].__enter__()
+        elif 2 < state["n"] <= 2 + steps:
+            walls.append(dt)
+            if state["n"] == 2 + steps:
+                bs_.sync()
+                state["prof"].__exit__(None, None, None)
+
+    run_requests(eng, prompts, [steps + 8] * bs, on_step)
+    prof = state["prof"]
+    if prof is None or len(walls) < steps:
+        raise RuntimeError(f"bs {bs}: only {len(walls)} full decode steps profiled")
+    evs = _kernel_events(prof, bs_.DEVICE)
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, us in evs:
+        by_name[name][0] += 1
+        by_name[name][1] += us
+    return {"bs": bs, "steps": steps, "wall_ms": 1000 * sum(walls) / steps,
+            "kernel_ms": sum(us for _, us in evs) / 1000 / steps,
+            "kernels_per_step": len(evs) / steps,
+            "by_name": {k: [v[0] / steps, v[1] / 1000 / steps] for k, v in by_name.items()}}
+
+
+def section_kernels(args, model_dir: str, vocab: int, res: dict) -> None:
+    out = res.setdefault("kernels", {})
+    max_bs = max(args.bs)
+    for graphs in (True, False):
+        eng = make_engine(model_dir, cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
+                          disable_cuda_graph=not graphs)
+        run_requests(eng, [[bs_.TOKEN_LO + i for i in range(16)]] * 4, [4] * 4)  # warm-up
+        results = [profile_decode(eng, bs, args.prompt, args.steps, vocab) for bs in args.bs]
+        del eng
+        release()
+        if graphs and bs_.DEVICE == "cuda" and all(r["kernels_per_step"] < 10 for r in results):
+            log("no kernels recorded inside graph replays: profiling eager instead")
+            continue
+        break
+    mode = "CUDA graphs" if graphs and bs_.DEVICE == "cuda" else "eager"
+    for r in results:
+        r["mode"] = mode
+        out[str(r["bs"])] = r
+        print_kernel_tables(
+            f"Decode step, {args.model}{args.tag}, bs {r['bs']}, prompt {args.prompt} ({mode}): "
+            f"wall {r['wall_ms']:.2f} ms, kernels {r['kernel_ms']:.2f} ms, "
+            f"{r['kernels_per_step']:.0f} kernels/step (per step below)", r, args.top)
+
+
+def print_kernel_tables(title: str, r: dict, top: int) -> None:
+    cats: dict[str, float] = defaultdict(float)
+    for name, (_, ms) in r["by_name"].items():
+        cats[category(name)] += ms
+    r["categories_ms"] = dict(cats)
+    table(title, ["category", "ms", "% of kernel time"],
+          [[c, ms, 100 * ms / r["kernel_ms"]] for c, ms in sorted(cats.items(),
+                                                                  key=lambda kv: -kv[1])])
+    table("Top kernels", ["kernel", "category", "calls", "ms", "us/call"],
+          [[name[:90], category(name), n, ms, 1000 * ms / max(n, 1e-9)]
+           for name, (n, ms) in sorted(r["by_name"].items(), key=lambda kv: -kv[1][1])[:top]])
+
+
+def section_prefill(args, model_dir: str, vocab: int, res: dict) -> None:
+    """Kernels of the prefill of `--prefill-requests` requests of `--prompt` tokens each (one
+    new token each; radix cache off; chunks as the engine's defaults)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = make_engine(model_dir, enable_radix_cache=False, disable_cuda_graph=True)
+    gen = torch.Generator().manual_seed(7)
+    run_requests(eng, [random_prompt(gen, args.prompt, vocab)] * 2, [1] * 2)  # warm-up
+    prompts = [random_prompt(gen, args.prompt, vocab) for _ in range(args.prefill_requests)]
+    steps: list[float] = []
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bs_.DEVICE == "cuda" else [])
+    bs_.sync()
+    with profile(activities=acts) as prof:
+        run_requests(eng, prompts, [1] * len(prompts), lambda dt, _o: steps.append(dt))
+        bs_.sync()
+    # Host side of a small prefill (the common case under load): Python functions by own time.
+    import cProfile
+    import pstats
+
+    n_small, len_small = args.small_prefill
+    small = [random_prompt(gen, len_small, vocab) for _ in range(n_small)]
+    small_steps: list[float] = []
+    pr = cProfile.Profile()
+    pr.enable()
+    run_requests(eng, small, [1] * n_small, lambda dt, _o: small_steps.append(dt))
+    pr.disable()
+    del eng
+    release()
+    log(f"small prefill ({n_small} x {len_small} tokens, eager, cProfile on): "
+        f"{1000 * sum(small_steps):.1f} ms in {len(small_steps)} steps; top functions by own time:")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(args.top + 10)
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(args.top + 10)
+    evs = _kernel_events(prof, bs_.DEVICE)
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, us in evs:
+        by_name[name][0] += 1
+        by_name[name][1] += us / 1000
+    ntok = args.prompt * args.prefill_requests
+    r = {"tokens": ntok, "steps": len(steps), "wall_ms": 1000 * sum(steps),
+         "kernel_ms": sum(us for _, us in evs) / 1000, "by_name": dict(by_name)}
+    res["prefill"] = r
+    print_kernel_tables(
+        f"Prefill, {args.model}{args.tag}: {args.prefill_requests} x {args.prompt} tokens in "
+        f"{len(steps)} steps, wall {r['wall_ms']:.1f} ms ({ntok / sum(steps):,.0f} tok/s, "
+        f"profiled), kernels {r['kernel_ms']:.1f} ms", r, args.top)
+
+
+def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
+    pairs = load_length_pairs(args.lengths, args.num_requests, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [random_prompt(gen, p, vocab) for p, _ in pairs]
+    outs = [o for _, o in pairs]
+    eng = make_engine(model_dir, enable_radix_cache=False, cuda_graph_max_bs=args.graph_max_bs,
+                      max_running_requests=args.max_running,
+                      prefill_min_free_rows=args.prefill_min_free_rows)
+    graph_max = eng.runner.cuda_graph_runner.max_bs if eng.runner.cuda_graph_runner else 0
+    run_requests(eng, prompts[:16], [8] * 16)  # warm-up
+    batches: list[tuple[str, int, int]] = []
+    orig = eng.scheduler.get_next_batch
+
+    def get_next_batch():
+        b = orig()
+        if b is not None:
+            batches.append(("prefill" if b.is_extend() else "decode", b.batch_size,
+                            b.num_tokens))
+        return b
+
+    eng.scheduler.get_next_batch = get_next_batch
+    log_rows: list[tuple[str, int, int, float]] = []
+
+    def on_step(dt: float, _outs: list) -> None:
+        if batches:
+            log_rows.append((*batches[-1], dt))
+            batches.clear()
+
+    r = run_requests(eng, prompts, outs, on_step)
+    stats = eng.stats()
+    del eng
+    release()
+    total = r["seconds"]
+    edges = [e for e in (1, 16, 64, 128, 256, 512, 1024, 4096)]
+    groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
+    dec_rows = 0
+    for mode, b, ntok, dt in log_rows:
+        if mode == "prefill":
+            key = "prefill / extend"
+        else:
+            lo = max(e for e in edges if e <= b)
+            hi = min([e for e in edges if e > b] or [b + 1]) - 1
+            key = f"decode bs {lo}-{hi} ({'graphs' if b <= graph_max else 'eager'})"
+            dec_rows += b
+        g = groups[key]
+        g[0] += 1
+        g[1] += dt
+        g[2] += ntok
+    n_dec = sum(1 for m, *_ in log_rows if m == "decode")
+    rows = [[k, int(g[0]), 1000 * g[1] / g[0], g[1], 100 * g[1] / total, int(g[2])]
+            for k, g in sorted(groups.items())]
+    out_tok_s = r["output_tokens"] / total
+    res["steps"] = {"seconds": total, "output_tokens": r["output_tokens"],
+                    "output_tok_s": out_tok_s, "graph_max_bs": graph_max,
+                    "mean_decode_bs": dec_rows / max(n_dec, 1), "groups": dict(groups),
+                    "retractions": stats.get("retractions", 0)}
+    table(f"Peak-throughput run, {args.model}{args.tag}: {len(pairs)} requests, "
+          f"{r['output_tokens']:,} output tokens in {total:.1f} s = {out_tok_s:,.0f} tok/s; "
+          f"mean decode batch {dec_rows / max(n_dec, 1):.0f}; graphs to bs {graph_max}; "
+          f"retractions {stats.get('retractions', 0)}",
+          ["steps", "count", "mean ms", "seconds", "% of run", "tokens"], rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=SHAPES, required=True)
+    ap.add_argument("--tokenizer-dir", required=True)
+    ap.add_argument("--sections", nargs="+", choices=("kernels", "prefill", "steps"),
+                    default=["kernels", "steps"])
+    ap.add_argument("--bs", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--num-requests", type=int, default=800)
+    ap.add_argument("--graph-max-bs", type=int, default=256)
+    ap.add_argument("--max-running", type=int, default=None,
+                    help="request rows (default: derived from the pools, 1,024 here)")
+    ap.add_argument("--prefill-min-free-rows", type=int, default=1,
+                    help="steps: the scheduler setting prefill_min_free_rows")
+    ap.add_argument("--prefill-requests", type=int, default=16)
+    ap.add_argument("--small-prefill", type=int, nargs=2, default=[4, 94],
+                    metavar=("REQUESTS", "TOKENS"),
+                    help="prefill: also cProfile an eager prefill of this many requests")
+    ap.add_argument("--lengths", default=str(DEFAULT_PATH))
+    ap.add_argument("--quantization", default="", choices=["", "fp8"])
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    choices=["auto", "fp8_e4m3", "fp8_e5m2"])
+    ap.add_argument("--shape-overrides", default="{}")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: smoke-test this script (with --shape-overrides)")
+    args = ap.parse_args()
+    args.tag = (f" [{args.quantization or 'bf16'} weights, {args.kv_cache_dtype} KV]"
+                if args.quantization or args.kv_cache_dtype != "auto" else "")
+    bs_.DEVICE = args.device
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_profile.py needs a CUDA GPU (or --device cpu for a smoke test)")
+    bs_.ENGINE_SETTINGS.update(quantization=args.quantization,
+                               kv_cache_dtype=args.kv_cache_dtype)
+    model_dir = write_shape_model(os.path.join(tempfile.mkdtemp(), args.model), args.model,
+                                  args.tokenizer_dir, **json.loads(args.shape_overrides))
+    vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
+    res: dict[str, Any] = {"model": args.model, "device": (torch.cuda.get_device_name()
+                                                           if args.device == "cuda" else "cpu"),
+                           "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                           "command": "python3 benchmarks/bench_profile.py "
+                                      + " ".join(sys.argv[1:])}
+    funcs = {"kernels": section_kernels, "prefill": section_prefill, "steps": section_steps}
+    run_sections(args.sections, {name: (lambda fn=fn: fn(args, model_dir, vocab, res))
+                                 for name, fn in funcs.items()}, res, args.out)
+
+
+if __name__ == "__main__":
+    main()

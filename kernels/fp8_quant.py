@@ -1,0 +1,191 @@
+"""Dynamic / static per-tensor FP8 (e4m3) quantization in two triton launches, no host sync.
+
+Owns `quantize_fp8` (what `mla_backend.layers.quantization.quantize_fp8_per_tensor` runs on CUDA
+before every per-tensor FP8 linear), `fp8_amax_partials` (the amax pass alone: `bmm_fp8` reduces
+its partials inside the GEMM) and the jit helpers `_scale_from_partials` / `_to_e4m3` that
+`bmm_fp8` shares. Float32 twin: `reference.quantize_fp8_ref`.
+
+Math (identical to the torch path): scale = max(amax(|x|) / 448, 1e-12) (`MIN_SCALE`, the same
+floor as `quantization._MIN_SCALE`), q = e4m3(clamp(x / scale, -448, 448)), round to nearest
+even; the divisions are IEEE (`div_rn`), so scale and q equal torch's CPU results bit for bit
+(torch on CUDA multiplies by the reciprocal of 448, so its scale can differ in the last bit).
+
+Launches: 1. `_amax_partials_kernel`, G = min(cdiv(numel, BLOCK), MAX_PARTIALS) programs, each
+grid-strides over blocks and writes max |x| of its blocks to partials[G] (float32). 2.
+`_quant_kernel`, the same G programs: each reduces the G partials to the scale (program 0 also
+writes it out), then quantizes its blocks. A static scale skips launch 1.
+
+x may be any contiguous tensor or a strided tensor of at most 3 dims (addressed through its
+strides, no copy); other layouts are copied to contiguous first.
+
+NaN: on CUDA the amax ignores NaN elements and they quantize to NaN (the torch path instead
+makes the scale, so every element, NaN). Triton's interpreter (CPU tests) converts float32 ->
+fp8 wrongly for some values, so there (`EXACT=True`) values are first rounded to e4m3 in
+float32 arithmetic and the cast is then exact; NaN there gives an unspecified value.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+MIN_SCALE = 1e-12  # floor of a dynamic scale (== mla_backend.layers.quantization._MIN_SCALE)
+MAX_PARTIALS = 1024  # programs of both launches, so the partials every program reduces
+_BLOCK = 1024  # elements per block
+
+
+@triton.jit
+def _to_e4m3(v, EXACT: tl.constexpr):
+    """float32 v -> float8e4nv: saturate to +-448, round to nearest even.
+
+    EXACT (interpreter): round in float32 first (normal range by mantissa bits, the subnormal
+    range 2^-9 steps by the 2^23 trick) so the interpreter's cast only sees e4m3 values."""
+    v = tl.minimum(tl.maximum(v, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                   propagate_nan=tl.PropagateNan.ALL)
+    if EXACT:
+        bits = v.to(tl.int32, bitcast=True)
+        sign = bits & -2147483648
+        mag = bits & 0x7FFFFFFF
+        a = mag.to(tl.float32, bitcast=True)
+        normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576  # keep 3 mantissa bits, RTNE
+        sub = ((a * 512.0 + 8388608.0) - 8388608.0) * 0.001953125  # multiple of 2^-9, RTNE
+        r = tl.where(a < 0.015625, sub.to(tl.int32, bitcast=True), normal) | sign
+        v = r.to(tl.float32, bitcast=True)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _scale_from_partials(part_ptr, n_parts, BLOCK_P: tl.constexpr):
+    """max(max(partials[:n_parts]) / 448, 1e-12) as a float32 scalar."""
+    offs = tl.arange(0, BLOCK_P)
+    p = tl.load(part_ptr + offs, mask=offs < n_parts, other=0.0)
+    return tl.maximum(tl.math.div_rn(tl.max(p, axis=0), 448.0), 1e-12)
+
+
+@triton.jit
+def _addr(offs, D1, D2, s0, s1, s2, CONTIG: tl.constexpr):
+    """Element offsets (int64) of flat indices `offs` of a [D0, D1, D2] view with strides."""
+    if CONTIG:
+        return offs
+    i2 = offs % D2
+    t = offs // D2
+    return (t // D1) * s0 + (t % D1) * s1 + i2 * s2
+
+
+@triton.jit
+def _amax_partials_kernel(x_ptr, part_ptr, numel, D1, D2, s0, s1, s2,
+                          BLOCK: tl.constexpr, CONTIG: tl.constexpr):
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(pid.to(tl.int64) * BLOCK, numel, n_prog.to(tl.int64) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + _addr(offs, D1, D2, s0, s1, s2, CONTIG), mask=offs < numel,
+                    other=0.0)
+        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    tl.store(part_ptr + pid, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, part_ptr, scale_ptr, numel, n_parts, D1, D2, s0, s1, s2,
+                  BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, STATIC: tl.constexpr,
+                  CONTIG: tl.constexpr, EXACT: tl.constexpr):
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    if STATIC:
+        scale = tl.load(scale_ptr)
+    else:
+        scale = _scale_from_partials(part_ptr, n_parts, BLOCK_P)
+        if pid == 0:
+            tl.store(scale_ptr, scale)
+    for start in range(pid.to(tl.int64) * BLOCK, numel, n_prog.to(tl.int64) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < numel
+        x = tl.load(x_ptr + _addr(offs, D1, D2, s0, s1, s2, CONTIG), mask=mask, other=0.0)
+        q = _to_e4m3(tl.math.div_rn(x.to(tl.float32), scale), EXACT)
+        tl.store(q_ptr + offs, q, mask=mask)
+
+
+def _view3(x: torch.Tensor) -> tuple[torch.Tensor, bool, tuple[int, int], tuple[int, int, int]]:
+    """(x or a contiguous copy, contiguous?, (D1, D2), strides (s0, s1, s2))."""
+    if not x.is_contiguous() and x.dim() > 3:
+        x = x.contiguous()
+    if x.is_contiguous():
+        return x, True, (1, 1), (0, 0, 1)
+    shape = [1] * (3 - x.dim()) + list(x.shape)
+    strides = [0] * (3 - x.dim()) + list(x.stride())
+    return x, False, (shape[1], shape[2]), (strides[0], strides[1], strides[2])
+
+
+def _check(x: torch.Tensor) -> None:
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be float32/bfloat16/float16, got {x.dtype}")
+
+
+def fp8_amax_partials(x: torch.Tensor) -> torch.Tensor:
+    """Launch 1 alone: per-program max |x| partials.
+
+    Args:
+        x: float32 / bfloat16 / float16, any shape (strided up to 3 dims).
+    Returns:
+        float32 [G], 1 <= G <= MAX_PARTIALS (G = 1 holding 0 for an empty x); the dynamic scale
+        is max(max(partials) / 448, 1e-12) (`_scale_from_partials`).
+    Raises:
+        TypeError: another dtype.
+    """
+    _check(x)
+    x, contig, (d1, d2), (s0, s1, s2) = _view3(x)
+    numel = x.numel()
+    g = max(1, min(triton.cdiv(numel, _BLOCK), MAX_PARTIALS))
+    part = torch.empty(g, dtype=torch.float32, device=x.device)
+    if numel == 0:
+        return part.zero_()
+    _amax_partials_kernel[(g,)](x, part, numel, d1, d2, s0, s1, s2, BLOCK=_BLOCK,
+                                CONTIG=contig, num_warps=4)
+    return part
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Saturating per-tensor e4m3 quantization in two launches (one with a static scale).
+
+    Args:
+        x: float32 / bfloat16 / float16, any shape (contiguous, or strided with <= 3 dims; other
+            layouts are copied).
+        scale: static float32 scale (one element, on x's device), or None = dynamic
+            max(amax(|x|) / 448, 1e-12).
+    Returns:
+        (q float8_e4m3fn contiguous with x's shape, q * scale ~ x, |q| <= 448;
+         scale float32 0-dim on x's device: the dynamic scale, or `scale` reshaped).
+    Raises:
+        TypeError: x of another dtype. ValueError: a static scale with more than one element.
+    """
+    _check(x)
+    shape = x.shape
+    x, contig, (d1, d2), (s0, s1, s2) = _view3(x)
+    numel = x.numel()
+    q = torch.empty(shape, dtype=FP8_DTYPE, device=x.device)
+    if scale is not None:
+        if scale.numel() != 1:
+            raise ValueError(f"static scale must have one element, got {tuple(scale.shape)}")
+        scale = scale.to(device=x.device, dtype=torch.float32).reshape(())
+        part = scale  # unused
+    else:
+        part = fp8_amax_partials(x)
+        scale = torch.empty((), dtype=torch.float32, device=x.device)
+        if numel == 0:
+            return q, scale.fill_(MIN_SCALE)
+    if numel == 0:
+        return q, scale
+    g = max(1, min(triton.cdiv(numel, _BLOCK), MAX_PARTIALS))
+    _quant_kernel[(g,)](x, q, part, scale, numel, part.numel(), d1, d2, s0, s1, s2,
+                        BLOCK=_BLOCK, BLOCK_P=MAX_PARTIALS, STATIC=part is scale,
+                        CONTIG=contig, EXACT=not x.is_cuda, num_warps=4)
+    return q, scale
+
+
+__all__ = ["FP8_DTYPE", "FP8_MAX", "MAX_PARTIALS", "MIN_SCALE", "fp8_amax_partials",
+           "quantize_fp8"]
