@@ -46,6 +46,7 @@ N - 1 steps more latency per delta; as SGLang's `stream_interval`).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -77,7 +78,11 @@ from mla_backend.serving.protocol import (
 )
 
 _QUEUE_WAIT_S = 0.05  # the response thread wakes at least this often (s)
-_CANCEL_POLL_S = 0.1  # is_cancelled() of each live request is polled this often (s)
+_CANCEL_POLL_S = 0.1  # a round of is_cancelled() polls starts this often (s)
+# is_cancelled() is an IPC round trip to tritonserver: one round polls at most this many live
+# requests, the next round goes on with the rest (each request is polled every
+# ceil(live / _CANCEL_POLL_MAX) rounds).
+_CANCEL_POLL_MAX = 16
 _FINALIZE_DRAIN_S = 10.0  # how long finalize() waits for aborted requests' final outputs
 _STATS_POLL_S = 0.2  # engine stats (gauges) are read this often (s)
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -221,6 +226,7 @@ class TritonPythonModel:
                                            self.engine.context_len)
         self._lock = threading.Lock()
         self._live: dict[str, _Live] = {}
+        self._poll_queue: collections.deque[str] = collections.deque()  # rids to poll next
         self._outputs: queue.SimpleQueue[list[RequestOutput] | None] = queue.SimpleQueue()
         self._ids = itertools.count()
         self._accepting = True
@@ -491,8 +497,17 @@ class TritonPythonModel:
                 self.logger.log_error(f"[mla_backend] sending a response failed: {e!r}")
 
     def _poll_cancelled(self) -> None:
+        """Poll is_cancelled() of the next _CANCEL_POLL_MAX accepted live requests (round
+        robin); abort and answer CANCELLED those the client cancelled."""
         with self._lock:
-            candidates = [(rid, live) for rid, live in self._live.items() if live.accepted]
+            if not self._poll_queue:
+                self._poll_queue.extend(rid for rid, live in self._live.items() if live.accepted)
+            candidates = []
+            while self._poll_queue and len(candidates) < _CANCEL_POLL_MAX:
+                rid = self._poll_queue.popleft()
+                live = self._live.get(rid)
+                if live is not None:
+                    candidates.append((rid, live))
         for rid, live in candidates:
             try:
                 cancelled = live.sender.is_cancelled()

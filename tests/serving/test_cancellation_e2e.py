@@ -8,7 +8,8 @@ prefill, so it is still PREFILLING for a while after it arrives).
 Each test cancels a request in one phase, then checks what must hold after any cancellation:
 
 - the server log shows `request <rid>#N was cancelled by the client; aborted` exactly once for
-  it (the adapter's response thread polls `is_cancelled()` every 0.1 s → `Engine.abort`);
+  it (the adapter's response thread polls `is_cancelled()` of up to 16 live requests every
+  0.1 s, round robin → `Engine.abort`);
 - the model's gauges on the metrics port (`mla_backend:num_requests_running` / `..._waiting` /
   `mla_backend:kv_cache_usage_ratio`) return to 0: its request slot, KV slots and radix-tree locks
   came back (cached-but-evictable slots count as free);
@@ -179,6 +180,25 @@ def test_cancel_while_queued_leaves_the_running_request_unchanged(server):
     assert_clean_after(server, "queued")
 
 
+def test_cancel_many_at_once(server):
+    """24 requests (1 running, 23 queued) cancelled by one stop_stream(cancel_requests=True):
+    more than one round of cancellation polls (at most 16 requests per round), each request
+    aborted exactly once, everything released."""
+    rids = [f"many{i}" for i in range(24)]
+    s = Stream(server.grpc_url)
+    try:
+        for rid in rids:
+            s.send(MODEL, grpc_inputs(f"{PROMPT} {rid}", sampling=LONG_JOB), rid)
+        wait_gauges(server, {"running": 1.0, "waiting": 23.0})
+    finally:
+        s.close(cancel=True)
+    for rid in rids:
+        wait_abort(server, rid)
+    assert_clean_after(server, None)
+    for rid in rids:
+        assert len(abort_lines(server, rf"{re.escape(rid)}#\d+")) == 1, rid
+
+
 def test_cancel_during_chunked_prefill(server):
     prompt, max_tokens = _long_prompt("prefill"), 48
     baseline(PROMPT, 1)  # builds the in-process engine (its tokenizer counts the prompt)
@@ -236,4 +256,4 @@ def test_unload_pool_invariant_and_no_adapter_errors(server):
     assert stats["free_slots"] + stats["evictable_slots"] == stats["total_slots"] == 1024
     bad = [ln for ln in log.splitlines() if ln.startswith("E") and "triton_model.py" in ln]
     assert bad == []
-    assert len(abort_lines(server)) == 4
+    assert len(abort_lines(server)) == 4 + 24  # one per cancelled request (24 at once above)
