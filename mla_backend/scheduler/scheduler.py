@@ -77,7 +77,7 @@ class Scheduler:
         self._admitted_once: set[str] = set()  # rids whose cached_tokens is final
         self._rejected: list[Req] = []
         self.num_retractions = 0
-        self._decode_steps_waited = 0  # decode steps since a prefill was last held back
+        self._decode_steps_waited = 0  # consecutive decode steps a prefill was held back for
 
     # ------------------------------------------------------------------ queue state
     @property
