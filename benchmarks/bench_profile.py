@@ -8,10 +8,15 @@ Sections (`--sections`):
   replays are recorded by CUPTI; if none are, the engine is rebuilt eager). Prints, per decode
   step: wall time, summed kernel time, kernel count, then time by category (MoE, attention,
   GEMM, quantization, norms/rotary, elementwise, ...) and the top kernels by time.
+- prefill: the kernels of an eager prefill of `--prefill-requests` x `--prompt` tokens, then a
+  cProfile (host side, Python functions by own and cumulative time) of a small prefill
+  (`--small-prefill REQUESTS TOKENS`, default 4 x 94: the common case under load).
 - steps: `--num-requests` ShareGPT requests all at once (radix off, as bench_suite's throughput
   section), every step logged (mode, batch size, tokens, wall seconds). Prints the time share of
   prefill steps and of decode steps by batch-size range (graph replay or eager), mean decode
-  batch, and the output tok/s of the run.
+  batch, and the output tok/s of the run. `--graph-max-bs`, `--max-running` and
+  `--prefill-min-free-rows` set the engine's graph limit, request rows and the scheduler's
+  `prefill_min_free_rows`.
 
 `--quantization fp8 --kv-cache-dtype fp8_e4m3` profiles the FP8 engine (issue 6).
 
@@ -44,11 +49,13 @@ from mla_backend.tools.model_shapes import SHAPES, write_shape_model  # noqa: E4
 
 # (category, substrings of the kernel name, lower case); first match wins.
 CATEGORIES = [
-    ("MoE (fused experts)", ("fused_moe", "moe_gemv", "moe_")),
-    ("attention decode", ("decode_attn", "decode_att", "_fwd_grouped", "_fwd_kernel_stage")),
+    ("MoE (fused experts)", ("fused_moe", "_grouped_gemm", "_gemv_gate_up", "_gemv_down",
+                             "moe_")),
+    ("attention decode", ("_decode_split", "_merge_splits", "decode_att")),
     ("attention extend", ("extend",)),
     ("KV store", ("store_kv", "_store")),
-    ("FP8 quantize / scaled GEMM", ("fp8", "scaled_mm", "quant", "e4m3")),
+    ("FP8 quantize / scaled GEMM", ("fp8", "scaled_mm", "quant", "e4m3", "_amax_partials",
+                                    "qqtst")),
     ("GEMM (cuBLAS / cutlass)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90", "bmm",
                                  "splitk", "dot_kernel")),
     ("norm / rotary / activation", ("rmsnorm", "rms_norm", "rotary", "silu", "act_and_mul",
