@@ -334,36 +334,30 @@ def main() -> None:
             save()
     # tables
     if "correctness" in res:
-        print("\n| checkpoint, dtype | TP | greedy equal to TP=1 | first difference at token "
-              "(TP=1 top-2 margin there) | max |logprob diff| before it |")
-        print("|---|---|---|---|---|")
+        rows = []
         for key, per in res["correctness"].items():
             for tp, r in per.items():
                 if isinstance(r, dict) and "equal" in r:
                     diffs = ", ".join(f"{i} ({m:.3g})" for i, m in
                                       zip(r["first_diff_at"], r["tp1_top2_margin_at_diff"]))
-                    print(f"| {key} | {tp[2:]} | {r['equal']}/{r['prompts']} | {diffs or '-'} | "
-                          f"{r['max_abs_logprob_diff']:.2e} |")
+                    rows.append([key, tp[2:], f"{r['equal']}/{r['prompts']}", diffs or "-",
+                                 f"{r['max_abs_logprob_diff']:.2e}"])
+        suite.table("TP vs TP=1, greedy", ["checkpoint, dtype", "TP", "greedy equal to TP=1",
+                                           "first difference at token (TP=1 top-2 margin there)",
+                                           "max |logprob diff| before it"], rows)
     if "scaling" in res:
-        print("\n| model | TP | KV tokens | bs-1 ms/step | bs-1 tok/s | bs-64 ms/step | "
-              "requests' output tok/s |")
-        print("|---|---|---|---|---|---|---|")
-        for model, per in res["scaling"].items():
-            for tp, r in per.items():
-                if isinstance(r, dict) and "bs1_ms_per_step" in r:
-                    print(f"| {model} | {tp[2:]} | {r['kv_tokens']:,} | {r['bs1_ms_per_step']:.2f} | "
-                          f"{r['bs1_tok_s']:.0f} | {r['bs64_ms_per_step']:.2f} | "
-                          f"{r['output_tok_s']:,.0f} |")
-        print("\n| model | TP | bs | build batch | send to workers | forward (synced) | "
-              "rest of step | step (ms) |")
-        print("|---|---|---|---|---|---|---|---|")
-        for model, per in res["scaling"].items():
-            for tp, r in per.items():
-                for b, pr in (r.get("step_profile_ms", {}) if isinstance(r, dict) else {}).items():
-                    print(f"| {model} | {tp[2:]} | {b[2:]} | " + " | ".join(
-                        f"{pr[k]:.2f}" for k in ("build batch", "send to workers",
-                                                 "forward (synced)", "rest of step", "step"))
-                          + " |")
+        rows = [[model, tp[2:], r["kv_tokens"], f"{r['bs1_ms_per_step']:.2f}",
+                 f"{r['bs1_tok_s']:.0f}", f"{r['bs64_ms_per_step']:.2f}",
+                 f"{r['output_tok_s']:,.0f}"]
+                for model, per in res["scaling"].items() for tp, r in per.items()
+                if isinstance(r, dict) and "bs1_ms_per_step" in r]
+        suite.table("TP scaling", ["model", "TP", "KV tokens", "bs-1 ms/step", "bs-1 tok/s",
+                                   "bs-64 ms/step", "requests' output tok/s"], rows)
+        parts = ("build batch", "send to workers", "forward (synced)", "rest of step", "step")
+        rows = [[model, tp[2:], b[2:]] + [f"{pr[k]:.2f}" for k in parts]
+                for model, per in res["scaling"].items() for tp, r in per.items()
+                for b, pr in (r.get("step_profile_ms", {}) if isinstance(r, dict) else {}).items()]
+        suite.table("TP step profile (ms)", ["model", "TP", "bs", *parts[:-1], "step (ms)"], rows)
     save()
 
 

@@ -12,7 +12,7 @@ row while loading (so every TP / merged-shard slicing rule of the weight applies
 Also the absorbed-MLA FP8 batched matmul: `quantize_fp8_bmm_weight` (per-tensor FP8 weight,
 column-major per batch entry) and `fp8_per_tensor_bmm` (dynamic per-tensor activations; on
 CUDA the triton `mla_kernels.bmm_fp8` quantizing x on load, one GEMM launch for all heads; on CPU
-a loop of `torch._scaled_mm`), with its float32 reference `fp8_per_tensor_bmm_ref`. Per-tensor
+a loop of `torch._scaled_mm`), with its float32 twin `mla_kernels.reference.bmm_fp8_ref`. Per-tensor
 activation quantization (`quantize_fp8_per_tensor`) runs on CUDA as the two-launch triton
 kernel `mla_kernels.fp8_quant`, on CPU in torch.
 """
@@ -345,7 +345,7 @@ def fp8_per_tensor_bmm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
             None = dynamic, amax(|x|) / 448 over the whole x (one scale for every head; values
             beyond +-448 * x_scale saturate, never NaN). out_dtype: default x's dtype.
     Returns:
-        [B, M, N] in out_dtype, fp32 accumulation. Reference: `fp8_per_tensor_bmm_ref`. On
+        [B, M, N] in out_dtype, fp32 accumulation. Reference: `mla_kernels.reference.bmm_fp8_ref`. On
         CUDA the result is a transposed view of a contiguous [M, B, N] tensor (the engine's
         next step transposes it to token-major rows, which is then free).
     """
@@ -362,14 +362,6 @@ def fp8_per_tensor_bmm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     q = q.contiguous()  # row-major per head: the A operand `torch._scaled_mm` wants
     return torch.stack([_fp8_scaled_mm(q[b], xs, w[b], w_scale, out_dtype)
                         for b in range(x.shape[0])])
-
-
-def fp8_per_tensor_bmm_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                           x_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 torch reference of `fp8_per_tensor_bmm`: the same quantized operands,
-    dequantized, multiplied with `torch.bmm` in float32 -> [B, M, N] float32."""
-    q, xs = quantize_fp8_per_tensor(x, x_scale)
-    return torch.bmm(q.float() * xs, w.float() * w_scale.float())
 
 
 class Fp8LinearMethod:

@@ -6,7 +6,7 @@ head); without them (unquantized; block-FP8 for now, pinned by test_deepseek_v3_
 unchanged.
 
 Tolerances (set once from measurements, seed 0):
-- `fp8_per_tensor_bmm` vs its float32 reference `fp8_per_tensor_bmm_ref` (same quantized
+- `fp8_per_tensor_bmm` vs its float32 twin `reference.bmm_fp8_ref` (same quantized
   operands): max |diff| <= BMM_ATOL + BMM_RTOL |ref| (1e-4 / 1e-5; measured <= 1.8e-7);
   vs the unquantized fp32 bmm: relative RMS <= BMM_REL_FP32 = 0.08 (measured 0.037-0.045).
 - tiny DeepSeek-V2 with quantization="fp8", all prefill logits of prompts of 12/7/19 tokens
@@ -28,10 +28,10 @@ from test_fp8_per_tensor import _err, _Harness, _prompts
 from mla_backend.layers.quantization import (
     FP8_E4M3,
     fp8_per_tensor_bmm,
-    fp8_per_tensor_bmm_ref,
     quantize_fp8_bmm_weight,
 )
 from mla_backend.model_executor.forward_batch import ForwardMode
+from mla_kernels.reference import bmm_fp8_ref
 
 BMM_ATOL, BMM_RTOL, BMM_REL_FP32 = 1e-4, 1e-5, 0.08
 REL_PATHS, REL_FP32, TOP1 = 0.02, 0.02, 0.95
@@ -48,7 +48,7 @@ def test_fp8_bmm_matches_reference(shape):
     assert w.dtype == FP8_E4M3 and w.shape == (h, k, n) and w[0].stride() == (1, k)
     assert torch.isclose(ws, wf.abs().amax() / 448)
     y = fp8_per_tensor_bmm(x, w, ws)
-    ref = fp8_per_tensor_bmm_ref(x, w, ws)
+    ref = bmm_fp8_ref(x, w, ws)
     assert y.shape == (h, m, n) and y.dtype == torch.float32
     torch.testing.assert_close(y, ref, atol=BMM_ATOL, rtol=BMM_RTOL)
     rel = float((y - torch.bmm(x, wf)).norm() / torch.bmm(x, wf).norm())
@@ -68,11 +68,11 @@ def test_fp8_bmm_saturates_never_nan():
     assert torch.isfinite(y).all()
     small = torch.tensor(1e-3)  # static scale far too small: |x| / scale >> 448 saturates
     y = fp8_per_tensor_bmm(x, w, ws, x_scale=small)
-    ref = fp8_per_tensor_bmm_ref(x, w, ws, x_scale=small)
+    ref = bmm_fp8_ref(x, w, ws, x_scale=small)
     assert torch.isfinite(y).all()
     x = torch.sign(x) * (1 + x.abs())  # |x| / small >= 1000: every element saturates
     y = fp8_per_tensor_bmm(x, w, ws, x_scale=small)
-    ref = fp8_per_tensor_bmm_ref(x, w, ws, x_scale=small)
+    ref = bmm_fp8_ref(x, w, ws, x_scale=small)
     assert torch.isfinite(y).all()
     sat = torch.bmm(torch.sign(x) * 448 * small, w.float() * ws)  # +-448 * scale, fp32
     torch.testing.assert_close(y, ref, atol=BMM_ATOL, rtol=BMM_RTOL)
