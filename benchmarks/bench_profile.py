@@ -16,7 +16,9 @@ Sections (`--sections`):
   prefill steps and of decode steps by batch-size range (graph replay or eager), mean decode
   batch, and the output tok/s of the run. `--graph-max-bs`, `--max-running` and
   `--prefill-min-free-rows` set the engine's graph limit, request rows and the scheduler's
-  `prefill_min_free_rows`.
+  `prefill_min_free_rows`. `--window START COUNT` also profiles steps START .. START+COUNT-1 of
+  the run (torch.profiler for the GPU's kernel time, cProfile for the host's Python functions):
+  the GPU's busy share of those steps' wall time and the top host functions.
 
 `--quantization fp8 --kv-cache-dtype fp8_e4m3` profiles the FP8 engine (issue 6).
 
@@ -127,6 +129,69 @@ def profile_decode(eng, bs: int, prompt: int, steps: int, vocab: int) -> dict:
             "by_name": {k: [v[0] / steps, v[1] / 1000 / steps] for k, v in by_name.items()}}
 
 
+class StepWindow:
+    """Profiles steps [start, start + count) of an engine's run: wraps `eng.step` (an instance
+    attribute shadowing the method) with torch.profiler (GPU kernels) and cProfile (host)."""
+
+    def __init__(self, eng, start: int, count: int) -> None:
+        import cProfile
+
+        self.start, self.count, self.n = start, count, 0
+        self.walls: list[float] = []
+        self.batches: list[int] = []
+        self.prof = None
+        self.host = cProfile.Profile()
+        inner = eng.step
+
+        def step():
+            from torch.profiler import ProfilerActivity, profile
+
+            self.n += 1
+            inside = self.start <= self.n < self.start + self.count
+            if self.n == self.start:
+                bs_.sync()
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                                 if bs_.DEVICE == "cuda" else [])
+                self.prof = profile(activities=acts)
+                self.prof.__enter__()
+            if not inside:
+                return inner()
+            t = time.perf_counter()
+            self.host.enable()
+            outs = inner()
+            self.host.disable()
+            self.walls.append(time.perf_counter() - t)
+            self.batches.append(len(outs))
+            if self.n == self.start + self.count - 1:
+                bs_.sync()
+                self.prof.__exit__(None, None, None)
+            return outs
+
+        eng.step = step
+
+    def report(self, top: int) -> dict:
+        """Print and return: wall ms per step, GPU kernel ms per step, busy share, top host
+        functions by own time (ms per step)."""
+        import pstats
+
+        if self.prof is None or len(self.walls) < self.count:
+            log(f"window: the run had only {self.n} steps")
+            return {}
+        evs = _kernel_events(self.prof, bs_.DEVICE)
+        wall = 1000 * sum(self.walls) / self.count
+        kern = sum(us for _, us in evs) / 1000 / self.count
+        stats = pstats.Stats(self.host)
+        funcs = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
+        rows = [[f"{os.path.basename(f)}:{line}({name})", 1000 * tt / self.count,
+                 1000 * ct / self.count] for (f, line, name), (_, _, tt, ct, _) in funcs]
+        table(f"Steps {self.start}-{self.start + self.count - 1} of the run: {wall:.2f} ms per "
+              f"step, GPU kernels {kern:.2f} ms ({100 * kern / wall:.0f}% busy), "
+              f"{sum(self.batches) / self.count:.0f} outputs per step; host functions",
+              ["function", "own ms/step", "cumulative ms/step"], rows)
+        return {"start": self.start, "count": self.count, "wall_ms": wall, "kernel_ms": kern,
+                "outputs_per_step": sum(self.batches) / self.count, "host_top": rows}
+
+
 def section_kernels(args, model_dir: str, vocab: int, res: dict) -> None:
     out = res.setdefault("kernels", {})
     max_bs = max(args.bs)
@@ -233,6 +298,7 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
 
     eng.scheduler.get_next_batch = get_next_batch
     log_rows: list[tuple[str, int, int, float]] = []
+    window = StepWindow(eng, *args.window) if args.window else None
 
     def on_step(dt: float, _outs: list) -> None:
         if batches:
@@ -243,6 +309,8 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
     stats = eng.stats()
     del eng
     release()
+    if window is not None:
+        res["window"] = window.report(args.top)
     total = r["seconds"]
     edges = [e for e in (1, 16, 64, 128, 256, 512, 1024, 4096)]
     groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
@@ -299,6 +367,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto",
                     choices=["auto", "fp8_e4m3", "fp8_e5m2"])
     ap.add_argument("--shape-overrides", default="{}")
+    ap.add_argument("--window", type=int, nargs=2, default=None, metavar=("START", "COUNT"),
+                    help="steps: profile these steps of the run (GPU kernels and host)")
+    ap.add_argument("--overlap-schedule", default="auto", choices=["auto", "true", "false"])
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: smoke-test this script (with --shape-overrides)")
@@ -309,7 +380,8 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_profile.py needs a CUDA GPU (or --device cpu for a smoke test)")
     bs_.ENGINE_SETTINGS.update(quantization=args.quantization,
-                               kv_cache_dtype=args.kv_cache_dtype)
+                               kv_cache_dtype=args.kv_cache_dtype,
+                               overlap_schedule=args.overlap_schedule)
     model_dir = write_shape_model(os.path.join(tempfile.mkdtemp(), args.model), args.model,
                                   args.tokenizer_dir, **json.loads(args.shape_overrides))
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]

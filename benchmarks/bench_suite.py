@@ -22,7 +22,12 @@ Sections (`--sections`):
 - prefix: 64 requests sharing a 4096-token prefix (+16 own tokens, 1 new token): mean TTFT with the
   radix cache (prefix cached by one earlier request) vs without.
 - breakdown: one decode step at bs 64 (`--breakdown-bs`) split into scheduler, batch building,
-  forward (GPU, synced), sampling and the engine's own bookkeeping (detokenization, outputs).
+  forward (GPU, synced), sampling and the engine's own bookkeeping (detokenization, outputs),
+  measured with the serial loop; then the same engine's step with `overlap_schedule` on (the
+  bookkeeping runs while the GPU computes the next step).
+
+`--overlap-schedule true|false|auto` sets the engine setting for every engine (default auto: on
+on CUDA).
 
 `--quantization fp8 --kv-cache-dtype fp8_e4m3` runs every engine with FP8 weights and KV cache
 (issue 6: compare with a bf16 run of the same command).
@@ -380,7 +385,8 @@ def section_prefix(args, model_dir: str, vocab: int, res: dict) -> None:
 
 def section_breakdown(args, model_dir: str, vocab: int, res: dict) -> None:
     bsz = args.breakdown_bs
-    eng = make_engine(model_dir, cuda_graph_max_bs=bsz, max_running_requests=bsz)
+    eng = make_engine(model_dir, cuda_graph_max_bs=bsz, max_running_requests=bsz,
+                      overlap_schedule="false")  # the parts below are timed with syncs
     acc: dict[str, float] = {}
 
     def timed(name: str, fn: Callable, sync_after: bool = False) -> Callable:
@@ -399,7 +405,8 @@ def section_breakdown(args, model_dir: str, vocab: int, res: dict) -> None:
                                                eng.scheduler.process_batch_result)
     eng.runner.make_forward_batch = timed("batch building", eng.runner.make_forward_batch)
     eng.runner.forward = timed("forward (GPU, synced)", eng.runner.forward, sync_after=True)
-    eng.sampler.sample = timed("sampling", eng.sampler.sample)
+    eng.sampler.launch = timed("sampling", eng.sampler.launch)
+    eng.sampler.resolve = timed("sampling", eng.sampler.resolve)
     decode_step_ms(eng, bsz, 16, 8, vocab)  # warm-up
     snapshots: list[dict[str, float]] = []
     steps: list[float] = []
@@ -412,8 +419,18 @@ def section_breakdown(args, model_dir: str, vocab: int, res: dict) -> None:
 
     gen = torch.Generator().manual_seed(1)
     acc.clear()
-    run_requests(eng, [random_prompt(gen, args.breakdown_prompt, vocab) for _ in range(bsz)],
-                 [64] * bsz, on_step)
+    prompts = [random_prompt(gen, args.breakdown_prompt, vocab) for _ in range(bsz)]
+    run_requests(eng, prompts, [64] * bsz, on_step)
+    # The same steps with overlap: no syncs inside (the wrappers are removed).
+    for obj, name in ((eng.scheduler, "get_next_batch"), (eng.scheduler, "process_batch_result"),
+                      (eng.runner, "make_forward_batch"), (eng.runner, "forward"),
+                      (eng.sampler, "launch"), (eng.sampler, "resolve")):
+        del obj.__dict__[name]
+    eng.overlap = True
+    overlap_steps: list[float] = []
+    run_requests(eng, prompts, [64] * bsz,
+                 lambda dt, outs: overlap_steps.append(dt) if len(outs) == bsz and all(
+                     len(o.new_token_ids) == 1 for o in outs) else None)
     del eng
     release()
     steps, snapshots = steps[1:], snapshots[1:]  # the first one may follow the last prefill
@@ -424,11 +441,15 @@ def section_breakdown(args, model_dir: str, vocab: int, res: dict) -> None:
            ("scheduler", "batch building", "forward (GPU, synced)", "sampling")}
     total = 1000 * sum(steps) / n
     per["engine bookkeeping (detokenize, outputs)"] = total - sum(per.values())
-    res["breakdown"] = {"bs": bsz, "steps": n, "total_ms": total, "parts_ms": per}
+    overlap_ms = 1000 * statistics.median(overlap_steps[1:] or overlap_steps) \
+        if overlap_steps else float("nan")
+    res["breakdown"] = {"bs": bsz, "steps": n, "total_ms": total, "parts_ms": per,
+                        "overlap_step_ms": overlap_ms}
     res["breakdown"]["table"] = table(
         f"One decode step at bs {bsz}, prompt {args.breakdown_prompt}, {args.model} (CUDA graphs)",
         ["part", "ms/step", "%"],
-        [[k, v, 100 * v / total] for k, v in per.items()] + [["total", total, 100.0]])
+        [[k, v, 100 * v / total] for k, v in per.items()] + [["total (serial loop)", total, 100.0],
+         ["step with overlap_schedule (median)", overlap_ms, 100 * overlap_ms / total]])
 
 
 # ---------------------------------------------------------------------- main
@@ -457,6 +478,7 @@ def main() -> None:
                     help="fp8: online per-tensor FP8 of the (random bf16) weights, experts too")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     choices=["auto", "fp8_e4m3", "fp8_e5m2"])
+    ap.add_argument("--overlap-schedule", default="auto", choices=["auto", "true", "false"])
     ap.add_argument("--out", default=None, help="JSON results file")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: smoke-test this script (use with --shape-overrides)")
@@ -465,7 +487,8 @@ def main() -> None:
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
-    ENGINE_SETTINGS.update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    ENGINE_SETTINGS.update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                           overlap_schedule=args.overlap_schedule)
     if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_suite.py needs a CUDA GPU (or --device cpu for a smoke test)")
     workdir = tempfile.mkdtemp(prefix="bench_suite_")

@@ -3,7 +3,7 @@ same model, same settings, same requests, at each concurrency, in one run.
 
     .venv/bin/python benchmarks/serving_overhead.py [--model deepseek-v2-tiny]
         [--concurrency 1 64] [--max-tokens 64] [--requests N] [--repeats 3]
-        [--stream-intervals 1 4]
+        [--stream-intervals 1 4] [--sender-threads 1 4]
 
 Each request: a distinct prompt, `max_tokens` = `min_tokens` = `--max-tokens`, `ignore_eos`,
 greedy, streaming. At concurrency C, N requests (default max(8, C)) run closed-loop with C in
@@ -20,7 +20,9 @@ Radix cache off (every prompt is new anyway), pool and request slots sized for t
   settings, one gRPC stream carrying the C requests (`serving_client.stream_load`; the client
   runs in this process, on the same cores as the server). One copy per `--stream-intervals`
   value (the adapter's STREAM_INTERVAL: 1 = a response per token, the default; N = after the
-  first, a response per N tokens), all in the same server, measured one after another.
+  first, a response per N tokens) and `--sender-threads` value (the adapter's
+  RESPONSE_SENDER_THREADS; 0 = the adapter's default), all in the same server, measured one
+  after another.
 
 Both sides are warmed up first (a few requests at concurrency 1 and a full wave at each C); each
 measurement is repeated `--repeats` times and the median is reported, with the CPU seconds per
@@ -125,6 +127,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stream-intervals", type=int, nargs="+", default=[1],
                     help="STREAM_INTERVAL values to serve (one model copy each)")
+    ap.add_argument("--sender-threads", type=int, nargs="+", default=[0],
+                    help="RESPONSE_SENDER_THREADS values to serve (0: the adapter's default)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -172,39 +176,45 @@ def main() -> int:
         raise SystemExit("the in-process run as the adapter runs it failed")
     torch.set_num_threads(default_threads)
 
-    names = {k: f"{args.model}-bench-si{k}" for k in args.stream_intervals}
-    served: dict[int, dict[int, dict]] = {}
+    variants = [(k, n) for k in args.stream_intervals for n in args.sender_threads]
+    names = {v: f"{args.model}-bench-si{v[0]}-st{v[1]}" for v in variants}
+    adapter_params = {}
+    for (k, n), name in names.items():
+        adapter_params[name] = {"STREAM_INTERVAL": str(k)}
+        if n > 0:
+            adapter_params[name]["RESPONSE_SENDER_THREADS"] = str(n)
+    served: dict[tuple[int, int], dict[int, dict]] = {}
     with tempfile.TemporaryDirectory(prefix="serving-overhead-") as tmp:
-        models = {names[k]: (args.model, params) for k in args.stream_intervals}
-        repo = temp_repository(Path(tmp) / "repo", models,
-                               {names[k]: {"STREAM_INTERVAL": str(k)} for k in names})
+        models = {name: (args.model, params) for name in names.values()}
+        repo = temp_repository(Path(tmp) / "repo", models, adapter_params)
         with TritonServer(repo, startup_timeout=600) as server:
             tree = ProcTree(server.proc.pid)
-            for k, name in names.items():
-                served[k] = measure(
+            for (k, n), name in names.items():
+                served[(k, n)] = measure(
                     lambda jobs, c, name=name: stream_load(server.grpc_url, name, jobs, c),
-                    levels, n_requests, args.max_tokens, args.repeats, f"server si{k}",
-                    cpu_of=tree.cpu_s)
+                    levels, n_requests, args.max_tokens, args.repeats,
+                    f"server si{k} st{n or 'default'}", cpu_of=tree.cpu_s)
 
     rows = []
     print(f"\nmodel {args.model}, {args.max_tokens} output tokens per request, greedy, "
           f"median of {args.repeats}; {platform.processor() or platform.machine()}, "
           f"torch threads: {default_threads} in-process, {adapter_threads} as the adapter")
-    print("| concurrency | requests | STREAM_INTERVAL | in-process tok/s (main thread) "
+    print("| concurrency | requests | STREAM_INTERVAL | RESPONSE_SENDER_THREADS "
+          "| in-process tok/s (main thread) "
           "| in-process tok/s (as the adapter) | server tok/s | server / in-process "
           "| server / in-process (as the adapter) | in-process CPU s/1k tok | server CPU s/1k tok "
           "| client CPU s/1k tok |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in levels:
         a, t = inproc[c], threaded[c]
-        for k in args.stream_intervals:
-            b = served[k][c]
+        for k, n in variants:
+            b = served[(k, n)][c]
             ratio = b["tokens_per_s"] / a["tokens_per_s"]
             ratio_t = b["tokens_per_s"] / t["tokens_per_s"]
-            rows.append({"concurrency": c, "stream_interval": k, "in_process": a,
-                         "in_process_thread": t, "server": b, "ratio": ratio,
+            rows.append({"concurrency": c, "stream_interval": k, "sender_threads": n,
+                         "in_process": a, "in_process_thread": t, "server": b, "ratio": ratio,
                          "ratio_thread": ratio_t})
-            print(f"| {c} | {a['requests']} | {k} | {a['tokens_per_s']:.1f} | "
+            print(f"| {c} | {a['requests']} | {k} | {n or 'default'} | {a['tokens_per_s']:.1f} | "
                   f"{t['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | {100 * ratio:.1f}% | "
                   f"{100 * ratio_t:.1f}% | {a['cpu_s_per_1k_tokens']:.2f} | "
                   f"{b['cpu_s_per_1k_tokens']:.2f} | {b['client_cpu_s_per_1k_tokens']:.2f} |")

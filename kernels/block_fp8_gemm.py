@@ -111,7 +111,7 @@ def dequant_weight_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor,
     return w.float() * s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every token count
 def _block_fp8_matmul_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
     M, N, K, group_n, group_k,

@@ -26,7 +26,7 @@ import triton.language as tl
 from .fp8_quant import FP8_DTYPE, MAX_PARTIALS, _scale_from_partials, _to_e4m3, fp8_amax_partials
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "n_parts"])  # one compile for every token count
 def _bmm_fp8_kernel(x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, n_parts,
                     sxh, sxm, sxk, swh, swk, swn, syh, sym, syn,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

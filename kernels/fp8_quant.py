@@ -75,7 +75,8 @@ def _addr(offs, D1, D2, s0, s1, s2, CONTIG: tl.constexpr):
     return (t // D1) * s0 + (t % D1) * s1 + i2 * s2
 
 
-@triton.jit
+# Sizes and strides vary with the token count: not specialized, so one compile serves them all.
+@triton.jit(do_not_specialize=["numel", "D1", "D2", "s0", "s1", "s2"])
 def _amax_partials_kernel(x_ptr, part_ptr, numel, D1, D2, s0, s1, s2,
                           BLOCK: tl.constexpr, CONTIG: tl.constexpr):
     pid = tl.program_id(0)
@@ -89,7 +90,7 @@ def _amax_partials_kernel(x_ptr, part_ptr, numel, D1, D2, s0, s1, s2,
     tl.store(part_ptr + pid, tl.max(acc, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "n_parts", "D1", "D2", "s0", "s1", "s2"])
 def _quant_kernel(x_ptr, q_ptr, part_ptr, scale_ptr, numel, n_parts, D1, D2, s0, s1, s2,
                   BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, STATIC: tl.constexpr,
                   CONTIG: tl.constexpr, EXACT: tl.constexpr):

@@ -196,7 +196,9 @@ def _tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
     return out
 
 
-@triton.jit
+# Per-call row counts are not specialized (divisibility by 16, == 1): one compiled kernel per
+# tile config serves every batch size instead of a JIT compile for each new pattern.
+@triton.jit(do_not_specialize=["num_rows", "num_blocks_m"])
 def _grouped_gemm_kernel(
     A, B, C, TopkWeights, SortedTokenIds, ExpertIds, NumTokensPostPadded, AScale, BScale,
     N, K, num_rows, a_row_div, num_blocks_m, up_offset, group_n, group_k, up_scale_offset,

@@ -79,6 +79,11 @@ class SchedulerConfig:
     # `scheduler.PREFILL_MAX_DELAY_STEPS` decode steps): fewer, larger prefill batches under
     # saturation. 1 = admit as soon as one row is free (SGLang v0.3's behaviour).
     prefill_min_free_rows: int = 1
+    # Overlap the host's per-token work (detokenization, stop strings, streamed outputs) of
+    # step N with the GPU's forward of step N + 1 (`Engine.step`): "auto" = on for CUDA devices,
+    # "true", "false". On: every output leaves one step later; a request stopped by a stop
+    # string runs one extra (discarded) decode step.
+    overlap_schedule: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,8 @@ class EngineConfig:
                f"must be lpm or fcfs, got {s.schedule_policy!r}")
         _check(s.max_prefill_tokens >= 1, "max_prefill_tokens", "must be >= 1")
         _check(s.prefill_min_free_rows >= 1, "prefill_min_free_rows", "must be >= 1")
+        _check(s.overlap_schedule in ("auto", "true", "false"), "overlap_schedule",
+               f"must be auto, true or false, got {s.overlap_schedule!r}")
         _check(s.max_running_requests is None or s.max_running_requests >= 1,
                "max_running_requests", "must be >= 1")
         _check(s.schedule_conservativeness > 0, "schedule_conservativeness", "must be > 0")

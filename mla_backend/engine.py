@@ -4,6 +4,9 @@ Owns the request lifecycle. Requests come in through `add_request` / `abort` (th
 through an inbox), one thread calls `step()`, which drains the inbox, asks the `Scheduler` for a
 batch, runs it on the `ModelRunner`, samples with the `Sampler`, applies stop rules and the
 incremental detokenizer, hands the batch back to the scheduler and returns `RequestOutput`s.
+With `overlap_schedule` (on by default on CUDA) the detokenization, stop strings and outputs of
+one step's tokens run on the host while the GPU computes the next step (as SGLang's overlap
+scheduler hides host work), so outputs leave one step later.
 Used by the Triton adapter (`mla_backend.serving`), tests and benchmarks.
 
 A failed forward fails its batch's requests and the engine goes on, except a tensor-parallel
@@ -20,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+import torch
 from transformers import AutoTokenizer
 
 from mla_backend.config import EngineConfig
@@ -27,7 +31,7 @@ from mla_backend.distributed.tp_workers import TpWorkerError
 from mla_backend.mem_cache.chunk_cache import ChunkCache
 from mla_backend.mem_cache.radix_cache import RadixCache
 from mla_backend.model_executor.model_runner import ModelRunner
-from mla_backend.model_executor.sampler import Sampler
+from mla_backend.model_executor.sampler import LaunchedSample, Sampler
 from mla_backend.request import (
     FinishReason,
     GenerateRequest,
@@ -35,6 +39,7 @@ from mla_backend.request import (
     RequestOutput,
     SamplingParams,
 )
+from mla_backend.scheduler.schedule_batch import ScheduleBatch
 from mla_backend.scheduler.scheduler import Scheduler
 from mla_backend.tokenizer.detokenizer import IncrementalDetokenizer
 from mla_backend.tokenizer.stop import StopStringMatcher
@@ -60,6 +65,43 @@ class GenerateResult:
     cached_tokens: int
     cumulative_logprob: float
     error: str | None = None
+
+
+@dataclass
+class _Token:
+    """A sampled token appended to its request, not yet detokenized and emitted: `n_out` is
+    the request's output length with it; `stopped_by_token`: it is an EOS / stop token id that
+    ended the request (its text is not emitted)."""
+
+    req: Req
+    token_id: int
+    logprob: float
+    top: dict[int, float] | None
+    n_out: int
+    stopped_by_token: bool
+
+
+@dataclass
+class _Launched:
+    """A batch whose forward and sampling are queued on the device: `rows` are its sampling
+    rows, `row_of` maps id(req) to its position among them (the index into the sampled
+    tokens); `overlappable`: the next batch may be scheduled and launched before this one's
+    tokens are read (a decode batch with no request whose sampling reads its output
+    tokens)."""
+
+    batch: ScheduleBatch
+    sample: LaunchedSample | None
+    rows: list[int]
+    row_of: dict[int, int]
+    overlappable: bool
+
+
+def _reads_outputs(req: Req) -> bool:
+    """The request's next sampling reads its output tokens: penalties, or min_tokens not yet
+    reached (EOS masked while len(output_ids) < min_new_tokens)."""
+    sp = req.sampling_params
+    return (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
+            or sp.frequency_penalty != 0.0 or len(req.output_ids) < sp.min_new_tokens)
 
 
 @dataclass
@@ -106,6 +148,14 @@ class Engine:
             context_len=self.context_len,
         )
         self.sampler = Sampler(eos, self.vocab_size, self.runner.device, seed=config.runner.seed)
+        overlap = config.scheduler.overlap_schedule
+        # `overlap_schedule` resolved (off with tensor parallelism: the workers get host copies
+        # of the inputs); may be switched between steps (benchmarks do).
+        on_cuda = torch.device(self.runner.device).type == "cuda"
+        self.overlap: bool = config.parallel.tensor_parallel_size == 1 and (
+            overlap == "true" or (overlap == "auto" and on_cuda))
+        self._unflushed: list[_Token] = []  # committed tokens `_flush_tokens` has not seen
+        self._inflight: _Launched | None = None  # overlap: launched, tokens not yet read
         self._inbox: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._live: dict[str, _ReqState] = {}  # rid → state, engine thread only
@@ -168,7 +218,7 @@ class Engine:
         return self.has_work()
 
     def has_work(self) -> bool:
-        return (not self._inbox.empty()) or bool(self._live)
+        return (not self._inbox.empty()) or bool(self._live) or self._inflight is not None
 
     def shutdown(self) -> None:
         """Refuse new requests; abort every live one on the next step."""
@@ -201,7 +251,23 @@ class Engine:
 
     # ------------------------------------------------------------------ engine thread
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler iteration (at most one forward pass).
+        """Run one scheduler iteration (at most one forward pass launched).
+
+        Serial (`overlap` off): schedule, forward, sample, record the tokens (stop rules,
+        detokenization, stop strings), hand the batch back to the scheduler.
+
+        Overlap schedule (`overlap` on, SGLang's overlap scheduler): the batch launched by the
+        previous step is still running on the GPU when this step schedules and launches the
+        next one, whose decode rows take their input tokens from the GPU (`future_rows`); only
+        then does the host wait for the previous batch's tokens, apply the stop rules that
+        need no text (EOS, stop token ids, max_tokens, context), hand it to the scheduler, and
+        detokenize and emit them, while the GPU computes. So every output leaves one step
+        later, a request ended by EOS or a stop string runs one extra decode row (its token is
+        dropped), and the host's work per step hides behind the GPU's. The previous batch is
+        finished first (no overlap for that step) when it was a prefill, its requests'
+        sampling reads their output tokens (penalties, min_tokens) or the next decode batch
+        could retract; such a batch is completed in its own step, its host work overlapping
+        only with what the previous steps left to detokenize.
 
         Returns:
             Outputs produced in this step: increments of streaming requests, final outputs of
@@ -218,27 +284,35 @@ class Engine:
             if st is not None:
                 outputs.append(self._final_error(st, "request can not be scheduled: it does not fit "
                                                      "the KV pool"))
+        prev, self._inflight = self._inflight, None
+        if prev is not None and (not prev.overlappable or self.scheduler.decode_may_retract()):
+            self._complete(prev, outputs)
+            prev = None
+            if self.failed is not None:
+                return outputs
         batch = self.scheduler.get_next_batch()
-        if batch is None:
-            return outputs
-        try:
-            finished = self._run_batch(batch, outputs)
-        except TpWorkerError as e:  # fatal: the ranks are out of step
-            self.scheduler.process_batch_result(batch, [True] * len(batch.reqs), failed=True)
-            self.failed = str(e)
-            self._fail_all_live(outputs)
-            return outputs
-        except Exception as e:  # noqa: BLE001 - fail the batch's requests, keep the engine alive
-            for req in batch.reqs:
-                st = self._live.get(req.rid)
-                if st is not None:
-                    outputs.append(self._final_error(st, f"Error generating stream: {e!r}"))
-            self.scheduler.process_batch_result(batch, [True] * len(batch.reqs), failed=True)
-            return outputs
-        self.scheduler.process_batch_result(batch, finished)
+        cur, error = None, None
+        if batch is not None:
+            try:
+                cur = self._launch_batch(batch, prev)
+            except Exception as e:  # noqa: BLE001 - failed below, after `prev`
+                error = e
+        if prev is not None:
+            self._complete(prev, outputs)
+        if batch is not None and error is None and self.failed is None:
+            if self.overlap and cur.overlappable:
+                self._inflight = cur
+            else:
+                self._flush_tokens(outputs)  # earlier steps' tokens, while `cur` runs
+                self._complete(cur, outputs)
+        elif batch is not None:
+            self._fail_batch(batch, error or RuntimeError(self.failed), outputs)
+        self._flush_tokens(outputs)
         return outputs
 
-    def _run_batch(self, batch, outputs: list[RequestOutput]) -> list[bool]:
+    def _launch_batch(self, batch: ScheduleBatch, prev: "_Launched | None") -> "_Launched":
+        """Queue the forward pass and the sampling of `batch`; `prev`: the batch still in
+        flight whose sampled tokens are the inputs of `batch.future_rows`."""
         fb = self.runner.make_forward_batch(
             batch.forward_mode,
             batch.input_ids,
@@ -249,56 +323,126 @@ class Engine:
             batch.extend_lens,
             batch.out_cache_loc,
         )
+        if batch.future_rows:
+            if prev is None or prev.sample is None:
+                raise RuntimeError("a decode row waits for a token no batch in flight samples")
+            src = [prev.row_of[id(batch.reqs[i])] for i in batch.future_rows]
+            idx = torch.tensor([batch.future_rows, src], dtype=torch.int64).to(
+                fb.input_ids.device, non_blocking=True)  # no wait for `prev` to finish
+            fb.input_ids[idx[0]] = prev.sample.next_ids[idx[1]]
         logits = self.runner.forward(fb)  # [bs, V] fp32
         rows = [i for i, m in enumerate(batch.sample_mask) if m]
-        finished = [False] * len(batch.reqs)
-        if not rows:
-            return finished
+        sample = None
         if len(rows) == len(batch.reqs):  # every row samples (decode): no gather
-            sample_reqs, sample_logits = batch.reqs, logits
-        else:
-            sample_reqs, sample_logits = [batch.reqs[i] for i in rows], logits[rows]
-        out = self.sampler.sample(sample_logits, sample_reqs)
-        for j, i in enumerate(rows):
+            sample = self.sampler.launch(logits, batch.reqs)
+        elif rows:
+            sample = self.sampler.launch(logits[rows], [batch.reqs[i] for i in rows])
+        reqs = [batch.reqs[i] for i in rows]
+        for req in reqs:  # 2 while also in the batch still in flight (`prev`)
+            req.num_inflight_tokens += 1
+        overlappable = batch.is_decode() and not any(_reads_outputs(r) for r in reqs)
+        return _Launched(batch, sample, rows, {id(r): j for j, r in enumerate(reqs)},
+                         overlappable)
+
+    def _complete(self, launched: "_Launched", outputs: list[RequestOutput]) -> None:
+        """Wait for a launched batch's tokens, record them (`_commit_tokens`; serially also
+        detokenize them first: a stop string ends its request before the scheduler sees the
+        batch) and hand the batch to the scheduler. A failure fails the batch's requests (a
+        tensor-parallel failure: the engine)."""
+        batch = launched.batch
+        try:
+            finished = self._commit_tokens(launched)
+            if not self.overlap:
+                self._flush_tokens(outputs)
+                finished = [f or r.finished() for f, r in zip(finished, batch.reqs)]
+        except TpWorkerError as e:  # fatal: the ranks are out of step
+            self._flush_tokens(outputs)
+            self.scheduler.process_batch_result(batch, [True] * len(batch.reqs), failed=True)
+            self.failed = str(e)
+            self._fail_all_live(outputs)
+            return
+        except Exception as e:  # noqa: BLE001 - fail the batch's requests, keep the engine alive
+            self._fail_batch(batch, e, outputs)
+            return
+        self.scheduler.process_batch_result(batch, finished)
+
+    def _fail_batch(self, batch: ScheduleBatch, error: BaseException,
+                    outputs: list[RequestOutput]) -> None:
+        """End the batch's live requests with the error and release the batch (its KV is
+        discarded). A tensor-parallel failure also fails the engine."""
+        self._flush_tokens(outputs)
+        if isinstance(error, TpWorkerError):
+            self.scheduler.process_batch_result(batch, [True] * len(batch.reqs), failed=True)
+            self.failed = str(error)
+            self._fail_all_live(outputs)
+            return
+        for req in batch.reqs:
+            st = self._live.get(req.rid)
+            if st is not None:
+                outputs.append(self._final_error(st, f"Error generating stream: {error!r}"))
+        self.scheduler.process_batch_result(batch, [True] * len(batch.reqs), failed=True)
+
+    def _commit_tokens(self, launched: "_Launched") -> list[bool]:
+        """Wait for the sampled tokens, append them to their requests and apply the stop rules
+        that need no text; queue them for `_flush_tokens`. Returns finished [bs]: the requests
+        the scheduler must release (also aborted ones and, with overlap, those a stop string
+        or EOS ended after this batch was scheduled: their token here is dropped)."""
+        batch = launched.batch
+        finished = [False] * len(batch.reqs)
+        for i in launched.rows:
+            batch.reqs[i].num_inflight_tokens -= 1
+        if launched.sample is None:
+            return finished
+        out = self.sampler.resolve(launched.sample)
+        for j, i in enumerate(launched.rows):
             req = batch.reqs[i]
+            if req.finished():  # aborted, or ended one step before (overlap)
+                finished[i] = True
+                continue
             tok = out.next_token_ids[j]
             req.output_ids.append(tok)
             req.cumulative_logprob += out.token_logprobs[j]
-            st = self._live.get(req.rid)
-            if st is None:  # aborted: computed until the scheduler releases it
-                finished[i] = req.finished()
-                continue
-            self._on_token(st, tok, out.token_logprobs[j], out.top_logprobs[j])
+            sp = req.sampling_params
+            n_out = len(req.output_ids)
+            by_token = n_out >= sp.min_new_tokens and (
+                (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids)
+            if by_token:
+                req.finished_reason = FinishReason.STOP  # the stop token's text is not emitted
+            elif n_out >= sp.max_new_tokens or req.seqlen >= self.context_len:
+                req.finished_reason = FinishReason.LENGTH
+            self._unflushed.append(_Token(req, tok, out.token_logprobs[j], out.top_logprobs[j],
+                                          n_out, by_token))
             finished[i] = req.finished()
-            if finished[i] or req.stream:
-                outputs.append(self._emit(st))
         return finished
 
-    def _on_token(self, st: _ReqState, tok: int, logprob: float,
-                  top: dict[int, float] | None) -> None:
-        """Record one sampled token: stop rules, detokenization, stop strings."""
+    def _flush_tokens(self, outputs: list[RequestOutput]) -> None:
+        """Detokenize the committed tokens, match stop strings, and emit the increments of
+        streaming requests and the final outputs of finished ones."""
+        tokens, self._unflushed = self._unflushed, []
+        for t in tokens:
+            st = self._live.get(t.req.rid)
+            if st is None:  # aborted or failed meanwhile: its final output went out
+                continue
+            self._on_token(st, t)
+            if t.req.finished() or t.req.stream:
+                outputs.append(self._emit(st))
+
+    def _on_token(self, st: _ReqState, t: "_Token") -> None:
+        """Record one committed token in the request's output state: detokenization and stop
+        strings (a matched stop string ends the request with STOP, also over LENGTH)."""
         req, sp = st.req, st.req.sampling_params
-        st.unsent_ids.append(tok)
-        st.unsent_logprobs.append(logprob)
+        st.unsent_ids.append(t.token_id)
+        st.unsent_logprobs.append(t.logprob)
         if sp.logprobs is not None:
-            st.unsent_top.append(top or {})
-        n_out = len(req.output_ids)
-        can_stop = n_out >= sp.min_new_tokens
+            st.unsent_top.append(t.top or {})
         by_string = False
-        if can_stop and ((tok in self.eos_token_ids and not sp.ignore_eos)
-                         or tok in sp.stop_token_ids):
-            req.finished_reason = FinishReason.STOP  # the stop token's text is not emitted
-        else:
-            delta = st.detok.add([tok])
+        if not t.stopped_by_token:
+            delta = st.detok.add([t.token_id])
             if st.stopper is not None:
-                delta, by_string = st.stopper.feed(delta, can_stop=can_stop)
+                delta, by_string = st.stopper.feed(delta, can_stop=t.n_out >= sp.min_new_tokens)
                 if by_string:
                     req.finished_reason = FinishReason.STOP
             st.unsent_text += delta
-        if req.finished_reason is None and (
-            n_out >= sp.max_new_tokens or req.seqlen >= self.context_len
-        ):
-            req.finished_reason = FinishReason.LENGTH
         if req.finished_reason is not None and not by_string:
             # Release text held back for an incomplete UTF-8 char or a possible stop string.
             rest = st.detok.flush()
@@ -370,6 +514,13 @@ class Engine:
         """After `failed` was set: end every live request (and any still in the inbox) with the
         message, and release what the scheduler holds for them, so the pools balance."""
         assert self.failed is not None
+        if self._inflight is not None:  # its results are not read: discarded
+            launched, self._inflight = self._inflight, None
+            for i in launched.rows:
+                launched.batch.reqs[i].num_inflight_tokens -= 1
+            self.scheduler.process_batch_result(launched.batch, [True] * len(launched.batch.reqs),
+                                                failed=True)
+        self._flush_tokens(outputs)
         self._drain_inbox(outputs)
         for rid, st in list(self._live.items()):
             self.scheduler.abort_request(rid)

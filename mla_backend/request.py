@@ -247,6 +247,9 @@ class Req:
     cumulative_logprob: float = 0.0
     # Sampler state: a private generator when `sampling_params.seed` is set (filled lazily).
     generator: torch.Generator | None = None
+    # 1 while a token sampled for this request is still on the GPU (overlap schedule: its batch
+    # was launched, its tokens not yet appended); the next decode batch reads it from there.
+    num_inflight_tokens: int = 0
 
     @property
     def seqlen(self) -> int:

@@ -181,10 +181,11 @@ def test_bad_requests_rejected(smollm2_dir):
     eng.check_invariant()
 
 
-def test_abort_frees_slots(smollm2_dir):
-    eng = make_engine(smollm2_dir, enable_radix_cache=False)
+def check_abort_mid_decode(eng: Engine, text: str) -> None:
+    """Stream request "x" for 4 steps, abort it: exactly one final output (ABORT), nothing
+    after it, the pools balance and every slot is free again (radix cache off)."""
     total = eng.stats()["free_slots"]
-    eng.add_request(GenerateRequest(rid="x", text="Tell me a story",
+    eng.add_request(GenerateRequest(rid="x", text=text,
                                     sampling_params=SamplingParams(max_new_tokens=50,
                                                                    ignore_eos=True),
                                     stream=True))
@@ -198,4 +199,9 @@ def test_abort_frees_slots(smollm2_dir):
     for _ in range(3):
         assert not [o for o in eng.step() if o.rid == "x"]
     eng.check_invariant()
-    assert eng.stats()["free_slots"] == total
+    st = eng.stats()
+    assert st["free_slots"] == total and st["live"] == 0 and st["running"] == 0
+
+
+def test_abort_frees_slots(smollm2_dir):
+    check_abort_mid_decode(make_engine(smollm2_dir, enable_radix_cache=False), "Tell me a story")

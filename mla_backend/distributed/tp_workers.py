@@ -299,13 +299,13 @@ def step_message(fb: "ForwardBatch") -> dict:
     if fb.forward_mode.is_decode():
         w_rows, w_cols, w_slots = rows, [s - 1 for s in fb.seq_lens_cpu], out_loc
     else:
-        r2t = fb.req_to_token_pool.req_to_token
+        r2t = fb.req_to_token_pool.req_to_token_host  # no device sync
         w_rows, w_cols, w_slots = [], [], []
         for row, n in zip(rows, fb.seq_lens_cpu):
             w_rows += [row] * n
             w_cols += range(n)
-        idx = torch.tensor(w_rows, dtype=torch.int64, device=r2t.device)
-        col = torch.tensor(w_cols, dtype=torch.int64, device=r2t.device)
+        idx = torch.tensor(w_rows, dtype=torch.int64)
+        col = torch.tensor(w_cols, dtype=torch.int64)
         w_slots = r2t[idx, col].tolist()
     return {
         "req_to_token": (w_rows, w_cols, w_slots),

@@ -77,7 +77,7 @@ class ChunkCache:
         row = req.req_pool_idx
         assert row is not None, f"cache_finished_req: request {req.rid} has no row"
         self.entries.pop(req.rid, None)
-        self.allocator.free(self.req_to_token_pool.req_to_token[row, :kv_len])
+        self.allocator.free(self.req_to_token_pool.read_row(row, 0, kv_len))
         self.req_to_token_pool.free(row)
         req.req_pool_idx, req.last_node, req.prefix_indices = None, None, None
 
@@ -85,7 +85,7 @@ class ChunkCache:
         """Remember the slots of `req.fill_ids` (all computed now) as the request's prefix."""
         row = req.req_pool_idx
         assert row is not None, f"cache_unfinished_req: request {req.rid} has no row"
-        slots = self.req_to_token_pool.req_to_token[row, :len(req.fill_ids)].to("cpu", torch.int64)
+        slots = self.req_to_token_pool.read_row(row, 0, len(req.fill_ids))
         self.entries[req.rid] = slots
         req.prefix_indices = slots
         req.last_node = None

@@ -1,9 +1,12 @@
 """Two-level KV memory: request rows → token slots → per-layer KV storage.
 
 Owns:
-- `ReqToTokenPool`: `req_to_token[row, position] -> slot` (int32, on the model's device). Rows are
-  handed out by the scheduler, one per running request; slots are written by the scheduler and the
-  prefix cache and read by the attention backends.
+- `ReqToTokenPool`: `req_to_token[row, position] -> slot` (int32, on the model's device) and its
+  host copy `req_to_token_host`. Rows are handed out by the scheduler, one per running request;
+  slots are written by the scheduler and the prefix cache (`write_row`, `write_positions`: both
+  copies), read on the device by the attention backends and on the host by the scheduler and
+  the prefix cache (`read_row`: no device synchronisation, so the host never waits for a batch
+  still running).
 - `TokenToKVPoolAllocator`: the CPU free list of token slots 1..size. Slot 0 is a reserved sink
   (padded CUDA-graph rows write there) and is never handed out.
 - `KVPool` and its two layouts: `MHATokenToKVPool` (per layer K and V per KV head) and
@@ -99,6 +102,10 @@ class ReqToTokenPool:
         # [size, max_context_len] int32, device: slot id of token j of the request in row i
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32,
                                         device=self.device)
+        # The same table on the host (the very tensor on a CPU device; on a GPU as many host
+        # bytes as the device table: size * max_context_len * 4).
+        self.req_to_token_host = self.req_to_token if self.device.type == "cpu" else \
+            torch.zeros((size, max_context_len), dtype=torch.int32)
         self._free: list[int] = list(range(size))
         self._is_free = [True] * size
 
@@ -135,6 +142,30 @@ class ReqToTokenPool:
         self._free = list(range(self.size))
         self._is_free = [True] * self.size
 
+    def write_row(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """req_to_token[row, start:start + n] = slots ([n] integer tensor, CPU), both copies."""
+        n = int(slots.numel())
+        host = slots.to(torch.int32)
+        self.req_to_token_host[row, start:start + n] = host
+        if self.req_to_token is not self.req_to_token_host:
+            self.req_to_token[row, start:start + n] = host.to(self.device, non_blocking=True)
+
+    def write_positions(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], cols[i]] = slots[i] for every i (slots: [n] integer tensor,
+        CPU), both copies; on a device as one scatter."""
+        r = torch.tensor(rows, dtype=torch.int64)
+        c = torch.tensor(cols, dtype=torch.int64)
+        host = slots.to(torch.int32)
+        self.req_to_token_host[r, c] = host
+        if self.req_to_token is not self.req_to_token_host:
+            packed = torch.stack([r, c, host.to(torch.int64)]).to(self.device, non_blocking=True)
+            self.req_to_token[packed[0], packed[1]] = packed[2].to(torch.int32)
+
+    def read_row(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Slots of positions start..end-1 of `row` from the host copy: [end - start] int64
+        CPU tensor (a copy)."""
+        return self.req_to_token_host[row, start:end].to(torch.int64)
+
 
 class TokenToKVPoolAllocator:
     """Free list of token slots 1..size (slot 0 is the sink and never allocated).
@@ -154,17 +185,22 @@ class TokenToKVPoolAllocator:
     def clear(self) -> None:
         """Free every slot."""
         self._free = torch.arange(1, self.size + 1, dtype=torch.int64)  # [n_free] int64 cpu
+        self._freed: list[torch.Tensor] = []  # freed since the last merge, in order
+        self._n_freed = 0
 
     def available_size(self) -> int:
         """Number of free slots."""
-        return int(self._free.numel())
+        return int(self._free.numel()) + self._n_freed
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """Take `n` slots: [n] int64 cpu tensor of slot ids, or None (nothing taken) if short."""
         if n < 0:
             raise ValueError(f"alloc: n must be >= 0, got {n}")
         if n > self._free.numel():
-            return None
+            if n > self._free.numel() + self._n_freed:
+                return None
+            self._free = torch.cat([self._free, *self._freed])  # free order kept
+            self._freed, self._n_freed = [], 0
         out, self._free = self._free[:n], self._free[n:]
         return out
 
@@ -179,7 +215,10 @@ class TokenToKVPoolAllocator:
         t = t.reshape(-1).to(device="cpu", dtype=torch.int64)
         if int(t.min()) < 1 or int(t.max()) > self.size:
             raise ValueError(f"TokenToKVPoolAllocator.free: slot outside 1..{self.size}")
-        self._free = torch.cat([self._free, t])
+        # Appended lazily (merged when `alloc` needs them): one cat of the whole free list per
+        # free cost ~1-3 ms per decode step at millions of slots.
+        self._freed.append(t)
+        self._n_freed += int(t.numel())
 
 
 class KVPool(abc.ABC):

@@ -253,7 +253,7 @@ class RadixCache:
         row = req.req_pool_idx
         assert row is not None, f"cache_finished_req: request {req.rid} has no row"
         prefix_len = 0 if req.prefix_indices is None else int(req.prefix_indices.numel())
-        slots = self.req_to_token_pool.req_to_token[row, :kv_len].to("cpu", torch.int64)
+        slots = self.req_to_token_pool.read_row(row, 0, kv_len)
         present = self.insert(tokens[:kv_len], slots)
         if present > prefix_len:
             self.allocator.free(slots[prefix_len:present])
@@ -269,14 +269,13 @@ class RadixCache:
         row = req.req_pool_idx
         assert row is not None, f"cache_unfinished_req: request {req.rid} has no row"
         prefix_len = 0 if req.prefix_indices is None else int(req.prefix_indices.numel())
-        slots = self.req_to_token_pool.req_to_token[row, :len(tokens)].to("cpu", torch.int64)
+        slots = self.req_to_token_pool.read_row(row, 0, len(tokens))
         present = self.insert(tokens, slots)
         if present > prefix_len:
             self.allocator.free(slots[prefix_len:present])
         new_indices, new_last = self.match_prefix(tokens)
         assert int(new_indices.numel()) == len(tokens)
-        self.req_to_token_pool.req_to_token[row, prefix_len:len(tokens)] = new_indices[
-            prefix_len:].to(self.req_to_token_pool.device, torch.int32)
+        self.req_to_token_pool.write_row(row, prefix_len, new_indices[prefix_len:])
         self.dec_lock_ref(req.last_node)
         self.inc_lock_ref(new_last)
         req.prefix_indices, req.last_node = new_indices, new_last

@@ -359,7 +359,9 @@ class ModelRunner:
         # One host-to-device copy for all five index tensors (each a contiguous slice of it):
         # separate small copies cost a few microseconds of host time each, every step.
         packed = torch.tensor(ids + pos + out_loc + rows + seq, dtype=torch.int64)
-        packed = packed.to(self.device)
+        # non_blocking: a pageable source is staged at once, and the copy does not wait for
+        # the batch the device may still be running (the engine's overlap schedule).
+        packed = packed.to(self.device, non_blocking=True)
         t, b = num_tokens, len(seq)
         return ForwardBatch(
             forward_mode=mode,

@@ -54,6 +54,12 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_TEMPERATURE_EPS or params.top_k == 1
 
 
+def _on(values: Sequence, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A 1-D tensor of `values` on `device`, copied without waiting for queued device work (a
+    pageable source is staged at once)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _padded_ids(seqs: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
     """int64 [n, max_len] of the sequences, right-padded with `pad` (max_len >= 1)."""
     width = max(1, max(len(s) for s in seqs))
@@ -115,7 +121,7 @@ def apply_temperature_and_filters(logits: torch.Tensor,
     top_k, top_p and min_p filtered (removed tokens → -inf). At least one token always stays."""
     n, vocab = logits.shape
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    temps = _on([p.temperature for p in params], dev, torch.float32)
     out = logits / temps.unsqueeze(1)
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     need_k = any(k < vocab for k in ks)
@@ -123,16 +129,16 @@ def apply_temperature_and_filters(logits: torch.Tensor,
     if need_k or need_p:
         vals, idx = out.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=dev).unsqueeze(0)
-        remove = rank >= torch.tensor(ks, device=dev).unsqueeze(1)
+        remove = rank >= _on(ks, dev).unsqueeze(1)
         if need_p:
-            top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params],
-                                 dtype=torch.float32, device=dev).unsqueeze(1)
+            top_p = _on([p.top_p if p.top_p < 1.0 else float("inf") for p in params], dev,
+                        torch.float32).unsqueeze(1)
             probs = vals.masked_fill(remove, float("-inf")).softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs
             remove |= mass_before >= top_p  # the top token has mass_before 0 < top_p: kept
         out = torch.empty_like(out).scatter_(1, idx, vals.masked_fill(remove, float("-inf")))
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        min_p = _on([p.min_p for p in params], dev, torch.float32)
         probs = out.softmax(dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         out = out.masked_fill(probs < threshold, float("-inf"))
@@ -163,8 +169,8 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Req],
         if len(sampled) == len(reqs):
             out = apply_temperature_and_filters(out, params)
         else:
-            out[sampled] = apply_temperature_and_filters(out[sampled],
-                                                         [params[i] for i in sampled])
+            idx = _on(sampled, out.device)
+            out[idx] = apply_temperature_and_filters(out[idx], [params[i] for i in sampled])
     return out
 
 
@@ -204,7 +210,8 @@ class Sampler:
         else:
             if unseeded:
                 shared = torch.empty(len(unseeded), logits.shape[1], device=logits.device)
-                noise[unseeded] = shared.exponential_(generator=self.generator)
+                noise[_on(unseeded, logits.device)] = shared.exponential_(
+                    generator=self.generator)
             for i, g in enumerate(gens):
                 if g is not None:
                     noise[i].exponential_(generator=g)
@@ -213,7 +220,20 @@ class Sampler:
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> SampleOutput:
         """Next token per request. logits: [bs, V'] float (V' >= vocab_size) on `device`;
-        reqs: the bs requests in row order. Raises ValueError on a shape mismatch."""
+        reqs: the bs requests in row order. Raises ValueError on a shape mismatch.
+        Same as `resolve(launch(logits, reqs))`."""
+        return self.resolve(self.launch(logits, reqs))
+
+    @torch.no_grad()
+    def launch(self, logits: torch.Tensor, reqs: Sequence[Req]) -> "LaunchedSample":
+        """Queue the sampling of one token per request on the logits' device without waiting
+        for it (no host synchronisation on CUDA); `resolve` returns the tokens. Must be
+        resolved before `logits`' storage is rewritten (a CUDA-graph replay's output buffer is:
+        the next replay). logits: [bs, V'] float, V' >= vocab_size.
+
+        Raises:
+            ValueError: logits not [len(reqs), V'] or V' < vocab_size.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(reqs):
             raise ValueError(f"logits must be [{len(reqs)}, V], got {tuple(logits.shape)}")
         if logits.shape[1] < self.vocab_size:
@@ -227,26 +247,63 @@ class Sampler:
         else:
             next_ids = processed.argmax(dim=-1)
             if sampled:
-                next_ids[sampled] = self._draw(processed[sampled], [reqs[i] for i in sampled])
+                idx = _on(sampled, processed.device)
+                next_ids[idx] = self._draw(processed[idx], [reqs[i] for i in sampled])
 
         lse = torch.logsumexp(raw, dim=-1)
         chosen_lp = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1) - lse
-        ids_list: list[int] = next_ids.tolist()
-        lp_list: list[float] = chosen_lp.tolist()
-
-        top: list[dict[int, float] | None] = [None] * len(reqs)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        top_vals = top_ids = None
         if want:
             kmax = min(max(params[i].logprobs or 0 for i in want), self.vocab_size)
-            top_vals: list[list[float]] = [[] for _ in want]
-            top_ids: list[list[int]] = [[] for _ in want]
             if kmax > 0:
-                vals, idx = raw[want].topk(kmax, dim=-1)
-                top_vals = (vals - lse[want].unsqueeze(1)).tolist()
-                top_ids = idx.tolist()
-            for j, i in enumerate(want):
-                k = params[i].logprobs or 0
-                d = dict(zip(top_ids[j][:k], top_vals[j][:k]))
+                idx = _on(want, raw.device)
+                vals, top_ids = raw[idx].topk(kmax, dim=-1)
+                top_vals = vals - lse[idx].unsqueeze(1)
+        host = [next_ids, chosen_lp] + ([top_vals, top_ids] if top_vals is not None else [])
+        event = None
+        if next_ids.is_cuda:  # into pinned memory: copies that do not block the host
+            pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in host]
+            for dst, src in zip(pinned, host):
+                dst.copy_(src, non_blocking=True)
+            host = pinned
+            event = torch.cuda.Event()
+            event.record()
+        return LaunchedSample(next_ids, host, event, [params[i].logprobs or 0 for i in want],
+                              want)
+
+    @staticmethod
+    def resolve(launched: "LaunchedSample") -> SampleOutput:
+        """Wait for a launched sampling (only for its own work, not for what the device queued
+        after it) and return its tokens and logprobs as host lists."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        ids_list: list[int] = launched.host[0].tolist()
+        lp_list: list[float] = launched.host[1].tolist()
+        top: list[dict[int, float] | None] = [None] * len(ids_list)
+        if launched.want:
+            n = len(launched.want)
+            has_top = len(launched.host) > 2
+            vals = launched.host[2].tolist() if has_top else [[]] * n
+            ids = launched.host[3].tolist() if has_top else [[]] * n
+            for j, (i, k) in enumerate(zip(launched.want, launched.want_k)):
+                d = dict(zip(ids[j][:k], vals[j][:k]))
                 d.setdefault(ids_list[i], lp_list[i])
                 top[i] = d
         return SampleOutput(next_token_ids=ids_list, token_logprobs=lp_list, top_logprobs=top)
+
+
+@dataclass
+class LaunchedSample:
+    """A sampling queued by `Sampler.launch` (rows in batch order): `next_ids` int64 [bs] on
+    the device (the next batch's input tokens may be read from it there); `host`: CPU copies
+    of next_ids, the chosen tokens' logprobs fp32 [bs] and, when a row asked for k > 0 top
+    logprobs, their values fp32 and ids int64 [len(want), max k] — on CUDA filled
+    asynchronously, complete once `event` has completed. `want`: the rows that asked for
+    logprobs, `want_k` their k."""
+
+    next_ids: torch.Tensor
+    host: list[torch.Tensor]
+    event: "torch.cuda.Event | None"
+    want_k: list[int]
+    want: list[int]

@@ -34,6 +34,9 @@ class ScheduleBatch:
         default_factory=lambda: torch.empty((0,), dtype=torch.int64))
     # [bs] False for a request whose prefill chunk is not its last: its sampled token is dropped
     sample_mask: list[bool] = field(default_factory=list)
+    # DECODE with the overlap schedule: rows whose input token is still on the GPU (sampled by
+    # the batch in flight); their `input_ids` entry is a placeholder the engine fills on device.
+    future_rows: list[int] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:

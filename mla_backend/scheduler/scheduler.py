@@ -71,7 +71,9 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # decoding requests
         self.chunked_req: Req | None = None  # prefilled in chunks; not decoding yet
-        self._batch: ScheduleBatch | None = None  # handed out, result not processed yet
+        # Handed out, results not processed yet, oldest first: at most two, and then the older
+        # is a DECODE batch (the engine's overlap schedule builds the next batch while it runs).
+        self._batches: list[ScheduleBatch] = []
         self._kv_len: dict[str, int] = {}  # rid -> tokens whose slot is in the request's row
         self._abort_marked: set[str] = set()
         self._admitted_once: set[str] = set()  # rids whose cached_tokens is final
@@ -96,8 +98,9 @@ class Scheduler:
         out: dict[int, Req] = {id(r): r for r in self.running}
         if self.chunked_req is not None:
             out[id(self.chunked_req)] = self.chunked_req
-        if self._batch is not None:
-            out.update((id(r), r) for r in self._batch.reqs)
+        for batch in self._batches:  # those not released yet (overlap: a request of the
+            # newer batch may have been released with the older one's results)
+            out.update((id(r), r) for r in batch.reqs if r.rid in self._kv_len)
         return list(out.values())
 
     # ------------------------------------------------------------------ requests in / out
@@ -138,10 +141,17 @@ class Scheduler:
         """Next batch: an EXTEND batch if any waiting request (or the chunked one) can be
         admitted, else a DECODE batch of the running requests, else None.
 
+        Overlap schedule: may be called while one DECODE batch is outstanding (its results not
+        processed). Its sampled requests must then have `num_inflight_tokens` 1: a new DECODE
+        batch takes their next position, lists them in `future_rows`, and leaves out those
+        whose in-flight token is certainly their last (max_tokens or the context length).
+        The caller must not let that happen when this step could retract
+        (`decode_may_retract`).
+
         Raises:
-            RuntimeError: the previous batch was not passed to `process_batch_result`.
+            RuntimeError: an EXTEND batch or two batches are outstanding.
         """
-        if self._batch is not None:
+        if len(self._batches) >= 2 or (self._batches and not self._batches[0].is_decode()):
             raise RuntimeError("get_next_batch: the previous batch has not been processed")
         self._release_marked()
         batch = None
@@ -151,8 +161,16 @@ class Scheduler:
             batch = self._get_new_batch_decode()
         if batch is None and not self.running and self.chunked_req is None:
             self.new_token_ratio = self.init_new_token_ratio  # idle
-        self._batch = batch
+        if batch is not None:
+            self._batches.append(batch)
         return batch
+
+    def decode_may_retract(self) -> bool:
+        """True when the next decode batch might not find one free or evictable slot per
+        running request (`_ensure_decode_slots` would retract): the overlap schedule then
+        processes the outstanding batch before building the next."""
+        return (self.allocator.available_size() + self.tree_cache.evictable_size()
+                < len(self.running))
 
     def _hold_prefill(self) -> bool:
         """True when this step should decode instead of admitting waiting requests: requests
@@ -181,19 +199,21 @@ class Scheduler:
         Raises:
             ValueError: `batch` is not the outstanding batch or `finished` has the wrong length.
         """
-        if batch is not self._batch:
-            raise ValueError("process_batch_result: not the batch returned by get_next_batch")
+        if not self._batches or batch is not self._batches[0]:
+            raise ValueError("process_batch_result: not the oldest batch returned by "
+                             "get_next_batch")
         if len(finished) != len(batch.reqs):
             raise ValueError(f"process_batch_result: {len(finished)} flags for "
                              f"{len(batch.reqs)} requests")
-        self._batch = None
+        self._batches.pop(0)
         if failed:
             gone = {id(r) for r in batch.reqs}
             for req, prefix_len in zip(batch.reqs, batch.prefix_lens):
                 if req is self.chunked_req:
                     self.chunked_req = None
                 req.finished_reason = req.finished_reason or FinishReason.ABORT
-                self._release(req, valid_kv_len=prefix_len)
+                if req.rid in self._kv_len:  # not released with an older batch
+                    self._release(req, valid_kv_len=prefix_len)
             self.running = [r for r in self.running if id(r) not in gone]
         elif batch.forward_mode.is_extend():
             for req, fin in zip(batch.reqs, finished):
@@ -212,7 +232,7 @@ class Scheduler:
             done = {id(r) for r, fin in zip(batch.reqs, finished)
                     if fin or r.rid in self._abort_marked}
             for req in batch.reqs:
-                if id(req) in done:
+                if id(req) in done and req.rid in self._kv_len:  # (overlap: released once)
                     self._release(req)
             self.running = [r for r in self.running if id(r) not in done]
         self._release_marked()
@@ -282,7 +302,7 @@ class Scheduler:
         admitted = {id(r) for r in reqs}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
         slots = self._alloc_slots(sum(r.extend_input_len for r in reqs))
-        r2t = self.req_to_token_pool.req_to_token
+        pool = self.req_to_token_pool
         input_ids: list[int] = []
         positions: list[int] = []
         rows, seq_lens, prefix_lens, extend_lens, sample_mask = [], [], [], [], []
@@ -299,10 +319,9 @@ class Scheduler:
             seq_len = len(req.fill_ids)
             ext = seq_len - prefix_len
             assert ext == req.extend_input_len and ext > 0
-            row_slots = r2t[req.req_pool_idx]
             if prefix_len:
-                row_slots[:prefix_len] = req.prefix_indices.to(r2t.device, torch.int32)
-            row_slots[prefix_len:seq_len] = slots[off:off + ext].to(r2t.device, torch.int32)
+                pool.write_row(req.req_pool_idx, 0, req.prefix_indices)
+            pool.write_row(req.req_pool_idx, prefix_len, slots[off:off + ext])
             off += ext
             self._kv_len[req.rid] = seq_len
             input_ids.extend(req.fill_ids[prefix_len:])
@@ -340,23 +359,37 @@ class Scheduler:
         if not self.running:
             return None
         reqs = list(self.running)
+        future: list[int] = []
+        if self._batches:  # overlap: leave out requests already ended (a stop string found
+            # late, an abort: the outstanding batch's results release them) and those whose
+            # in-flight token is certainly their last
+            ctx = self.context_len
+            reqs = [r for r in reqs if not r.finished() and (not r.num_inflight_tokens or (
+                len(r.output_ids) + 1 < r.sampling_params.max_new_tokens
+                and r.seqlen + 1 < ctx))]
+            if not reqs:
+                return None
         slots = self._alloc_slots(len(reqs))
-        r2t = self.req_to_token_pool.req_to_token
         input_ids, positions, rows, seq_lens = [], [], [], []
-        for req in reqs:
+        for i, req in enumerate(reqs):
             seq_len = req.seqlen
+            if req.num_inflight_tokens:  # its input token is the one still on the GPU
+                seq_len += 1
+                future.append(i)
+                input_ids.append(0)
+            else:
+                input_ids.append(req.output_ids[-1] if req.output_ids
+                                 else req.origin_input_ids[-1])
             assert self._kv_len[req.rid] == seq_len - 1, "decode: KV must lag by one token"
             self._kv_len[req.rid] = seq_len
-            input_ids.append(req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1])
             positions.append(seq_len - 1)
             rows.append(req.req_pool_idx)
             seq_lens.append(seq_len)
-        dev = r2t.device  # one scatter instead of bs tiny device writes
-        r2t[torch.tensor(rows, device=dev), torch.tensor(positions, device=dev)] = slots.to(
-            dev, torch.int32)
+        self.req_to_token_pool.write_positions(rows, positions, slots)
         n = len(reqs)
         return ScheduleBatch(ForwardMode.DECODE, reqs, input_ids, positions, rows, seq_lens,
-                             [s - 1 for s in seq_lens], [1] * n, slots, [True] * n)
+                             [s - 1 for s in seq_lens], [1] * n, slots, [True] * n,
+                             future_rows=future)
 
     def _ensure_decode_slots(self) -> None:
         """Make one free slot per running request: evict, else retract, else (a lone request
@@ -416,7 +449,7 @@ class Scheduler:
             self.tree_cache.cache_finished_req(req, kv_len)  # frees all: nothing is shared
         else:
             prefix_len = int(req.prefix_indices.numel()) if req.prefix_indices is not None else 0
-            self.allocator.free(self.req_to_token_pool.req_to_token[row, prefix_len:kv_len])
+            self.allocator.free(self.req_to_token_pool.read_row(row, prefix_len, kv_len))
             self.req_to_token_pool.free(row)
             self.tree_cache.dec_lock_ref(req.last_node)
         req.req_pool_idx, req.prefix_indices, req.last_node = None, None, None
@@ -429,8 +462,7 @@ class Scheduler:
         kv_len = self._kv_len.pop(req.rid)
         keep = min(kv_len, req.seqlen, kv_len if valid_kv_len is None else valid_kv_len)
         if kv_len > keep:  # output trimmed after its KV was computed
-            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-            self.allocator.free(row[keep:kv_len])
+            self.allocator.free(self.req_to_token_pool.read_row(req.req_pool_idx, keep, kv_len))
         self.tree_cache.cache_finished_req(req, keep)
         req.is_chunked = 0
         self._abort_marked.discard(req.rid)
@@ -440,7 +472,7 @@ class Scheduler:
         """Release aborted requests that are not part of an outstanding batch."""
         if not self._abort_marked:
             return
-        in_batch = {id(r) for r in self._batch.reqs} if self._batch is not None else set()
+        in_batch = {id(r) for b in self._batches for r in b.reqs}
         for req in list(self.running):
             if req.rid in self._abort_marked and id(req) not in in_batch:
                 self.running.remove(req)

@@ -9,17 +9,30 @@ Threading follows Triton's official vLLM backend (REFERENCE.md §4.3):
   error), then loops `Engine.wait_for_work` / `Engine.step` and puts each step's
   `RequestOutput`s on a queue. All of the engine's torch work runs on this one thread (one
   OpenMP thread team; see `_engine_main`).
-- response thread: the only sender for accepted requests; takes every step's outputs queued so
-  far, merges the increments of one request into one (`coalesce`: when sending falls behind the
-  engine, a request gets one response carrying several tokens instead of one response per token),
-  turns them into responses (`protocol.build_outputs`), sends them (each send is a blocking IPC
-  round trip), and polls `is_cancelled()` of live requests → `Engine.abort` + a CANCELLED error
-  flagged FINAL. It also owns the custom metrics (`metrics.MetricsRecorder`, flushed once per loop
-  iteration) and the per-request INFO log line (config parameter `LOG_REQUESTS`, off by default).
+- response thread (`mla-responses`, the dispatcher): decides every response of an accepted
+  request but sends none itself. It takes every step's outputs queued so far, merges the
+  increments of one request into one (`coalesce`: when sending falls behind the engine, a request
+  gets one response carrying several tokens instead of one response per token), decides which
+  response is a request's FINAL, turns outputs into responses (`protocol.build_outputs`) and puts
+  each on its request's sender queue; it polls `is_cancelled()` of live requests → `Engine.abort`
+  + a CANCELLED error flagged FINAL (queued the same way). It also owns the custom metrics
+  (`metrics.MetricsRecorder`, flushed at most every `_METRICS_FLUSH_S`) and the per-request
+  INFO log line (config parameter `LOG_REQUESTS`, off by default). Backpressure: it takes new engine outputs
+  only once every response it queued before its latest round has been sent; until then the
+  engine's outputs wait in its queue and are coalesced.
+- sender threads (`mla-sender-0` … `mla-sender-<N-1>`, N = `RESPONSE_SENDER_THREADS`): each pops
+  its own FIFO queue and calls `InferenceResponseSender.send`, a blocking IPC round trip to the
+  tritonserver process (the stub releases the GIL while it waits; the server answers on its
+  thread pool), so up to N round trips are in flight at once; a failed send is logged and the
+  thread goes on. A request is bound to one queue at registration (round robin by arrival), and
+  every response to it (data, FINAL, error, CANCELLED, UNAVAILABLE) goes through that queue: its
+  responses keep their order. With N = 1 every response goes out in the dispatcher's order.
 
 NOTE (exactly one FINAL): a request is in `_live` from registration until the response that
-carries its FINAL flag; whoever removes it from `_live` (under `_lock`) sends that FINAL, and
-outputs for an id no longer in `_live` are dropped — nothing is sent after FINAL.
+carries its FINAL flag; whoever removes it from `_live` (under `_lock`) queues that FINAL (or, in
+`finalize` after the sender threads have stopped, sends it), and outputs for an id no longer in
+`_live` are dropped — nothing is queued after FINAL. Requests rejected before registration get
+their one error response straight from the execute thread.
 
 A tensor-parallel worker that dies (`Engine.failed`, noticed at the next step or within 0.1 s
 when idle) is fatal. The engine thread stops; every live request and every later one ends with
@@ -38,10 +51,14 @@ Data: tensors and parameters come from Triton (`pb_utils`), engine settings from
 adapter-only parameters: `REPORT_CUSTOM_METRICS` (default "true"), `LOG_REQUESTS` (default
 "false"), `UNLOAD_ON_FATAL_ERROR` (default "false"; see above), `INTRA_OP_THREAD_COUNT` (torch's
 intra-op threads; default "auto": on a CPU one fewer than the process's cores, at least 1, on a
-GPU torch's default; see `_intra_op_threads`), `STREAM_INTERVAL` (default "1": a streamed response per token; N > 1: after a
-request's first streamed response, which goes out at once, each carries at least N tokens (the
-last one may carry fewer): N times fewer sends, each an IPC round trip to the server process, for
-N - 1 steps more latency per delta; as SGLang's `stream_interval`).
+GPU torch's default; see `_intra_op_threads`), `STREAM_INTERVAL` (default "1": a streamed
+response per token; N > 1: after a request's first streamed response, which goes out at once,
+each carries at least N tokens (the last one may carry fewer): N times fewer sends, each an IPC
+round trip to the server process, for N - 1 steps more latency per delta; as SGLang's
+`stream_interval`), `RESPONSE_SENDER_THREADS` (default "4", integer >= 1: the sender threads,
+i.e. how many send round trips of different requests may be in flight at once; more threads
+overlap more of the per-token IPC waits, at the cost of more stub threads taking the GIL and
+server pool threads; 1 sends one response at a time, in the dispatcher's order).
 """
 
 from __future__ import annotations
@@ -85,6 +102,12 @@ _CANCEL_POLL_S = 0.1  # a round of is_cancelled() polls starts this often (s)
 _CANCEL_POLL_MAX = 16
 _FINALIZE_DRAIN_S = 10.0  # how long finalize() waits for aborted requests' final outputs
 _STATS_POLL_S = 0.2  # engine stats (gauges) are read this often (s)
+# Buffered metrics go to Triton at most this often (s): each counter increment / histogram
+# observation is an IPC round trip (~0.1-0.5 ms on the 2-core CPU VM), once per loop was ~3% of
+# a core at 30 engine steps per second.
+_METRICS_FLUSH_S = 0.1
+_DEFAULT_SENDER_THREADS = 4  # RESPONSE_SENDER_THREADS when config.pbtxt does not set it
+_JOIN_S = 5.0  # finalize() waits this long for each of its threads (s)
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -99,8 +122,9 @@ class _Live:
     held: RequestOutput | None = None  # streaming increment with no text yet
     arrival: float = field(default_factory=time.monotonic)  # s, monotonic (for metrics)
     first_token: float | None = None  # s, monotonic: first output with tokens seen
-    streamed: bool = False  # a response with tokens was sent (STREAM_INTERVAL applies after it)
+    streamed: bool = False  # a response with tokens was queued (STREAM_INTERVAL applies after it)
     prompt_counted: bool = False  # its prompt tokens went into the prompt-token counter
+    shard: int = 0  # its sender queue / thread (every response to it goes there, in order)
 
 
 def _positive_int(parameters: dict[str, Any], key: str, default: int) -> int:
@@ -173,6 +197,8 @@ class TritonPythonModel:
         self._log_requests = _flag(params, "LOG_REQUESTS", False)
         self._stream_interval = _positive_int(params, "STREAM_INTERVAL", 1)
         self._unload_on_fatal = _flag(params, "UNLOAD_ON_FATAL_ERROR", False)
+        self._num_senders = _positive_int(params, "RESPONSE_SENDER_THREADS",
+                                          _DEFAULT_SENDER_THREADS)
         try:
             check_instance_layout(args.get("model_instance_kind"),
                                   config.parallel.tensor_parallel_size)
@@ -207,8 +233,8 @@ class TritonPythonModel:
 
     def _start_serving(self, args: dict[str, str], config: EngineConfig, report_metrics: bool,
                        t0: float) -> None:
-        """After the engine is built: log it, create the metrics, the request table and the
-        response thread."""
+        """After the engine is built: log it, create the metrics, the request table, the sender
+        threads and the response thread."""
         device = getattr(getattr(self.engine, "runner", None), "device", config.model.device)
         workers = getattr(getattr(self.engine, "runner", None), "tp_workers", None)
         self.logger.log_info(
@@ -231,6 +257,18 @@ class TritonPythonModel:
         self._ids = itertools.count()
         self._accepting = True
         self._fatal: str | None = None  # Engine.failed, once the engine thread has seen it
+        # (sender, response, flags) per sender thread; None stops the thread.
+        self._send_queues: list[queue.SimpleQueue[tuple[Any, Any, int] | None]] = [
+            queue.SimpleQueue() for _ in range(self._num_senders)]
+        self._queued = 0  # responses queued so far (written by the response thread only)
+        self._sent = 0  # of those, sent or failed (under _sent_cond)
+        self._sent_cond = threading.Condition()
+        self._sender_threads = [
+            threading.Thread(target=self._sender_main, args=(i,), name=f"mla-sender-{i}",
+                             daemon=True)
+            for i in range(self._num_senders)]
+        for thread in self._sender_threads:
+            thread.start()
         self._response_thread = threading.Thread(
             target=self._response_loop, name="mla-responses", daemon=True
         )
@@ -248,7 +286,8 @@ class TritonPythonModel:
 
     def _accept(self, request: Any) -> None:
         sender = request.get_response_sender()
-        rid = f"{request.request_id() or 'req'}#{next(self._ids)}"
+        number = next(self._ids)
+        rid = f"{request.request_id() or 'req'}#{number}"
         if not self._accepting or self._fatal is not None:
             self._send_error(sender, self._fatal or "the model is shutting down",
                              pb_utils.TritonError.UNAVAILABLE)
@@ -267,7 +306,7 @@ class TritonPythonModel:
             self._send_error(sender, f"Error reading the request: {e!r}",
                              pb_utils.TritonError.INTERNAL)
             return
-        live = _Live(sender=sender, options=parsed.options)
+        live = _Live(sender=sender, options=parsed.options, shard=number % self._num_senders)
         with self._lock:
             self._live[rid] = live
         try:
@@ -355,8 +394,8 @@ class TritonPythonModel:
                 "stays loaded and fails every request; reload it or restart the server")
 
     def _fail_all(self, message: str) -> None:
-        """Abort every live request in the engine and end it with an INTERNAL error (via the
-        response thread, which owns the senders)."""
+        """Abort every live request in the engine and end it with an INTERNAL error (queued by
+        the response thread, which decides every accepted request's responses)."""
         with self._lock:
             rids = [rid for rid, live in self._live.items() if live.accepted]
         errors = []
@@ -369,27 +408,35 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------ response thread
     def _response_loop(self) -> None:
-        last_poll = last_stats = 0.0
+        """The dispatcher (module docstring): outputs → responses on the sender queues."""
+        last_poll = last_stats = last_flush = 0.0
+        # self._queued after each of the last two rounds that queued responses: a round takes
+        # new outputs once the responses up to the older mark are sent (one round in flight).
+        marks: collections.deque[int] = collections.deque([0], maxlen=2)
         while True:
-            try:
-                batch = self._outputs.get(timeout=_QUEUE_WAIT_S)
-            except queue.Empty:
-                batch = []
-            if batch is None:  # finalize() is done with us
-                return
-            batch, stop = self._drain(batch)
+            batch: list[RequestOutput] = []
+            stop = False
+            if self._wait_sent(marks[0], _QUEUE_WAIT_S):
+                try:
+                    got = self._outputs.get(timeout=_QUEUE_WAIT_S)
+                except queue.Empty:
+                    got = []
+                if got is None:  # finalize() is done with us
+                    return
+                batch, stop = self._drain(got)
             for out in coalesce(batch):
                 try:
                     self._respond(out)
                 except Exception as e:  # noqa: BLE001
-                    self.logger.log_error(f"[mla_backend] sending a response failed: {e!r}")
+                    self.logger.log_error(f"[mla_backend] preparing a response failed: {e!r}")
             if self._fatal is not None:
                 self._fail_live(self._fatal)
             now = time.monotonic()
             if now - last_poll >= _CANCEL_POLL_S:
                 last_poll = now
                 self._poll_cancelled()
-            if self.metrics is not None:
+            if self.metrics is not None and (now - last_flush >= _METRICS_FLUSH_S or stop):
+                last_flush = now
                 try:
                     if now - last_stats >= _STATS_POLL_S:
                         last_stats = now
@@ -397,8 +444,42 @@ class TritonPythonModel:
                     self.metrics.flush()
                 except Exception as e:  # noqa: BLE001 - metrics must never stop the responses
                     self.logger.log_error(f"[mla_backend] updating metrics failed: {e!r}")
+            if self._queued != marks[-1]:
+                marks.append(self._queued)
             if stop:
                 return
+
+    def _wait_sent(self, count: int, timeout: float) -> bool:
+        """Wait up to `timeout` s until the first `count` queued responses have been sent (or
+        their send failed); True when they have."""
+        with self._sent_cond:
+            return self._sent_cond.wait_for(lambda: self._sent >= count, timeout)
+
+    def _queue_send(self, live: _Live, response: Any, flags: int) -> None:
+        """Put one response on `live`'s sender queue (response thread only)."""
+        self._queued += 1
+        self._send_queues[live.shard].put((live.sender, response, flags))
+
+    def _queue_error(self, live: _Live, message: str, code: int) -> None:
+        """Queue `live`'s error response flagged FINAL (the request's last)."""
+        self._queue_send(live, self._error_response(message, code), _FINAL)
+
+    def _sender_main(self, index: int) -> None:
+        """Sender thread `index`: send what its queue holds, in order, until the stop marker
+        (None); a send that raises is logged and skipped."""
+        send_queue = self._send_queues[index]
+        while True:
+            item = send_queue.get()
+            if item is None:
+                return
+            sender, response, flags = item
+            try:
+                sender.send(response, flags=flags)
+            except Exception as e:  # noqa: BLE001 - the other requests must still be answered
+                self.logger.log_error(f"[mla_backend] sending a response failed: {e!r}")
+            with self._sent_cond:
+                self._sent += 1
+                self._sent_cond.notify_all()
 
     def _drain(self, batch: list[RequestOutput]) -> tuple[list[RequestOutput], bool]:
         """`batch` plus every batch queued meanwhile (several engine steps when sending fell
@@ -426,7 +507,7 @@ class TritonPythonModel:
         if out.error is not None:
             code = (pb_utils.TritonError.UNAVAILABLE if out.error == self._fatal
                     else pb_utils.TritonError.INTERNAL)
-            self._send_error(live.sender, out.error, code)
+            self._queue_error(live, out.error, code)
             return
         self._account(out, live)
         if not out.finished and self._hold(out, live):
@@ -438,7 +519,7 @@ class TritonPythonModel:
         response = pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(name, arr) for name, arr in tensors.items()]
         )
-        live.sender.send(response, flags=_FINAL if out.finished else 0)
+        self._queue_send(live, response, _FINAL if out.finished else 0)
         live.streamed = live.streamed or bool(out.new_token_ids)
 
     def _hold(self, out: RequestOutput, live: _Live) -> bool:
@@ -491,10 +572,7 @@ class TritonPythonModel:
             rids = [rid for rid, live in self._live.items() if live.accepted]
             ended = [self._live.pop(rid) for rid in rids]
         for live in ended:
-            try:
-                self._send_error(live.sender, message, pb_utils.TritonError.UNAVAILABLE)
-            except Exception as e:  # noqa: BLE001
-                self.logger.log_error(f"[mla_backend] sending a response failed: {e!r}")
+            self._queue_error(live, message, pb_utils.TritonError.UNAVAILABLE)
 
     def _poll_cancelled(self) -> None:
         """Poll is_cancelled() of the next _CANCEL_POLL_MAX accepted live requests (round
@@ -517,9 +595,9 @@ class TritonPythonModel:
                 continue
             with self._lock:
                 if self._live.pop(rid, None) is None:
-                    continue  # finished meanwhile; its FINAL was sent
+                    continue  # finished meanwhile; its FINAL was queued
             self.engine.abort(rid)
-            self._send_error(live.sender, "Request was cancelled", pb_utils.TritonError.CANCELLED)
+            self._queue_error(live, "Request was cancelled", pb_utils.TritonError.CANCELLED)
             self.logger.log_info(f"[mla_backend] {self.model_name}: request {rid} was cancelled "
                                  "by the client; aborted")
 
@@ -527,15 +605,23 @@ class TritonPythonModel:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     @staticmethod
-    def _send_error(sender: Any, message: str, code: int) -> None:
-        """One error response flagged FINAL (the request's last)."""
-        error = pb_utils.TritonError(message, code)
-        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=_FINAL)
+    def _error_response(message: str, code: int) -> Any:
+        """An error response (pb_utils.InferenceResponse) with `message` and TritonError `code`."""
+        return pb_utils.InferenceResponse(output_tensors=[],
+                                          error=pb_utils.TritonError(message, code))
+
+    @classmethod
+    def _send_error(cls, sender: Any, message: str, code: int) -> None:
+        """Send one error response flagged FINAL (the request's last) on the calling thread:
+        only for requests not in `_live` (rejected before registration) or after the sender
+        threads have stopped."""
+        sender.send(cls._error_response(message, code), flags=_FINAL)
 
     # ------------------------------------------------------------------ finalize
     def finalize(self) -> None:
         """Stop accepting, abort every live request (each gets its final response), join the
-        threads and shut the engine down."""
+        engine, response and sender threads (the sender threads after sending all they hold) and
+        shut the engine down."""
         self._accepting = False
         with self._lock:
             rids = list(self._live)
@@ -550,9 +636,18 @@ class TritonPythonModel:
                     break
             time.sleep(0.02)
         self._running = False
-        self._engine_thread.join(timeout=5.0)
+        self._engine_thread.join(timeout=_JOIN_S)
         self._outputs.put(None)
-        self._response_thread.join(timeout=5.0)
+        self._response_thread.join(timeout=_JOIN_S)
+        for send_queue in self._send_queues:  # behind everything already queued
+            send_queue.put(None)
+        for thread in self._sender_threads:
+            thread.join(timeout=_JOIN_S)
+        stuck = [t.name for t in (self._engine_thread, self._response_thread,
+                                  *self._sender_threads) if t.is_alive()]
+        if stuck:
+            self.logger.log_error(f"[mla_backend] {self.model_name}: threads still running at "
+                                  f"unload: {', '.join(stuck)}")
         with self._lock:
             leftovers = list(self._live.items())
             self._live.clear()

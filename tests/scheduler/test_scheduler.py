@@ -327,3 +327,45 @@ def test_prefill_hold_is_bounded():
     assert admitted_at is not None and 1 <= admitted_at <= PREFILL_MAX_DELAY_STEPS + 2
     assert [r.output_ids for r in out] == [expected_output(p, m) for p, m in reqs]
     assert sim.drained()
+
+
+def test_overlap_schedule_next_decode_while_one_is_outstanding():
+    """The engine's overlap schedule: a DECODE batch is built while the previous one is still
+    outstanding (its tokens in flight); results are processed oldest first, a request that
+    finished with the older batch is released once."""
+    sim, (a, b) = sim_with([([1, 2, 3], 8), ([4, 5], 2)], radix=False)
+    assert sim.step().is_extend()  # both prefilled: one output token each
+    n1 = sim.sched.get_next_batch()
+    assert n1.is_decode() and n1.future_rows == []
+    with pytest.raises(RuntimeError):  # an EXTEND may not be outstanding; DECODE one may
+        sim2, _ = sim_with([([1, 2], 2)])
+        sim2.sched.get_next_batch()
+        sim2.sched.get_next_batch()
+    for r in n1.reqs:
+        r.num_inflight_tokens = 1
+    n2 = sim.sched.get_next_batch()  # b's in-flight token is its last (max 2): left out
+    assert n2.reqs == [a] and n2.future_rows == [0]
+    assert n2.seq_lens == [a.seqlen + 1] and n2.positions == [a.seqlen]
+    sim.sched.check_invariant()
+    with pytest.raises(RuntimeError):
+        sim.sched.get_next_batch()
+    with pytest.raises(ValueError):  # oldest first
+        sim.sched.process_batch_result(n2, [False])
+    # n1's results: both tokens appended, b finished by length and released now
+    for r in n1.reqs:
+        r.num_inflight_tokens = 0
+    finished = []
+    for r in n1.reqs:
+        r.output_ids.append(7)
+        if len(r.output_ids) >= r.sampling_params.max_new_tokens:
+            r.finished_reason = FinishReason.LENGTH
+        finished.append(r.finished())
+    assert finished == [False, True]
+    sim.sched.process_batch_result(n1, finished)
+    sim.sched.check_invariant()
+    assert sim.sched.num_running == 1
+    # a ends (as by EOS) with n2's token: n2 is processed with it finished, released once
+    a.finished_reason = FinishReason.STOP
+    sim.sched.process_batch_result(n2, [True])
+    sim.sched.check_invariant()
+    assert sim.sched.get_next_batch() is None and sim.drained()

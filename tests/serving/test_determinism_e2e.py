@@ -6,17 +6,22 @@ One server (module scope) over a temp repository with two copies of
 real argmax / seeded draw over its 8192 logits):
 
 - `dsv2-det`: 4 request slots (16 requests in flight must queue, so batch mates change from run to
-  run), chunked_prefill_size 256 (no prompt here is chunked), radix cache on;
+  run), chunked_prefill_size 256 (no prompt here is chunked), radix cache on, the adapter's
+  RESPONSE_SENDER_THREADS 4 (responses to different requests sent by 4 threads at once);
 - `dsv2-det-chunked`: chunked_prefill_size 16 and max_prefill_tokens 16: every prompt longer than 16
   tokens is prefilled in several chunks, next to other requests' chunks;
 - `dsv2-det-interval`: as `dsv2-det` with the adapter's STREAM_INTERVAL 4 (after the first
-  streamed response, one response per 4 tokens).
+  streamed response, one response per 4 tokens);
+- `dsv2-det-sender1`: as `dsv2-det` with RESPONSE_SENDER_THREADS 1 (one thread sends every
+  response, in the order the adapter made them).
 
 The same 16 requests (8 prompts x {greedy, temperature 0.9 / top_p 0.9 with a per-request seed})
 run (a) one at a time, (b) all at once on one gRPC stream in order, (c) all at once, one stream per
 request, in a shuffled order, (d) on the chunked model, all at once (reversed on one stream;
-shuffled, one stream each), (e) on the STREAM_INTERVAL 4 model, all at once. Every run must give
-the same text for each request, with exactly `max_tokens` tokens. The in-process engine tests
+shuffled, one stream each), (e) on the STREAM_INTERVAL 4 model, all at once, (f) on the
+one-sender-thread model, all at once, shuffled, one stream each (as (c) with 4 sender threads).
+Every run must give the same text for each request, with exactly `max_tokens` tokens and one
+FINAL, the last response of its stream. The in-process engine tests
 (tests/test_engine.py) cover chunking and batch mates without the server; this is the serving
 path: the adapter, request ids, sampling parameters parsed from the wire and the seed handed to
 the sampler. The radix cache is on, so runs (b) and (c) also reuse prefixes cached by run (a).
@@ -36,11 +41,13 @@ from serving_helpers import write_model
 pytestmark = pytest.mark.e2e
 
 DET, CHUNKED, INTERVAL = "dsv2-det", "dsv2-det-chunked", "dsv2-det-interval"
+SENDER1 = "dsv2-det-sender1"
 BASE = {"context_length": "512", "max_total_tokens": "4096", "max_running_requests": "4",
         "chunked_prefill_size": "256", "max_prefill_tokens": "1024"}
 SETTINGS = {DET: BASE, CHUNKED: {**BASE, "chunked_prefill_size": "16",
-                                 "max_prefill_tokens": "16"}, INTERVAL: BASE}
-ADAPTER = {INTERVAL: {"STREAM_INTERVAL": "4"}}
+                                 "max_prefill_tokens": "16"}, INTERVAL: BASE, SENDER1: BASE}
+ADAPTER = {DET: {"RESPONSE_SENDER_THREADS": "4"}, INTERVAL: {"STREAM_INTERVAL": "4"},
+           SENDER1: {"RESPONSE_SENDER_THREADS": "1"}}
 LONG = ("In the archive of the old observatory, between ledgers of star positions and letters "
         "from distant colleagues, the young astronomer found a notebook that")
 PROMPTS = [
@@ -153,6 +160,8 @@ def test_outputs_independent_of_batch_mates_order_and_chunking(server):
             all_at_once_many_streams(server, CHUNKED, shuffled),
         "STREAM_INTERVAL 4, shuffled": all_at_once_one_stream(server, INTERVAL, shuffled,
                                                               per_response),
+        "RESPONSE_SENDER_THREADS 1, shuffled, one stream each":
+            all_at_once_many_streams(server, SENDER1, shuffled),
     }
     reference = runs["one at a time"]
     for name, texts in runs.items():
