@@ -3,7 +3,9 @@
 Input: fp32 logits [bs, V] from `ModelRunner.forward` (one row per request, batch order) and the
 batch's `Req`s, of which it reads `sampling_params`, `origin_input_ids` and `output_ids`.
 Output: `SampleOutput` (host lists) for the engine, which appends the tokens to `req.output_ids`
-and accumulates logprobs. The only `Req` field written is `req.generator`: a private
+and accumulates logprobs; `launch` queues the work and starts the copies to the host,
+`resolve` waits for them (the engine's overlap schedule queues the next forward in between,
+reading the sampled ids on the device). The only `Req` field written is `req.generator`: a private
 `torch.Generator` created on first use for a request whose `sampling_params.seed` is set.
 
 Logit processing (`process_logits`), each step only for the rows that need it:
@@ -227,9 +229,9 @@ class Sampler:
     @torch.no_grad()
     def launch(self, logits: torch.Tensor, reqs: Sequence[Req]) -> "LaunchedSample":
         """Queue the sampling of one token per request on the logits' device without waiting
-        for it (no host synchronisation on CUDA); `resolve` returns the tokens. Must be
-        resolved before `logits`' storage is rewritten (a CUDA-graph replay's output buffer is:
-        the next replay). logits: [bs, V'] float, V' >= vocab_size.
+        for it (no host synchronisation on CUDA); `resolve` returns the tokens. The work is
+        queued on the current stream, so more device work (the next forward, which may read
+        `next_ids`) can be queued before `resolve`. logits: [bs, V'] float, V' >= vocab_size.
 
         Raises:
             ValueError: logits not [len(reqs), V'] or V' < vocab_size.
