@@ -218,7 +218,10 @@ class Engine:
         return self.has_work()
 
     def has_work(self) -> bool:
-        return (not self._inbox.empty()) or bool(self._live) or self._inflight is not None
+        """Requests queued or live, a batch in flight, or a request the scheduler still has to
+        release (ended by a stop string after its batch was handed back)."""
+        return (not self._inbox.empty() or bool(self._live) or self._inflight is not None
+                or self.scheduler.has_work())
 
     def shutdown(self) -> None:
         """Refuse new requests; abort every live one on the next step."""
@@ -442,6 +445,8 @@ class Engine:
                 delta, by_string = st.stopper.feed(delta, can_stop=t.n_out >= sp.min_new_tokens)
                 if by_string:
                     req.finished_reason = FinishReason.STOP
+                    # its batch may already be handed back (overlap): released by the scheduler
+                    self.scheduler.finish_request(req.rid)
             st.unsent_text += delta
         if req.finished_reason is not None and not by_string:
             # Release text held back for an incomplete UTF-8 char or a possible stop string.

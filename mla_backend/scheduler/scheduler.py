@@ -114,18 +114,28 @@ class Scheduler:
         """Abort by id. A waiting request is removed now; a running one is marked and released
         (slots, row, lock) at the next batch boundary. Sets finished_reason ABORT. Returns the
         Req, or None if unknown, already finished or already aborted."""
+        return self._end(rid, FinishReason.ABORT)
+
+    def finish_request(self, rid: str) -> Req | None:
+        """A request the engine ended outside a batch result (overlap schedule: a stop string
+        found after its batch was handed back): released like an aborted one, at the next batch
+        boundary or with the outstanding batch that holds it; finished_reason stays as set
+        (STOP if unset). Returns the Req, or None if unknown or already released."""
+        return self._end(rid, FinishReason.STOP)
+
+    def _end(self, rid: str, reason: FinishReason) -> Req | None:
         for i, req in enumerate(self.waiting):
             if req.rid == rid:
                 del self.waiting[i]
                 self._admitted_once.discard(rid)
-                req.finished_reason = req.finished_reason or FinishReason.ABORT
+                req.finished_reason = req.finished_reason or reason
                 return req
         if rid in self._abort_marked:
             return None
         for req in self._holders():
             if req.rid == rid:
                 self._abort_marked.add(rid)
-                req.finished_reason = req.finished_reason or FinishReason.ABORT
+                req.finished_reason = req.finished_reason or reason
                 return req
         return None
 
