@@ -97,11 +97,12 @@ class _Launched:
 
 
 def _reads_outputs(req: Req) -> bool:
-    """The request's next sampling reads its output tokens: penalties, or min_tokens not yet
-    reached (EOS masked while len(output_ids) < min_new_tokens)."""
+    """The request's next sampling reads its output token ids (repetition / presence /
+    frequency penalties). (min_tokens needs only their count, which counts the one in
+    flight: `Req.num_inflight_tokens`.)"""
     sp = req.sampling_params
     return (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
-            or sp.frequency_penalty != 0.0 or len(req.output_ids) < sp.min_new_tokens)
+            or sp.frequency_penalty != 0.0)
 
 
 @dataclass
@@ -268,7 +269,7 @@ class Engine:
         later, a request ended by EOS or a stop string runs one extra decode row (its token is
         dropped), and the host's work per step hides behind the GPU's. The previous batch is
         finished first (no overlap for that step) when it was a prefill, its requests'
-        sampling reads their output tokens (penalties, min_tokens) or the next decode batch
+        sampling reads their output token ids (penalties) or the next decode batch
         could retract; such a batch is completed in its own step, its host work overlapping
         only with what the previous steps left to detokenize.
 

@@ -231,3 +231,16 @@ def test_random_workloads_overlap_equals_serial(seed):
     for rid, result in serial.items():
         if FinishReason.ABORT not in (result[2], overlap[rid][2]):
             assert overlap[rid] == result, rid
+
+
+def test_min_tokens_keeps_the_overlap():
+    """min_tokens = max_tokens (how benchmarks fix output lengths): EOS stays masked for exactly
+    min_tokens tokens with the token in flight counted, and every decode step overlaps."""
+    sp = SamplingParams(max_new_tokens=20, min_new_tokens=20, temperature=0.0)
+    serial = make_engine("false").generate(PROMPTS[:3], sp)
+    eng = make_engine("true")
+    overlapped = count_overlapped_batches(eng)
+    got = eng.generate(PROMPTS[:3], sp)
+    assert [r.token_ids for r in got] == [r.token_ids for r in serial]
+    assert all(len(r.token_ids) == 20 for r in got)
+    assert overlapped[0] >= 18  # 19 decodes after the prefill; the first has nothing in flight

@@ -1,7 +1,8 @@
 """Sampler: turns a batch's last-position logits into next tokens and their logprobs.
 
 Input: fp32 logits [bs, V] from `ModelRunner.forward` (one row per request, batch order) and the
-batch's `Req`s, of which it reads `sampling_params`, `origin_input_ids` and `output_ids`.
+batch's `Req`s, of which it reads `sampling_params`, `origin_input_ids`, `output_ids` and
+`num_inflight_tokens`.
 Output: `SampleOutput` (host lists) for the engine, which appends the tokens to `req.output_ids`
 and accumulates logprobs; `launch` queues the work and starts the copies to the host,
 `resolve` waits for them (the engine's overlap schedule queues the next forward in between,
@@ -13,8 +14,9 @@ Logit processing (`process_logits`), each step only for the rows that need it:
    logit / p if logit > 0 else logit * p;
 2. presence / frequency penalties, OpenAI semantics over the output tokens:
    logit -= frequency_penalty * count + presence_penalty * (count > 0);
-3. min_new_tokens: while len(output_ids) < min_new_tokens, the EOS ids and the request's
-   stop_token_ids get -inf (EOS is masked even with ignore_eos);
+3. min_new_tokens: while the tokens produced so far — len(output_ids) plus a token still in
+   flight (`num_inflight_tokens`, the engine's overlap schedule) — are fewer than min_new_tokens,
+   the EOS ids and the request's stop_token_ids get -inf (EOS is masked even with ignore_eos);
 4. non-greedy rows only: divide by temperature, then top_k, top_p (nucleus over the top_k
    survivors) and min_p (probability < min_p * max probability) set filtered tokens to -inf.
 Greedy rows (temperature < 1e-5, or top_k == 1) take the argmax of steps 1-3 (ties → lowest id).
@@ -107,11 +109,11 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> None:
 
 def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: set[int]) -> None:
     """In place on logits [bs, V]: -inf for EOS and stop_token_ids of every request that has
-    produced fewer than `min_new_tokens` tokens."""
+    produced fewer than `min_new_tokens` tokens (output_ids plus one in flight)."""
     vocab = logits.shape[1]
     for i, r in enumerate(reqs):
         sp = r.sampling_params
-        if len(r.output_ids) < sp.min_new_tokens:
+        if len(r.output_ids) + r.num_inflight_tokens < sp.min_new_tokens:
             banned = sorted(t for t in set(sp.stop_token_ids) | eos_token_ids if 0 <= t < vocab)
             if banned:
                 logits[i, banned] = float("-inf")
@@ -158,7 +160,8 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Req],
     params = [r.sampling_params for r in reqs]
     penalize = any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                    or p.frequency_penalty != 0.0 for p in params)
-    mask_min = any(len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs)
+    mask_min = any(len(r.output_ids) + r.num_inflight_tokens < r.sampling_params.min_new_tokens
+                   for r in reqs)
     sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
     if not (penalize or mask_min or sampled):
         return logits
