@@ -51,6 +51,40 @@ def test_allocator_never_hands_out_the_sink_and_round_trips():
         alloc.free(torch.tensor([11]))
 
 
+def test_allocator_frees_lazily_in_free_order():
+    """Freed slots are kept aside and merged only when an alloc needs them: they come back after
+    every never-used slot, in the order they were freed, and count as available at once."""
+    alloc = TokenToKVPoolAllocator(10, "cpu")
+    first = alloc.alloc(6)  # slots 1..6; 7..10 stay free
+    alloc.free(first[4:])  # 5, 6
+    alloc.free(first[:2])  # 1, 2
+    assert alloc.available_size() == 8
+    assert alloc.alloc(3).tolist() == [7, 8, 9]  # served from the never-used slots
+    assert alloc.alloc(5).tolist() == [10, 5, 6, 1, 2]  # then the freed ones, in free order
+    assert alloc.available_size() == 0 and alloc.alloc(1) is None
+
+
+def test_req_to_token_writes_reach_both_copies_and_reads_use_the_host():
+    pool = ReqToTokenPool(3, 8, "cpu")
+    assert pool.req_to_token_host is pool.req_to_token  # on a CPU device: one table
+    pool.write_row(1, 2, torch.tensor([5, 6, 7]))
+    pool.write_positions([0, 2], [7, 0], torch.tensor([9, 4]))
+    assert pool.read_row(1, 0, 6).tolist() == [0, 0, 5, 6, 7, 0]
+    assert pool.read_row(1, 2, 5).dtype == torch.int64
+    assert int(pool.req_to_token[0, 7]) == 9 and int(pool.req_to_token[2, 0]) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_req_to_token_host_copy_mirrors_the_device_table():
+    pool = ReqToTokenPool(3, 8, "cuda")
+    assert pool.req_to_token_host.device.type == "cpu"
+    pool.write_row(1, 2, torch.tensor([5, 6, 7]))
+    pool.write_positions([0, 2], [7, 0], torch.tensor([9, 4]))
+    assert torch.equal(pool.req_to_token.cpu(), pool.req_to_token_host)
+    assert pool.read_row(1, 2, 5).tolist() == [5, 6, 7]
+
+
 def test_mha_pool_shapes_and_writes():
     pool = MHATokenToKVPool(8, torch.float32, head_num=2, head_dim=4, v_head_dim=3,
                             layer_num=3, device="cpu")
