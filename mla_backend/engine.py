@@ -359,12 +359,6 @@ class Engine:
             if not self.overlap:
                 self._flush_tokens(outputs)
                 finished = [f or r.finished() for f, r in zip(finished, batch.reqs)]
-        except TpWorkerError as e:  # fatal: the ranks are out of step
-            self._flush_tokens(outputs)
-            self.scheduler.process_batch_result(batch, [True] * len(batch.reqs), failed=True)
-            self.failed = str(e)
-            self._fail_all_live(outputs)
-            return
         except Exception as e:  # noqa: BLE001 - fail the batch's requests, keep the engine alive
             self._fail_batch(batch, e, outputs)
             return

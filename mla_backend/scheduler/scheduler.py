@@ -75,6 +75,8 @@ class Scheduler:
         # is a DECODE batch (the engine's overlap schedule builds the next batch while it runs).
         self._batches: list[ScheduleBatch] = []
         self._kv_len: dict[str, int] = {}  # rid -> tokens whose slot is in the request's row
+        # rids ended outside a batch result (aborted, or a stop string found after the batch
+        # was handed back): released at the next batch boundary or with their outstanding batch
         self._abort_marked: set[str] = set()
         self._admitted_once: set[str] = set()  # rids whose cached_tokens is final
         self._rejected: list[Req] = []
@@ -92,7 +94,10 @@ class Scheduler:
         return len(self._holders())
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or bool(self._holders())
+        """Requests waiting, holding a row, or a batch not processed yet (no per-request work:
+        the engine asks every step)."""
+        return bool(self.waiting or self.running or self._batches
+                    or self.chunked_req is not None)
 
     def _holders(self) -> list[Req]:
         out: dict[int, Req] = {id(r): r for r in self.running}

@@ -337,9 +337,9 @@ def test_overlap_schedule_next_decode_while_one_is_outstanding():
     assert sim.step().is_extend()  # both prefilled: one output token each
     n1 = sim.sched.get_next_batch()
     assert n1.is_decode() and n1.future_rows == []
-    with pytest.raises(RuntimeError):  # an EXTEND may not be outstanding; DECODE one may
-        sim2, _ = sim_with([([1, 2], 2)])
-        sim2.sched.get_next_batch()
+    sim2, _ = sim_with([([1, 2], 2)])
+    assert sim2.sched.get_next_batch().is_extend()
+    with pytest.raises(RuntimeError):  # an EXTEND may not be outstanding; a DECODE one may
         sim2.sched.get_next_batch()
     for r in n1.reqs:
         r.num_inflight_tokens = 1
