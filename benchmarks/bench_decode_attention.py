@@ -5,8 +5,10 @@ heads / 8 KV heads, head dim 128, bf16) over batch sizes x context lengths, each
 
 1. builds a pool with scattered slots (a random permutation) and uniform context lengths;
 2. checks the kernel against an fp32 torch reference on a few requests (max abs error);
-3. times the kernel (triton.testing.do_bench, median) and a plain torch reference
-   (gather through req_to_token + scaled_dot_product_attention) the same way;
+3. times the kernel as the engine runs decode — replays of a captured CUDA graph, so host launch
+   time is excluded, each call after an L2 flush whose own time is subtracted (`graph_time_ms`,
+   median) — and a plain torch reference (gather through req_to_token + einsums;
+   triton.testing.do_bench, launches included);
 4. reports achieved bandwidth = (KV bytes read + q read + o written + req_to_token read) / time,
    against the device-to-device copy bandwidth measured in the same run (torch copy of a 4 GB
    buffer: 2 x 4 GB moved per copy).
@@ -52,6 +54,45 @@ def copy_bandwidth(nbytes: int = 4 * 1024 ** 3) -> float:
     return 2 * nbytes / (ms * 1e-3) / GB  # src/dst are freed on return
 
 
+def _capture(fns, n: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of n rounds of calling each of fns in order (warmed up once first)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            for fn in fns:
+                fn()
+    return graph
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Median wall time of one replay (CUDA events), ms."""
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def graph_time_ms(fn, flush, rounds: int = 10, reps: int = 30) -> float:
+    """Device time of one call of fn, ms, as the engine runs decode: replayed from a CUDA graph
+    (host launch time excluded), each call after an L2 flush (`flush`, a memset larger than the
+    cache), whose own time — a graph of the flushes alone — is subtracted."""
+    both = _replay_ms(_capture([flush, fn], rounds), reps)
+    flush_only = _replay_ms(_capture([flush], rounds), reps)
+    return max(both - flush_only, 1e-6) / rounds
+
+
 def pool_bytes(layout: str, tokens: int) -> int:
     _, hkv, lk, lv, mla = LAYOUTS[layout]
     per_token = lk * 2 if mla else hkv * (lk + lv) * 2
@@ -62,7 +103,8 @@ class Config:
     """One (layout, bs, ctx) problem on the GPU: pool, metadata, inputs, workspaces."""
 
     def __init__(self, layout: str, bs: int, ctx: int, max_kv_splits: int, sm_count: int,
-                 seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+                 seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                 fixed_splits: int | None = None):
         self.layout, self.bs, self.ctx = layout, bs, ctx
         h, hkv, lk, lv, mla = LAYOUTS[layout]
         self.h, self.hkv, self.lk, self.lv, self.mla = h, hkv, lk, lv, mla
@@ -83,12 +125,17 @@ class Config:
         self.q = torch.randn(bs, h, lk, device=dev).to(dt)
         self.o = torch.empty(bs, h, lv, dtype=dt, device=dev)
         self.sm_scale = 0.1147 if mla else lk ** -0.5
-        self.max_kv_splits = max_kv_splits
-        self.num_kv_splits = get_num_kv_splits(
-            self.seq_lens, num_head_programs(h, hkv, lv), max_kv_splits, sm_count)
-        self.attn_logits = torch.empty(bs, h, max_kv_splits, lv, dtype=torch.float32,
+        groups = num_head_programs(h, hkv, lv)
+        # the engine's workspace split dimension (TritonAttnBackend._split_cap): the grid size
+        self.max_kv_splits = max(1, min(max_kv_splits, da.splits_per_request(
+            bs, groups, sm_count, lk, self.k_buffer.dtype)))
+        if fixed_splits is not None:
+            self.max_kv_splits = fixed_splits
+        self.num_kv_splits = get_num_kv_splits(self.seq_lens, groups, self.max_kv_splits,
+                                               sm_count, head_dim=lk, kv_dtype=self.k_buffer.dtype)
+        self.attn_logits = torch.empty(bs, h, self.max_kv_splits, lv, dtype=torch.float32,
                                        device=dev)
-        self.attn_lse = torch.empty(bs, h, max_kv_splits, dtype=torch.float32, device=dev)
+        self.attn_lse = torch.empty(bs, h, self.max_kv_splits, dtype=torch.float32, device=dev)
 
     def run_kernel(self) -> None:
         decode_attention_fwd(self.q, self.k_buffer, self.v_buffer, self.o, self.req_to_token,
@@ -137,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16, 64, 256])
     ap.add_argument("--contexts", nargs="+", type=int, default=[512, 4096, 32768])
     ap.add_argument("--max-kv-splits", type=int, default=64,
-                    help="workspace split dimension passed to get_num_kv_splits / the kernel")
+                    help="upper bound of the workspace split dimension (the engine's "
+                         "max_kv_splits; per batch size it is capped as the engine caps it)")
     ap.add_argument("--mem-cap-gb", type=float, default=60.0,
                     help="skip configs whose buffers would exceed this many GB")
     ap.add_argument("--num-warps", type=int, default=None,
@@ -152,6 +200,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="MLA: reuse the gathered K tile as the V tile (off by default)")
     ap.add_argument("--no-k-reuse", action="store_true",
                     help="MLA: gather V separately instead of reusing the K tile")
+    ap.add_argument("--swap-ab", action="store_true",
+                    help="MLA: transposed products (tokens as the MMA's M dimension) at every "
+                         "batch size (tuning; default: up to SWAP_AB_MAX_BS)")
+    ap.add_argument("--splits", type=int, default=None,
+                    help="fixed KV splits per request instead of get_num_kv_splits (tuning)")
+    ap.add_argument("--variants", nargs="+", default=None, metavar="KEY=V,...",
+                    help="sweep in one process: each variant sets some of swap, reuse, bn, w, s, "
+                         "ppsm, wppsm, wdown, swapmax, ss, splits (e.g. swap=1,reuse=1,bn=64,w=4,s=2,splits=2) on top of "
+                         "the defaults and the other flags; one table row per variant and config")
     ap.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
     args = ap.parse_args(argv)
 
@@ -167,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         da.REUSE_K_TILE_AS_V = False
     if args.k_reuse:
         da.REUSE_K_TILE_AS_V = True
+    if args.swap_ab:
+        da.SWAP_AB_WIDE, da.SWAP_AB_MAX_BS = True, 1 << 30
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_attention: needs a CUDA GPU")
     if args.quick:
@@ -181,9 +240,54 @@ def main(argv: list[str] | None = None) -> None:
           f"max_kv_splits {args.max_kv_splits}; stage 1: {da.STAGE1_NUM_WARPS} warps, "
           f"{da.STAGE1_NUM_STAGES} stages ({da.STAGE1_NUM_STAGES_WIDE} for MLA), "
           f"K tile reuse for MLA V {da.REUSE_K_TILE_AS_V}\n")
-    print("| layout | bs | ctx | splits | max abs err | kernel us | GB/s | % copy BW "
+    variants = args.variants or [""]
+    base = {name: getattr(da, name) for name in _VARIANT_KEYS.values()}
+    label = "| variant " if args.variants else ""
+    print(f"{label}| layout | bs | ctx | splits | max abs err | kernel us | GB/s | % copy BW "
           "| torch us | torch GB/s | speedup |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (11 + bool(args.variants)) + "|")
+    for variant in variants:
+        for name, value in base.items():
+            setattr(da, name, value)
+        fixed_splits = _apply_variant(variant) if variant else None
+        if fixed_splits is None:
+            fixed_splits = args.splits
+        prefix = f"| {variant} " if args.variants else ""
+        run_configs(args, sm_count, bw_copy, warmup, rep, prefix, fixed_splits)
+
+
+_VARIANT_KEYS = {"swap": "SWAP_AB_WIDE", "reuse": "REUSE_K_TILE_AS_V", "bn": "BLOCK_N_WIDE",
+                 "w": "STAGE1_NUM_WARPS", "s": "STAGE1_NUM_STAGES_WIDE", "ppsm": "PROGRAMS_PER_SM",
+                 "wppsm": "WIDE_PROGRAMS_PER_SM", "swapmax": "SWAP_AB_MAX_BS",
+                 "ss": "STAGE1_NUM_STAGES_SWAP", "wdown": "WIDE_SPLITS_ROUND_DOWN"}
+
+
+def _apply_variant(spec: str) -> int | None:
+    """Set the decode_attention module knobs named in `spec` ("key=value,..."); returns the fixed
+    split count when the spec has `splits=N`, else None.
+    Raises:
+        SystemExit: an unknown key."""
+    splits = None
+    for item in spec.split(","):
+        key, _, value = item.partition("=")
+        if key == "splits":
+            splits = int(value)
+        elif key in _VARIANT_KEYS:
+            name = _VARIANT_KEYS[key]
+            setattr(da, name, bool(int(value)) if key in ("swap", "reuse", "wdown") else int(value))
+        else:
+            raise SystemExit(f"--variants: unknown key {key!r} in {spec!r}")
+    return splits
+
+
+def run_configs(args, sm_count: int, bw_copy: float, warmup: int, rep: int, prefix: str,
+                fixed_splits: int | None) -> None:
+    """Check and time every (layout, bs, ctx) of args with the module's current knobs."""
+    flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")  # > L2 (60 MB)
+
+    def flush() -> None:
+        flush_buf.zero_()
+
     for layout in args.layouts:
         for bs in args.batch_sizes:
             for ctx in args.contexts:
@@ -192,16 +296,16 @@ def main(argv: list[str] | None = None) -> None:
                 h, _, _, lv, _ = LAYOUTS[layout]
                 work = bs * h * args.max_kv_splits * lv * 4
                 if (pool + work) / GB > args.mem_cap_gb:
-                    print(f"| {layout} | {bs} | {ctx} | skipped: pool {pool / GB:.1f} GB "
+                    print(f"{prefix}| {layout} | {bs} | {ctx} | skipped: pool {pool / GB:.1f} GB "
                           f"over the cap | | | | | | | |")
                     continue
                 # the torch reference gathers a second copy of K/V (plus SDPA temporaries)
                 time_torch = not args.no_torch and (2.2 * pool + work) / GB <= args.mem_cap_gb
-                cfg = Config(layout, bs, ctx, args.max_kv_splits, sm_count)
+                cfg = Config(layout, bs, ctx, args.max_kv_splits, sm_count,
+                             fixed_splits=fixed_splits)
                 err = cfg.max_abs_err()
                 splits = cfg.num_kv_splits[0].item()
-                ms = triton.testing.do_bench(cfg.run_kernel, warmup=warmup, rep=rep,
-                                             return_mode="median")
+                ms = graph_time_ms(cfg.run_kernel, flush)
                 gbs = cfg.bytes_moved() / (ms * 1e-3) / GB
                 if time_torch:
                     ref_err = (cfg.torch_ref().float() - cfg.o.float()).abs().max().item()
@@ -213,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
                                   f" | {ms_t / ms:.1f}x")
                 else:
                     torch_cols = "- | - | -"
-                print(f"| {layout} | {bs} | {ctx} | {splits} | {err:.2e} | {ms * 1e3:.1f} | "
+                print(f"{prefix}| {layout} | {bs} | {ctx} | {splits} | {err:.2e} | {ms * 1e3:.1f} | "
                       f"{gbs:.0f} | {100 * gbs / bw_copy:.0f}% | {torch_cols} |", flush=True)
                 del cfg
                 torch.cuda.empty_cache()

@@ -14,6 +14,11 @@ Algorithm (flash-decoding with grouped heads, as in SGLang's Triton backend afte
   an online softmax in fp32 and writes the normalized partial output [Lv] and its natural-log
   log-sum-exp into the fp32 workspaces. Programs whose split is >= num_kv_splits[b] or starts at or
   beyond seq_len[b] (empty splits) return without reading anything.
+- Wide heads (QK dim > 256, MLA's 576) in a 16-bit pool at batches of up to SWAP_AB_MAX_BS
+  requests (`transposed_path`) take the transposed path (`SWAP_AB`): scores^T = K · q^T and
+  out^T = V^T · p^T, so the token tile is the MMA's M dimension and the 16 heads are N; the same
+  math, with the reused K tile read by a warpgroup MMA straight from shared memory (a swap-AB
+  trick, as in small-batch GEMMs).
 - Stage 2, grid (bs, H): merges the non-empty splits of each (request, head) by their LSE and
   writes `o` in o's dtype. A request with seq_len 0 (a padded row) has no non-empty split and gets
   zeros; its K/V and req_to_token row are never read.
@@ -43,17 +48,30 @@ import triton.language as tl
 # Smallest number of tokens a split is given by `get_num_kv_splits` (short sequences get fewer
 # splits so that each program still has at least this much work).
 MIN_TOKENS_PER_SPLIT = 64
-# `get_num_kv_splits` aims at this many stage-1 programs per SM.
+# `get_num_kv_splits` aims at this many stage-1 programs per SM (rounding the splits up).
 PROGRAMS_PER_SM = 4
+# Wide (MLA 576) heads: two programs fit on an SM at once (shared memory), so the plan aims at
+# exactly that many and rounds the splits *down*: a whole number of resident waves (bs 64 on 132
+# SMs: 4 splits = 256 programs, one wave, instead of 9 = 576, 2.2 waves). H200 sweep, 2026-11-30.
+WIDE_PROGRAMS_PER_SM = 2
+WIDE_SPLITS_ROUND_DOWN = True  # False: round up, as for narrow heads (tuning switch)
 # Stage-1 launch settings (SGLang's flash-decoding values; tune on the target GPU).
 STAGE1_NUM_WARPS = 4
 STAGE1_NUM_STAGES = 2
-# Wide (MLA 576) tiles: 3 stages, V gathered separately — best of a sweep on an H200 (2026-11-29,
-# docs/benchmarks.md): 62% vs 46% of copy bandwidth at bs 256, context 4096.
+# Wide (MLA 576) tiles, untransposed path: 3 stages, V gathered separately (a reused K tile is
+# not pipelined on that path) — best of the 2026-11-29 H200 sweep (docs/benchmarks.md).
 STAGE1_NUM_STAGES_WIDE = 3
-# Reuse the gathered K tile as the V tile when V is a prefix view of K (MLA absorbed). Off: a
-# separate V gather pipelines better (sweep on an H200, docs/benchmarks.md).
 REUSE_K_TILE_AS_V = False
+# Wide tiles, transposed path (`SWAP_AB`: tokens as the MMA's M dimension, the 16 heads as N; the
+# P·V product runs as a warpgroup MMA reading V^T straight from the shared K tile, so the K tile
+# is always reused as V there). With indirect (req_to_token) loads triton's pipeliner gives the K
+# tile floor((stages - 1) / 2) buffers: 5 stages = two 32-token buffers (~93 KB, two programs
+# per SM). Used for batches of up to SWAP_AB_MAX_BS requests: H200, 2026-11-30
+# (docs/benchmarks.md), bs 64 context 4096 117 vs 132 us for the untransposed path, bs 16
+# 45 vs 51 us; at bs 256, context 512 the untransposed path is faster (74 vs 116 us).
+SWAP_AB_WIDE = True
+SWAP_AB_MAX_BS = 64
+STAGE1_NUM_STAGES_SWAP = 5
 # Largest number of fp32 accumulator elements (BLOCK_H x BLOCK_DV) a stage-1 program keeps.
 _MAX_ACC_ELEMS = 8192
 
@@ -110,11 +128,49 @@ def block_n_for(lk: int) -> int:
     return BLOCK_N_WIDE if d + dpe > 256 else BLOCK_N_NARROW
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def wide_plan(head_dim: int, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether decode over a pool of this QK head dim and dtype uses the wide split plan: heads
+    wider than 256 (MLA's 576) in a 16-bit pool. FP8 pools keep the narrow plan and the
+    untransposed path (their tiles are converted in registers; H200 2026-11-30: FP8 decode at
+    bs 256-511 20.8 ms per step with those vs 22.2 ms with the wide plan)."""
+    return head_dim > 256 and kv_dtype not in _FP8_DTYPES
+
+
+def transposed_path(bs: int, head_dim: int, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether decode of a `bs`-request batch takes the transposed (SWAP_AB) path."""
+    return SWAP_AB_WIDE and bs <= SWAP_AB_MAX_BS and wide_plan(head_dim, kv_dtype)
+
+
+def splits_per_request(bs: int, num_head_groups: int, device_sm_count: int,
+                       head_dim: int = 0, kv_dtype: torch.dtype | None = None) -> int:
+    """Most KV splits the plan gives a request of a `bs`-request batch (host int, >= 1).
+
+    Narrow plan: cdiv(PROGRAMS_PER_SM * SMs, bs * groups). Wide plan (`wide_plan`: MLA's 576 in a
+    16-bit pool): max(1, (WIDE_PROGRAMS_PER_SM * SMs) // (bs * groups)), rounded down so that
+    uniform batches fill whole waves of resident programs. Shapes only: safe in CUDA graphs.
+    Args:
+        bs: requests in the batch; num_head_groups: stage-1 head programs per request;
+        device_sm_count: streaming multiprocessors; head_dim: the pool's QK head dim (0 = narrow);
+        kv_dtype: the pool's dtype (None = 16-bit).
+    """
+    rows = max(bs, 1) * max(num_head_groups, 1)
+    if wide_plan(head_dim, kv_dtype):
+        if not WIDE_SPLITS_ROUND_DOWN:
+            return max(1, triton.cdiv(WIDE_PROGRAMS_PER_SM * device_sm_count, rows))
+        return max(1, WIDE_PROGRAMS_PER_SM * device_sm_count // rows)
+    return max(1, triton.cdiv(PROGRAMS_PER_SM * device_sm_count, rows))
+
+
 def get_num_kv_splits(seq_lens: torch.Tensor, num_head_groups: int, max_kv_splits: int,
-                      device_sm_count: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                      device_sm_count: int, out: torch.Tensor | None = None,
+                      head_dim: int = 0, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """KV splits per request, computed on seq_lens' device with no host synchronisation.
 
-    splits[b] = clamp(min(cdiv(PROGRAMS_PER_SM * device_sm_count, bs * num_head_groups),
+    splits[b] = clamp(min(splits_per_request(bs, num_head_groups, device_sm_count, head_dim,
+                                             kv_dtype),
                           cdiv(seq_lens[b], MIN_TOKENS_PER_SPLIT)), 1, max_kv_splits):
     small batches at long context get many splits (to fill the GPU), short sequences few.
     Args:
@@ -124,6 +180,8 @@ def get_num_kv_splits(seq_lens: torch.Tensor, num_head_groups: int, max_kv_split
         max_kv_splits: upper bound (>= 1), the workspace's split dimension.
         device_sm_count: streaming multiprocessors of the device (any positive number on CPU).
         out: optional preallocated [bs] int32 result (for CUDA-graph-static buffers).
+        head_dim, kv_dtype: the pool's QK head dim and dtype (`wide_plan`; 0 / None = narrow /
+            16-bit).
     Returns:
         [bs] int32 on seq_lens' device, values in [1, max_kv_splits].
     Raises:
@@ -134,8 +192,8 @@ def get_num_kv_splits(seq_lens: torch.Tensor, num_head_groups: int, max_kv_split
                          f"device_sm_count >= 1, got {max_kv_splits}, {num_head_groups}, "
                          f"{device_sm_count}")
     bs = seq_lens.shape[0]
-    target = PROGRAMS_PER_SM * device_sm_count
-    per_req = min(max_kv_splits, max(1, triton.cdiv(target, max(bs, 1) * num_head_groups)))
+    per_req = min(max_kv_splits,
+                  splits_per_request(bs, num_head_groups, device_sm_count, head_dim, kv_dtype))
     by_len = torch.div(seq_lens.to(torch.int64) + (MIN_TOKENS_PER_SPLIT - 1),
                        MIN_TOKENS_PER_SPLIT, rounding_mode="floor")
     res = by_len.clamp(1, per_req).to(torch.int32)
@@ -163,7 +221,7 @@ def _decode_split_kernel(
     BLOCKS_PER_KV: tl.constexpr, MAX_KV_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    V_IS_K_PREFIX: tl.constexpr,
+    V_IS_K_PREFIX: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     b = tl.program_id(0)
     hp = tl.program_id(1)
@@ -186,59 +244,97 @@ def _decode_split_kernel(
         offs_dv = tl.arange(0, BLOCK_DV)
         mask_dv = offs_dv < Lv
         q_row = b.to(tl.int64) * stride_qb + cur_head.to(tl.int64) * stride_qh  # [BLOCK_H]
-        q = tl.load(Q + q_row[:, None] + offs_d[None, :],
-                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-        if BLOCK_DPE > 0:
-            offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
-            mask_dpe = offs_dpe < Lk
-            qpe = tl.load(Q + q_row[:, None] + offs_dpe[None, :],
-                          mask=mask_h[:, None] & mask_dpe[None, :], other=0.0)
-
         req_row = tl.load(ReqPoolIdx + b).to(tl.int64)
         r2t = ReqToToken + req_row * stride_r2t
         kv_head_k = kv_head.to(tl.int64) * stride_kh
         kv_head_v = kv_head.to(tl.int64) * stride_vh
         qk_scale = sm_scale * 1.4426950408889634  # base-2 exponent domain
-
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-        for start_n in range(start, end, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            slot = tl.load(r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k_off = slot[None, :] * stride_kn + kv_head_k  # [1, BLOCK_N]
-            k = tl.load(K + k_off + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)
-            if BLOCK_DPE > 0:
-                kpe = tl.load(K + k_off + offs_dpe[:, None],
-                              mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
-                qk += tl.dot(qpe, kpe.to(qpe.dtype), input_precision=DOT_PRECISION)
-            qk = qk * qk_scale
-            # Every tile has >= 1 valid column, so row maxima stay finite (padded head rows have
-            # q = 0, hence finite scores too).
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if V_IS_K_PREFIX:
-                v = tl.trans(k)  # MLA: the value rows are the first Lv = BLOCK_D key columns
-            else:
-                v = tl.load(V + (slot[:, None] * stride_vn + kv_head_v) + offs_dv[None, :],
-                            mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [N, DV]
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                                input_precision=DOT_PRECISION)
-            m_i = m_new
-
         mid_row = (b.to(tl.int64) * stride_mb + cur_head.to(tl.int64) * stride_mh
                    + split.to(tl.int64) * stride_ms)
-        tl.store(MidO + mid_row[:, None] + offs_dv[None, :], acc / l_i[:, None] * v_scale,
-                 mask=mask_h[:, None] & mask_dv[None, :])
-        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural log
         lse_row = (b.to(tl.int64) * stride_lb + cur_head.to(tl.int64) * stride_lh
                    + split.to(tl.int64) * stride_ls)
+        if BLOCK_DPE > 0:
+            offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+            mask_dpe = offs_dpe < Lk
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        if SWAP_AB:
+            # Transposed products: scores^T [BLOCK_N, BLOCK_H] = K · q^T and
+            # out^T [BLOCK_DV, BLOCK_H] = V^T · p^T, so the token tile is the M dimension (>= 64
+            # lets Hopper use warpgroup MMAs with K/V straight from shared memory) and the 16
+            # query heads are N.
+            qt = tl.load(Q + q_row[None, :] + offs_d[:, None],
+                         mask=mask_h[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_H]
+            if BLOCK_DPE > 0:
+                qpet = tl.load(Q + q_row[None, :] + offs_dpe[:, None],
+                               mask=mask_h[None, :] & mask_dpe[:, None], other=0.0)
+            acc_t = tl.zeros([BLOCK_DV, BLOCK_H], dtype=tl.float32)
+            for start_n in range(start, end, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                mask_n = offs_n < end
+                slot = tl.load(r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+                k_off = slot[:, None] * stride_kn + kv_head_k  # [BLOCK_N, 1]
+                k = tl.load(K + k_off + offs_d[None, :],
+                            mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, BLOCK_D]
+                qk = tl.dot(k.to(qt.dtype), qt, input_precision=DOT_PRECISION)  # [N, BLOCK_H]
+                if BLOCK_DPE > 0:
+                    kpe = tl.load(K + k_off + offs_dpe[None, :],
+                                  mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
+                    qk += tl.dot(kpe.to(qpet.dtype), qpet, input_precision=DOT_PRECISION)
+                qk = qk * qk_scale
+                qk = tl.where(mask_n[:, None], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 0))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(qk - m_new[None, :])  # [N, BLOCK_H]
+                l_i = l_i * alpha + tl.sum(p, 0)
+                if V_IS_K_PREFIX:
+                    v_t = tl.trans(k)  # [BLOCK_DV = BLOCK_D, N]: the same tile, read transposed
+                else:
+                    v_t = tl.load(V + (slot[None, :] * stride_vn + kv_head_v) + offs_dv[:, None],
+                                  mask=mask_n[None, :] & mask_dv[:, None], other=0.0)
+                acc_t = acc_t * alpha[None, :] + tl.dot(v_t.to(qt.dtype), p.to(qt.dtype),
+                                                        input_precision=DOT_PRECISION)
+                m_i = m_new
+            tl.store(MidO + mid_row[None, :] + offs_dv[:, None], acc_t / l_i[None, :] * v_scale,
+                     mask=mask_h[None, :] & mask_dv[:, None])
+        else:
+            q = tl.load(Q + q_row[:, None] + offs_d[None, :],
+                        mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+            if BLOCK_DPE > 0:
+                qpe = tl.load(Q + q_row[:, None] + offs_dpe[None, :],
+                              mask=mask_h[:, None] & mask_dpe[None, :], other=0.0)
+            acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+            for start_n in range(start, end, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                mask_n = offs_n < end
+                slot = tl.load(r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+                k_off = slot[None, :] * stride_kn + kv_head_k  # [1, BLOCK_N]
+                k = tl.load(K + k_off + offs_d[:, None],
+                            mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+                qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)
+                if BLOCK_DPE > 0:
+                    kpe = tl.load(K + k_off + offs_dpe[:, None],
+                                  mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
+                    qk += tl.dot(qpe, kpe.to(qpe.dtype), input_precision=DOT_PRECISION)
+                qk = qk * qk_scale
+                # Every tile has >= 1 valid column, so row maxima stay finite (padded head rows have
+                # q = 0, hence finite scores too).
+                qk = tl.where(mask_n[None, :], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(qk - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if V_IS_K_PREFIX:
+                    v = tl.trans(k)  # MLA: the value rows are the first Lv = BLOCK_D key columns
+                else:
+                    v = tl.load(V + (slot[:, None] * stride_vn + kv_head_v) + offs_dv[None, :],
+                                mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [N, DV]
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                                    input_precision=DOT_PRECISION)
+                m_i = m_new
+            tl.store(MidO + mid_row[:, None] + offs_dv[None, :], acc / l_i[:, None] * v_scale,
+                     mask=mask_h[:, None] & mask_dv[None, :])
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural log
         tl.store(MidLse + lse_row, lse, mask=mask_h)
 
 
@@ -333,9 +429,11 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     blocks_per_kv = triton.cdiv(group, hpp)
     block_d, block_dpe = _split_head_dim(lk)
     block_dv = max(16, triton.next_power_of_2(lv))
+    wide = block_d + block_dpe > 256
+    swap = transposed_path(bs, lk, k_buffer.dtype)
     # MLA: v_buffer is k_buffer[..., :Lv] and the first key part is exactly Lv wide, so the loaded
     # K tile doubles as the V tile (no second gather of the same bytes).
-    v_is_k_prefix = (REUSE_K_TILE_AS_V and v_buffer.data_ptr() == k_buffer.data_ptr()
+    v_is_k_prefix = ((swap or REUSE_K_TILE_AS_V) and v_buffer.data_ptr() == k_buffer.data_ptr()
                      and v_buffer.stride()[:2] == k_buffer.stride()[:2]
                      and v_buffer.dtype == k_buffer.dtype and lv == block_d and lv < lk)
     block_n = block_n_for(lk)
@@ -353,8 +451,9 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         Lk=lk, Lv=lv, GROUP=group, HEADS_PER_PROG=hpp, BLOCKS_PER_KV=blocks_per_kv,
         MAX_KV_SPLITS=max_kv_splits, BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv,
         BLOCK_N=block_n, BLOCK_H=block_h, DOT_PRECISION=precision, V_IS_K_PREFIX=v_is_k_prefix,
-        num_warps=STAGE1_NUM_WARPS,
-        num_stages=STAGE1_NUM_STAGES_WIDE if lk > 256 else STAGE1_NUM_STAGES,
+        SWAP_AB=swap, num_warps=STAGE1_NUM_WARPS,
+        num_stages=(STAGE1_NUM_STAGES_SWAP if swap
+                    else STAGE1_NUM_STAGES_WIDE if wide else STAGE1_NUM_STAGES),
     )
     _merge_splits_kernel[(bs, num_heads)](
         attn_logits, attn_lse, o, seq_lens, num_kv_splits,

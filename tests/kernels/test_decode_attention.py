@@ -24,6 +24,7 @@ from mla_kernels.decode_attention import (
     get_num_kv_splits,
     heads_per_program,
     num_head_programs,
+    splits_per_request,
 )
 from mla_kernels.reference import decode_attention_ref
 
@@ -145,15 +146,42 @@ def test_layouts_ragged(num_heads, num_kv_heads, lk, lv, mla):
     check(case, num_kv_splits=[1, 2, 3, 4], max_kv_splits=4)
 
 
-@pytest.mark.parametrize("reuse", [True, False])
-def test_mla_value_view_with_and_without_k_tile_reuse(reuse, monkeypatch):
-    """MLA V = strided view k_buffer[..., :512]: read through the K tile or gathered again."""
+@pytest.mark.parametrize("swap,reuse", [(False, True), (False, False), (True, True)],
+                         ids=["qk-k-reuse", "qk-v-gather", "swap-ab"])
+def test_mla_value_view_with_and_without_k_tile_reuse(swap, reuse, monkeypatch):
+    """MLA V = strided view k_buffer[..., :512]: read through the K tile or gathered again on the
+    untransposed path; the transposed path (SWAP_AB_WIDE) always reads it through the K tile."""
     import mla_kernels.decode_attention as da
 
     monkeypatch.setattr(da, "REUSE_K_TILE_AS_V", reuse)
-    case = make_case([45, 2], 16, 1, 576, 512, mla=True, seed=12)
+    monkeypatch.setattr(da, "SWAP_AB_WIDE", swap)
+    case = make_case([45, 2, 70], 16, 1, 576, 512, mla=True, seed=12)
     assert case.v_buffer.stride() == case.k_buffer.stride()
-    check(case, num_kv_splits=[2, 1], max_kv_splits=2)
+    check(case, num_kv_splits=[2, 1, 3], max_kv_splits=3)
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["qk", "swap-ab"])
+def test_wide_heads_with_a_separate_value_pool(swap, monkeypatch):
+    """Lk 576 / Lv 512 with V in its own buffer (not a view of K): both paths gather V."""
+    import mla_kernels.decode_attention as da
+
+    monkeypatch.setattr(da, "SWAP_AB_WIDE", swap)
+    case = make_case([45, 2, 70], 16, 1, 576, 512, mla=False, seed=15)
+    check(case, num_kv_splits=[2, 1, 3], max_kv_splits=3)
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["qk", "swap-ab"])
+def test_mla_fewer_heads_and_two_head_programs(swap, monkeypatch):
+    """Swapped MLA path with padded head columns (4 heads in a 16-wide program) and with two head
+    programs per latent head (32 heads), ragged lengths crossing 64-token tiles."""
+    import mla_kernels.decode_attention as da
+
+    monkeypatch.setattr(da, "SWAP_AB_WIDE", swap)
+    monkeypatch.setattr(da, "BLOCK_N_WIDE", 64)
+    check(make_case([1, 64, 65, 130], 4, 1, 576, 512, mla=True, seed=13),
+          num_kv_splits=[1, 1, 2, 3], max_kv_splits=3)
+    check(make_case([129, 7], 32, 1, 576, 512, mla=True, seed=14),
+          num_kv_splits=[2, 1], max_kv_splits=2)
 
 
 def test_gqa_group_larger_than_one_program():
@@ -293,8 +321,32 @@ def test_get_num_kv_splits_properties():
         assert (r >= 1).all() and (r <= mx).all() and (r[1:] >= r[:-1]).all()
     out = torch.zeros(6, dtype=torch.int32, device=DEVICE)
     assert get_num_kv_splits(lens, 1, 16, 132, out=out) is out and out.cpu().tolist()[4] == 16
+    # wide heads (MLA 576) in a 16-bit pool: WIDE_PROGRAMS_PER_SM (2) x 132 = 264 programs,
+    # splits rounded down; an FP8 pool keeps the narrow plan
+    assert (get_num_kv_splits(mid, 1, 16, 132, head_dim=576) == 4).all()  # 256 programs
+    assert (get_num_kv_splits(mid, 1, 16, 132, head_dim=576, kv_dtype=torch.bfloat16) == 4).all()
+    assert (get_num_kv_splits(mid, 1, 16, 132, head_dim=576,
+                              kv_dtype=torch.float8_e4m3fn) == 9).all()
+    wide256 = torch.full((256,), 4096, dtype=torch.int32, device=DEVICE)
+    assert (get_num_kv_splits(wide256, 1, 16, 132, head_dim=576) == 1).all()
+    assert (get_num_kv_splits(wide256[:100], 1, 16, 132, head_dim=576) == 2).all()
+    assert splits_per_request(64, 1, 132, 576) == 4 and splits_per_request(64, 1, 132, 128) == 9
+    assert splits_per_request(64, 1, 132, 576, torch.float8_e5m2) == 9
+    assert splits_per_request(1000, 8, 132, 576) == 1 and splits_per_request(1000, 8, 132) == 1
     with pytest.raises(ValueError):
         get_num_kv_splits(lens, 1, 0, 132)
+
+
+def test_transposed_path_selection(monkeypatch):
+    """The transposed path: wide heads, 16-bit pool, bs <= SWAP_AB_MAX_BS, switch on."""
+    import mla_kernels.decode_attention as da
+
+    assert da.transposed_path(64, 576, torch.bfloat16) and da.transposed_path(1, 576)
+    assert not da.transposed_path(da.SWAP_AB_MAX_BS + 1, 576, torch.bfloat16)
+    assert not da.transposed_path(8, 576, torch.float8_e4m3fn)
+    assert not da.transposed_path(8, 128, torch.bfloat16)
+    monkeypatch.setattr(da, "SWAP_AB_WIDE", False)
+    assert not da.transposed_path(8, 576, torch.bfloat16)
 
 
 def test_head_program_helpers():
@@ -349,6 +401,28 @@ def test_gpu_bf16_boundaries_and_empty_splits():
                          seed=23)
         check(case, num_kv_splits=[16] * len(lens), max_kv_splits=16, atol=BF16_ATOL,
               rtol=BF16_RTOL)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("bn,warps,stages,mla", [(64, 4, 3, True), (64, 8, 3, True),
+                                                 (32, 4, 5, True), (32, 4, 9, True),
+                                                 (16, 4, 9, True), (32, 4, 5, False)])
+def test_gpu_mla_swap_ab_settings(bn, warps, stages, mla, monkeypatch):
+    """The transposed-product path for wide heads (warpgroup MMAs when the tile is >= 64 tokens)
+    in bf16 for the launch settings the tuning sweep tries, V a view of K (MLA) or its own buffer:
+    tile boundaries, empty splits, padded rows."""
+    import mla_kernels.decode_attention as da
+
+    for name, value in (("SWAP_AB_WIDE", True), ("SWAP_AB_MAX_BS", 1 << 30), ("BLOCK_N_WIDE", bn),
+                        ("STAGE1_NUM_WARPS", warps), ("STAGE1_NUM_STAGES_SWAP", stages)):
+        monkeypatch.setattr(da, name, value)
+    lens = [1, bn - 1, bn, bn + 1, 2 * bn + 1, 7 * bn, 16 * bn + 1, 0, 3, 4000]
+    for heads in (16, 4):
+        case = make_case(lens, heads, 1, 576, 512, mla=mla, dtype=torch.bfloat16, seed=25)
+        check(case, num_kv_splits=[16] * len(lens), max_kv_splits=16, atol=BF16_ATOL,
+              rtol=BF16_RTOL)
+        check(case, num_kv_splits=None, max_kv_splits=4, atol=BF16_ATOL, rtol=BF16_RTOL)
 
 
 @gpu

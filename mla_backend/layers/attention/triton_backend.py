@@ -25,7 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from mla_backend.layers.attention.base import AttentionBackend
-from mla_kernels.decode_attention import PROGRAMS_PER_SM, decode_attention_fwd, get_num_kv_splits
+from mla_kernels.decode_attention import (
+    decode_attention_fwd,
+    get_num_kv_splits,
+    splits_per_request,
+)
 from mla_kernels.extend_attention import extend_attention_fwd
 from mla_kernels.store_kv import store_kv
 
@@ -34,7 +38,7 @@ if TYPE_CHECKING:
     from mla_backend.model_executor.forward_batch import ForwardBatch
 
 # Most KV splits per request. The workspace is sized per step from the batch size alone (no data
-# dependence): splits beyond cdiv(PROGRAMS_PER_SM * SMs, bs * head groups) are never planned.
+# dependence): splits beyond `splits_per_request(bs, head groups, SMs, head dim)` are never planned.
 DEFAULT_MAX_KV_SPLITS = 64
 
 
@@ -66,14 +70,15 @@ class TritonAttnBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ CUDA graphs
     @staticmethod
-    def _pool_head_groups(forward_batch: "ForwardBatch") -> int:
-        """KV heads of the pool (1 for the MLA latent pool): the decode programs per request."""
+    def _pool_head_groups(forward_batch: "ForwardBatch") -> tuple[int, int, torch.dtype]:
+        """(KV heads of the pool (1 for the MLA latent pool): the decode programs per request,
+        the pool's QK head dim, its dtype) — what the decode split plan depends on."""
         k_buf, _ = forward_batch.token_to_kv_pool.get_kv_buffer(0)
-        return max(1, int(k_buf.shape[1]))
+        return max(1, int(k_buf.shape[1])), int(k_buf.shape[-1]), k_buf.dtype
 
-    def _split_cap(self, bs: int, groups: int) -> int:
+    def _split_cap(self, bs: int, groups: int, head_dim: int, kv_dtype: torch.dtype) -> int:
         return max(1, min(self.max_kv_splits,
-                          -(-PROGRAMS_PER_SM * self.sm_count // (max(bs, 1) * groups))))
+                          splits_per_request(bs, groups, self.sm_count, head_dim, kv_dtype)))
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
         """Allocate the static split-plan buffer for graphs of up to `max_bs` requests."""
@@ -96,10 +101,11 @@ class TritonAttnBackend(AttentionBackend):
         """Before a replay: recompute the split plan of the (padded) `forward_batch.seq_lens`
         [bs] into the static buffer, on the device (no host synchronisation)."""
         assert self._graph_splits is not None
-        groups = self._pool_head_groups(forward_batch)
+        groups, head_dim, kv_dtype = self._pool_head_groups(forward_batch)
         out = self._graph_splits[:bs]
-        get_num_kv_splits(forward_batch.seq_lens[:bs], groups, self._split_cap(bs, groups),
-                          self.sm_count, out=out)
+        get_num_kv_splits(forward_batch.seq_lens[:bs], groups,
+                          self._split_cap(bs, groups, head_dim, kv_dtype), self.sm_count,
+                          out=out, head_dim=head_dim, kv_dtype=kv_dtype)
         self._num_kv_splits = {groups: out}
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
@@ -205,10 +211,12 @@ class TritonAttnBackend(AttentionBackend):
             k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         bs = q.shape[0]
         groups = max(1, k_buf.shape[1])  # programs per request: one per KV head
-        cap = self._split_cap(bs, groups)
+        head_dim = int(k_buf.shape[-1])
+        cap = self._split_cap(bs, groups, head_dim, k_buf.dtype)
         splits = self._num_kv_splits.get(groups)
         if splits is None:
-            splits = get_num_kv_splits(fb.seq_lens, groups, cap, self.sm_count)
+            splits = get_num_kv_splits(fb.seq_lens, groups, cap, self.sm_count,
+                                       head_dim=head_dim, kv_dtype=k_buf.dtype)
             self._num_kv_splits[groups] = splits
         o = torch.empty(bs, layer.num_heads, layer.v_head_dim, dtype=q.dtype, device=q.device)
         logits = torch.empty(bs, layer.num_heads, cap, layer.v_head_dim,

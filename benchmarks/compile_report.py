@@ -1,0 +1,99 @@
+"""What triton makes of the decode-attention kernel on Hopper, read on any machine (no GPU).
+
+Compiles `mla_kernels.decode_attention._decode_split_kernel` for an sm_90 target ahead of time
+(`triton.compile` with the integer / pointer divisibility hints the JIT would give) for MLA's
+576/512 bf16 layout and each requested launch setting, runs the ptxas bundled with triton
+(`-v`), and prints one table row per setting: registers per thread, shared memory per program,
+the shared-memory buffers the software pipeliner allocated (for example `2x32x512xbf16`: two
+32-token K buffers), and the count of warpgroup (wgmma) vs warp-level (mma.sync) MMA
+instructions in the PTX. This is how the second decode-attention round (docs/benchmarks.md) found
+that 3 stages gave the K tile a single buffer.
+
+    python benchmarks/compile_report.py SWAP,BLOCK_N,WARPS,STAGES ...   (e.g. 1,32,4,5 0,32,4,3)
+
+SWAP: 1 = the transposed path (always reusing the K tile as V), 0 = the untransposed path with
+V gathered separately. Needs triton with its NVIDIA backend (the pip wheel has it); no CUDA
+device or driver is used.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real, even under the test settings
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import mla_backend  # noqa: E402,F401  (registers `mla_kernels`)
+import mla_kernels.decode_attention as da  # noqa: E402
+
+POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "ReqToToken": "*i32", "ReqPoolIdx": "*i64",
+            "SeqLens": "*i32", "NumKvSplits": "*i32", "MidO": "*fp32", "MidLse": "*fp32"}
+
+
+def compile_setting(swap: bool, block_n: int, warps: int, stages: int):
+    """The compiled kernel (triton CompiledKernel) for MLA 16 heads, Lk 576 / Lv 512, bf16."""
+    fn = da._decode_split_kernel
+    constexprs = dict(Lk=576, Lv=512, GROUP=16, HEADS_PER_PROG=16, BLOCKS_PER_KV=1,
+                      MAX_KV_SPLITS=64, BLOCK_D=512, BLOCK_DPE=64, BLOCK_DV=512, BLOCK_N=block_n,
+                      BLOCK_H=16, DOT_PRECISION="tf32", V_IS_K_PREFIX=swap, SWAP_AB=swap)
+    signature, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in POINTERS:
+            signature[name] = POINTERS[name]
+        elif name in constexprs:
+            signature[name] = "constexpr"
+            consts[(i,)] = constexprs[name]
+            continue
+        elif name in ("sm_scale", "v_scale"):
+            signature[name] = "fp32"
+            continue
+        else:
+            signature[name] = "i32"
+        if name != "stride_ls":  # every other pointer and stride is a multiple of 16 here
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, signature, consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+def ptxas_report(ptx: str) -> str:
+    """'N registers, S spill bytes' from the ptxas bundled with triton."""
+    ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__),
+                                   "backends/nvidia/bin/ptxas"))[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", out],
+                             capture_output=True, text=True, check=True)
+    regs = re.search(r"Used (\d+) registers", res.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", res.stderr)
+    return f"{regs.group(1) if regs else '?'} | {spills.group(1) if spills else '?'}"
+
+
+def main(argv: list[str]) -> None:
+    settings = argv or ["0,32,4,3", "1,32,4,5", "1,64,4,3"]
+    print("| swap | tokens/tile | warps | stages | registers | spill bytes | shared KB "
+          "| pipelined buffers | wgmma | mma.sync |")
+    print("|---" * 10 + "|")
+    for spec in settings:
+        swap, block_n, warps, stages = (int(x) for x in spec.split(","))
+        k = compile_setting(bool(swap), block_n, warps, stages)
+        bufs = sorted(set(re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<([0-9x]+[a-z0-9]+)",
+                                     k.asm["ttgir"])))
+        ptx = k.asm["ptx"]
+        print(f"| {swap} | {block_n} | {warps} | {stages} | {ptxas_report(ptx)} | "
+              f"{k.metadata.shared / 1024:.1f} | {' '.join(bufs)} | "
+              f"{ptx.count('wgmma.mma_async')} | {ptx.count('mma.sync')} |", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
