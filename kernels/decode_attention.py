@@ -50,9 +50,10 @@ import triton.language as tl
 MIN_TOKENS_PER_SPLIT = 64
 # `get_num_kv_splits` aims at this many stage-1 programs per SM (rounding the splits up).
 PROGRAMS_PER_SM = 4
-# Wide (MLA 576) heads: two programs fit on an SM at once (shared memory), so the plan aims at
-# exactly that many and rounds the splits *down*: a whole number of resident waves (bs 64 on 132
-# SMs: 4 splits = 256 programs, one wave, instead of 9 = 576, 2.2 waves). H200 sweep, 2026-11-30.
+# Wide (MLA 576) heads in a 16-bit pool (`wide_plan`): two programs fit on an SM at once (shared
+# memory), so the plan aims at exactly that many and rounds the splits *down*: a whole number of
+# resident waves (bs 64 on 132 SMs: 4 splits = 256 programs, one wave, instead of 9 = 576, 2.2
+# waves). H200 sweep, 2026-11-30.
 WIDE_PROGRAMS_PER_SM = 2
 WIDE_SPLITS_ROUND_DOWN = True  # False: round up, as for narrow heads (tuning switch)
 # Stage-1 launch settings (SGLang's flash-decoding values; tune on the target GPU).
@@ -65,8 +66,8 @@ REUSE_K_TILE_AS_V = False
 # Wide tiles, transposed path (`SWAP_AB`: tokens as the MMA's M dimension, the 16 heads as N; the
 # P·V product runs as a warpgroup MMA reading V^T straight from the shared K tile, so the K tile
 # is always reused as V there). With indirect (req_to_token) loads triton's pipeliner gives the K
-# tile floor((stages - 1) / 2) buffers: 5 stages = two 32-token buffers (~93 KB, two programs
-# per SM). Used for batches of up to SWAP_AB_MAX_BS requests: H200, 2026-11-30
+# tile floor((stages - 1) / 2) buffers: 5 stages = two 32-token buffers (91.5 KB, two programs
+# per SM; `benchmarks/compile_report.py`). Used for batches of up to SWAP_AB_MAX_BS requests: H200, 2026-11-30
 # (docs/benchmarks.md), bs 64 context 4096 117 vs 132 us for the untransposed path, bs 16
 # 45 vs 51 us; at bs 256, context 512 the untransposed path is faster (74 vs 116 us).
 SWAP_AB_WIDE = True
