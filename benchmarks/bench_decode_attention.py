@@ -206,8 +206,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--splits", type=int, default=None,
                     help="fixed KV splits per request instead of get_num_kv_splits (tuning)")
     ap.add_argument("--variants", nargs="+", default=None, metavar="KEY=V,...",
-                    help="sweep in one process: each variant sets some of swap, reuse, bn, w, s, "
-                         "ppsm, wppsm, wdown, swapmax, ss, splits (e.g. swap=1,reuse=1,bn=64,w=4,s=2,splits=2) on top of "
+                    help="sweep in one process: each variant sets some of swap, swapmax, ss "
+                         "(transposed path), reuse, s (untransposed wide path), bn, w, ppsm, "
+                         "wppsm, splits (e.g. swap=1,swapmax=1024,bn=32,ss=5,splits=4) on top of "
                          "the defaults and the other flags; one table row per variant and config")
     ap.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
     args = ap.parse_args(argv)
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
 _VARIANT_KEYS = {"swap": "SWAP_AB_WIDE", "reuse": "REUSE_K_TILE_AS_V", "bn": "BLOCK_N_WIDE",
                  "w": "STAGE1_NUM_WARPS", "s": "STAGE1_NUM_STAGES_WIDE", "ppsm": "PROGRAMS_PER_SM",
                  "wppsm": "WIDE_PROGRAMS_PER_SM", "swapmax": "SWAP_AB_MAX_BS",
-                 "ss": "STAGE1_NUM_STAGES_SWAP", "wdown": "WIDE_SPLITS_ROUND_DOWN"}
+                 "ss": "STAGE1_NUM_STAGES_SWAP"}
 
 
 def _apply_variant(spec: str) -> int | None:
@@ -274,7 +275,7 @@ def _apply_variant(spec: str) -> int | None:
             splits = int(value)
         elif key in _VARIANT_KEYS:
             name = _VARIANT_KEYS[key]
-            setattr(da, name, bool(int(value)) if key in ("swap", "reuse", "wdown") else int(value))
+            setattr(da, name, bool(int(value)) if key in ("swap", "reuse") else int(value))
         else:
             raise SystemExit(f"--variants: unknown key {key!r} in {spec!r}")
     return splits
@@ -317,7 +318,8 @@ def run_configs(args, sm_count: int, bw_copy: float, warmup: int, rep: int, pref
                                   f" | {ms_t / ms:.1f}x")
                 else:
                     torch_cols = "- | - | -"
-                print(f"{prefix}| {layout} | {bs} | {ctx} | {splits} | {err:.2e} | {ms * 1e3:.1f} | "
+                print(f"{prefix}| {layout} | {bs} | {ctx} | {splits} | {err:.2e} | "
+                      f"{ms * 1e3:.1f} | "
                       f"{gbs:.0f} | {100 * gbs / bw_copy:.0f}% | {torch_cols} |", flush=True)
                 del cfg
                 torch.cuda.empty_cache()

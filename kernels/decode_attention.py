@@ -55,7 +55,6 @@ PROGRAMS_PER_SM = 4
 # resident waves (bs 64 on 132 SMs: 4 splits = 256 programs, one wave, instead of 9 = 576, 2.2
 # waves). H200 sweep, 2026-11-30.
 WIDE_PROGRAMS_PER_SM = 2
-WIDE_SPLITS_ROUND_DOWN = True  # False: round up, as for narrow heads (tuning switch)
 # Stage-1 launch settings (SGLang's flash-decoding values; tune on the target GPU).
 STAGE1_NUM_WARPS = 4
 STAGE1_NUM_STAGES = 2
@@ -67,9 +66,9 @@ REUSE_K_TILE_AS_V = False
 # P·V product runs as a warpgroup MMA reading V^T straight from the shared K tile, so the K tile
 # is always reused as V there). With indirect (req_to_token) loads triton's pipeliner gives the K
 # tile floor((stages - 1) / 2) buffers: 5 stages = two 32-token buffers (91.5 KB, two programs
-# per SM; `benchmarks/compile_report.py`). Used for batches of up to SWAP_AB_MAX_BS requests: H200, 2026-11-30
-# (docs/benchmarks.md), bs 64 context 4096 117 vs 132 us for the untransposed path, bs 16
-# 45 vs 51 us; at bs 256, context 512 the untransposed path is faster (74 vs 116 us).
+# per SM; `benchmarks/compile_report.py`). Used for batches of up to SWAP_AB_MAX_BS requests:
+# H200, 2026-11-30 (docs/benchmarks.md), bs 64 context 4096 117 vs 132 us for the untransposed
+# path, bs 16 45 vs 51 us; at bs 256, context 512 the untransposed path is faster (74 vs 116 us).
 SWAP_AB_WIDE = True
 SWAP_AB_MAX_BS = 64
 STAGE1_NUM_STAGES_SWAP = 5
@@ -159,8 +158,6 @@ def splits_per_request(bs: int, num_head_groups: int, device_sm_count: int,
     """
     rows = max(bs, 1) * max(num_head_groups, 1)
     if wide_plan(head_dim, kv_dtype):
-        if not WIDE_SPLITS_ROUND_DOWN:
-            return max(1, triton.cdiv(WIDE_PROGRAMS_PER_SM * device_sm_count, rows))
         return max(1, WIDE_PROGRAMS_PER_SM * device_sm_count // rows)
     return max(1, triton.cdiv(PROGRAMS_PER_SM * device_sm_count, rows))
 

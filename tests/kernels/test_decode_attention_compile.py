@@ -30,7 +30,8 @@ def test_defaults_compile_as_tuned():
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
             if line.startswith("| 0") or line.startswith("| 1")]
     assert len(rows) == 2, out
-    # swap | tokens/tile | warps | stages | registers | spill bytes | shared KB | buffers | wgmma | mma
+    # columns: swap, tokens/tile, warps, stages, registers, spill bytes, shared KB, buffers,
+    # wgmma, mma.sync
     t, u = rows
     assert t[0] == "1" and f"2x{da.BLOCK_N_WIDE}x512xbf16" in t[7].split(), t
     assert int(t[8]) > 0 and int(t[5]) == 0 and float(t[6]) <= 113, t

@@ -70,7 +70,7 @@ class TritonAttnBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ CUDA graphs
     @staticmethod
-    def _pool_head_groups(forward_batch: "ForwardBatch") -> tuple[int, int, torch.dtype]:
+    def _pool_split_inputs(forward_batch: "ForwardBatch") -> tuple[int, int, torch.dtype]:
         """(KV heads of the pool (1 for the MLA latent pool): the decode programs per request,
         the pool's QK head dim, its dtype) — what the decode split plan depends on."""
         k_buf, _ = forward_batch.token_to_kv_pool.get_kv_buffer(0)
@@ -101,7 +101,7 @@ class TritonAttnBackend(AttentionBackend):
         """Before a replay: recompute the split plan of the (padded) `forward_batch.seq_lens`
         [bs] into the static buffer, on the device (no host synchronisation)."""
         assert self._graph_splits is not None
-        groups, head_dim, kv_dtype = self._pool_head_groups(forward_batch)
+        groups, head_dim, kv_dtype = self._pool_split_inputs(forward_batch)
         out = self._graph_splits[:bs]
         get_num_kv_splits(forward_batch.seq_lens[:bs], groups,
                           self._split_cap(bs, groups, head_dim, kv_dtype), self.sm_count,
