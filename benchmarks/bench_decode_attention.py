@@ -104,7 +104,7 @@ class Config:
 
     def __init__(self, layout: str, bs: int, ctx: int, max_kv_splits: int, sm_count: int,
                  seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                 fixed_splits: int | None = None):
+                 fixed_splits: int | None = None, kv_dtype: torch.dtype | None = None):
         self.layout, self.bs, self.ctx = layout, bs, ctx
         h, hkv, lk, lv, mla = LAYOUTS[layout]
         self.h, self.hkv, self.lk, self.lv, self.mla = h, hkv, lk, lv, mla
@@ -112,11 +112,12 @@ class Config:
         torch.manual_seed(seed)
         tokens = bs * ctx
         size = tokens + 1  # slot 0 is the padding sink
-        self.k_buffer = torch.empty(size, hkv, lk, dtype=dt, device=dev).normal_()
+        kv_dt = kv_dtype or dt  # an FP8 pool holds N(0, 1) values, dequantization scale 1
+        self.k_buffer = torch.empty(size, hkv, lk, dtype=dt, device=dev).normal_().to(kv_dt)
         if mla:
             self.v_buffer = self.k_buffer[..., :lv]
         else:
-            self.v_buffer = torch.empty(size, hkv, lv, dtype=dt, device=dev).normal_()
+            self.v_buffer = torch.empty(size, hkv, lv, dtype=dt, device=dev).normal_().to(kv_dt)
         slots = (torch.randperm(tokens, device=dev) + 1).to(torch.int32).view(bs, ctx)
         self.req_to_token = torch.zeros(bs, ctx + 8, dtype=torch.int32, device=dev)
         self.req_to_token[:, :ctx] = slots
@@ -145,15 +146,15 @@ class Config:
     def bytes_moved(self) -> int:
         tokens = self.bs * self.ctx
         elem = self.q.element_size()
-        return (pool_bytes(self.layout, tokens) // 2 * elem + self.q.numel() * elem
-                + self.o.numel() * elem + tokens * 4)
+        return (pool_bytes(self.layout, tokens) // 2 * self.k_buffer.element_size()
+                + self.q.numel() * elem + self.o.numel() * elem + tokens * 4)
 
     def torch_ref(self) -> torch.Tensor:
         """Plain torch decode: gather every request's K/V through req_to_token, then grouped
         einsums (bf16 matmuls, fp32 softmax; KV heads never expanded). [bs, H, Lv] bf16."""
         rows = self.req_to_token[self.req_pool_indices.long(), :self.ctx].long()  # [bs, ctx]
-        k = self.k_buffer[rows]  # [bs, ctx, Hkv, Lk]
-        v = k[..., :self.lv] if self.mla else self.v_buffer[rows]
+        k = self.k_buffer[rows].to(self.q.dtype)  # [bs, ctx, Hkv, Lk]
+        v = k[..., :self.lv] if self.mla else self.v_buffer[rows].to(self.q.dtype)
         q = self.q.view(self.bs, self.hkv, self.h // self.hkv, self.lk)
         s = torch.einsum("bhgd,blhd->bhgl", q, k).float() * self.sm_scale
         p = torch.softmax(s, dim=-1).to(v.dtype)
@@ -208,9 +209,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", nargs="+", default=None, metavar="KEY=V,...",
                     help="sweep in one process: each variant sets some of swap, swapmax, ss "
                          "(transposed path), reuse, s (untransposed wide path), bn, w, ppsm, "
-                         "wppsm, splits (e.g. swap=1,swapmax=1024,bn=32,ss=5,splits=4) on top of "
+                         "wppsm, splits, fp8wide (FP8 pools on the wide plan) (e.g. "
+                         "swap=1,swapmax=1024,bn=32,ss=5,splits=4) on top of "
                          "the defaults and the other flags; one table row per variant and config")
     ap.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                    help="pool dtype (auto: bf16, as the queries); FP8 pools count 1 byte per "
+                         "value in GB/s")
     args = ap.parse_args(argv)
 
     if args.programs_per_sm is not None:
@@ -240,9 +245,9 @@ def main(argv: list[str] | None = None) -> None:
           f"triton {triton.__version__}; copy bandwidth {bw_copy:.0f} GB/s; "
           f"max_kv_splits {args.max_kv_splits}; stage 1: {da.STAGE1_NUM_WARPS} warps, "
           f"{da.STAGE1_NUM_STAGES} stages ({da.STAGE1_NUM_STAGES_WIDE} for MLA), "
-          f"K tile reuse for MLA V {da.REUSE_K_TILE_AS_V}\n")
+          f"K tile reuse for MLA V {da.REUSE_K_TILE_AS_V}; KV pool {args.kv_dtype}\n")
     variants = args.variants or [""]
-    base = {name: getattr(da, name) for name in _VARIANT_KEYS.values()}
+    base = {name: getattr(da, name) for name in (*_VARIANT_KEYS.values(), "_FP8_DTYPES")}
     label = "| variant " if args.variants else ""
     print(f"{label}| layout | bs | ctx | splits | max abs err | kernel us | GB/s | % copy BW "
           "| torch us | torch GB/s | speedup |")
@@ -257,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         run_configs(args, sm_count, bw_copy, warmup, rep, prefix, fixed_splits)
 
 
+_KV_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _VARIANT_KEYS = {"swap": "SWAP_AB_WIDE", "reuse": "REUSE_K_TILE_AS_V", "bn": "BLOCK_N_WIDE",
                  "w": "STAGE1_NUM_WARPS", "s": "STAGE1_NUM_STAGES_WIDE", "ppsm": "PROGRAMS_PER_SM",
                  "wppsm": "WIDE_PROGRAMS_PER_SM", "swapmax": "SWAP_AB_MAX_BS",
@@ -273,6 +279,8 @@ def _apply_variant(spec: str) -> int | None:
         key, _, value = item.partition("=")
         if key == "splits":
             splits = int(value)
+        elif key == "fp8wide":  # FP8 pools take the wide plan (and transposed path) too
+            da._FP8_DTYPES = () if int(value) else (torch.float8_e4m3fn, torch.float8_e5m2)
         elif key in _VARIANT_KEYS:
             name = _VARIANT_KEYS[key]
             setattr(da, name, bool(int(value)) if key in ("swap", "reuse") else int(value))
@@ -293,7 +301,7 @@ def run_configs(args, sm_count: int, bw_copy: float, warmup: int, rep: int, pref
         for bs in args.batch_sizes:
             for ctx in args.contexts:
                 tokens = bs * ctx
-                pool = pool_bytes(layout, tokens)
+                pool = pool_bytes(layout, tokens) // (2 if args.kv_dtype != "auto" else 1)
                 h, _, _, lv, _ = LAYOUTS[layout]
                 work = bs * h * args.max_kv_splits * lv * 4
                 if (pool + work) / GB > args.mem_cap_gb:
@@ -303,7 +311,7 @@ def run_configs(args, sm_count: int, bw_copy: float, warmup: int, rep: int, pref
                 # the torch reference gathers a second copy of K/V (plus SDPA temporaries)
                 time_torch = not args.no_torch and (2.2 * pool + work) / GB <= args.mem_cap_gb
                 cfg = Config(layout, bs, ctx, args.max_kv_splits, sm_count,
-                             fixed_splits=fixed_splits)
+                             fixed_splits=fixed_splits, kv_dtype=_KV_DTYPES[args.kv_dtype])
                 err = cfg.max_abs_err()
                 splits = cfg.num_kv_splits[0].item()
                 ms = graph_time_ms(cfg.run_kernel, flush)

@@ -3,26 +3,26 @@ same model, same settings, same requests, at each concurrency, in one run.
 
     .venv/bin/python benchmarks/serving_overhead.py [--model deepseek-v2-tiny]
         [--concurrency 1 64] [--max-tokens 64] [--requests N] [--repeats 3]
-        [--stream-intervals 1 4] [--sender-threads 1 4]
+        [--stream-intervals 1 4] [--sender-threads 1 4] [--engine-process true false]
 
 Each request: a distinct prompt, `max_tokens` = `min_tokens` = `--max-tokens`, `ignore_eos`,
 greedy, streaming. At concurrency C, N requests (default max(8, C)) run closed-loop with C in
 flight (a finished request is replaced at once); C = 64 with N = 64 is "64 submitted together".
 Radix cache off (every prompt is new anyway), pool and request slots sized for the largest C.
 
-- in-process: `Engine` in this process (`serving_client.engine_load`), (1) built and stepped by
-  the main thread with torch's default threads, and (2) as the adapter runs it: built and
-  stepped on one second thread with the adapter's default intra-op threads
-  (INTRA_OP_THREAD_COUNT "auto": one fewer than the cores, at least 1). (2) isolates the serving
-  path proper (same engine, same threads); (1) shows what the engine does with every core to
-  itself;
+- in-process: `Engine` in this process (`serving_client.engine_load`), (1) with torch's
+  default threads (every core to itself), measured first and alone, and (2) as the adapter runs
+  it: built and stepped on the main thread of its process (the adapter's engine process) with
+  the adapter's default intra-op threads (INTRA_OP_THREAD_COUNT "auto": one fewer than the
+  cores, at least 1). (2) isolates the serving path proper (same engine, same threads);
 - server: a tritonserver over a temp repository with a copy of the model folder and the same
   settings, one gRPC stream carrying the C requests (`serving_client.stream_load`; the client
-  runs in this process, on the same cores as the server). One copy per `--stream-intervals`
-  value (the adapter's STREAM_INTERVAL: 1 = a response per token, the default; N = after the
-  first, a response per N tokens) and `--sender-threads` value (the adapter's
-  RESPONSE_SENDER_THREADS; 0 = the adapter's default), all in the same server, measured one
-  after another.
+  runs in this process, on the same cores as the server). One copy per combination of
+  `--stream-intervals` (the adapter's STREAM_INTERVAL: 1 = a response per token, the default;
+  N = after the first, a response per N tokens), `--sender-threads` (RESPONSE_SENDER_THREADS;
+  0 = the adapter's default) and `--engine-process` (ENGINE_PROCESS) values, all in the same
+  server. The runs of (2) and of every server copy alternate (repeat 1 of each, then repeat 2,
+  ...), so a drift of the machine's speed during the benchmark hits every side alike.
 
 Both sides are warmed up first (a few requests at concurrency 1 and a full wave at each C); each
 measurement is repeated `--repeats` times and the median is reported, with the CPU seconds per
@@ -40,7 +40,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -70,50 +69,54 @@ MAX_OTHER_LOAD = 0.15  # cores; a run during which other programs used more is r
 RETRIES = 20
 
 
-def measure(run, levels: list[int], n_requests, max_tokens: int, repeats: int, side: str,
-            cpu_of=None) -> dict[int, dict]:
-    """Warm up, then `repeats` runs per level; median tokens/s and CPU s per 1000 tokens.
-
-    A run during which other programs on the machine used more than MAX_OTHER_LOAD cores (busy
-    time of /proc/stat minus ours) is discarded and redone after a pause, up to RETRIES times.
-    """
+def warm_up(run, levels: list[int], max_tokens: int, side: str) -> None:
+    """A few requests at concurrency 1, then one short wave at each level."""
     run(jobs_for(2, max_tokens, f"{side}-warm"), 1)
     for c in levels:
         run(jobs_for(c, max(8, max_tokens // 4), f"{side}-warm{c}"), c)
-    out = {}
-    for c in levels:
-        rates, cpus, client_cpus, others = [], [], [], []
-        for r in range(repeats):
-            for attempt in range(RETRIES + 1):
-                jobs = jobs_for(n_requests(c), max_tokens, f"{side}-{c}-{r}-{attempt}")
-                cpu0 = cpu_of() if cpu_of else 0.0
-                busy0 = system_busy_s()
-                stats = run(jobs, c)
-                cpu = (cpu_of() - cpu0) if cpu_of else stats.cpu_s
-                # cores' worth of CPU that other programs used during the run
-                other = max(system_busy_s() - busy0 - cpu - (stats.cpu_s if cpu_of else 0.0),
-                            0.0) / stats.wall_s
-                if other <= MAX_OTHER_LOAD or attempt == RETRIES:
-                    break
-                print(f"  {side:10s} c={c:<3d} run {r}: discarded ({stats.tokens_per_s:.1f} "
-                      f"tok/s; other programs used {other:.2f} cores)", flush=True)
-                time.sleep(15)
-            others.append(other)
-            if stats.errors or stats.output_tokens != len(jobs) * max_tokens:
-                raise SystemExit(f"{side} c={c}: {len(stats.errors)} errors, "
-                                 f"{stats.output_tokens} tokens: {stats.errors[:3]}")
-            rates.append(stats.tokens_per_s)
-            cpus.append(1000 * cpu / stats.output_tokens)
-            client_cpus.append(1000 * stats.cpu_s / stats.output_tokens)
-            print(f"  {side:10s} c={c:<3d} run {r}: {stats.tokens_per_s:8.1f} tok/s "
-                  f"({stats.output_tokens} tokens in {stats.wall_s:.2f} s; other programs "
-                  f"{others[-1]:.2f} cores)", flush=True)
-        out[c] = {"tokens_per_s": statistics.median(rates), "runs": rates,
-                  "cpu_s_per_1k_tokens": statistics.median(cpus),
-                  "client_cpu_s_per_1k_tokens": statistics.median(client_cpus),
-                  "other_programs_cores": others,
-                  "requests": n_requests(c)}
-    return out
+
+
+def one_run(run, c: int, n: int, max_tokens: int, tag: str, side: str, cpu_of=None) -> dict:
+    """One measurement of `n` requests at concurrency `c`: tokens/s and CPU s per 1000 tokens.
+
+    A run during which other programs on the machine used more than MAX_OTHER_LOAD cores (busy
+    time of /proc/stat minus ours) is discarded and redone after a pause, up to RETRIES times.
+
+    Raises:
+        SystemExit: a request failed or a run produced the wrong number of tokens.
+    """
+    for attempt in range(RETRIES + 1):
+        jobs = jobs_for(n, max_tokens, f"{tag}-{attempt}")
+        cpu0 = cpu_of() if cpu_of else 0.0
+        busy0 = system_busy_s()
+        stats = run(jobs, c)
+        cpu = (cpu_of() - cpu0) if cpu_of else stats.cpu_s
+        # cores' worth of CPU that other programs used during the run
+        other = max(system_busy_s() - busy0 - cpu - (stats.cpu_s if cpu_of else 0.0),
+                    0.0) / stats.wall_s
+        if other <= MAX_OTHER_LOAD or attempt == RETRIES:
+            break
+        print(f"  {side:24s} c={c:<3d}: discarded ({stats.tokens_per_s:.1f} tok/s; other "
+              f"programs used {other:.2f} cores)", flush=True)
+        time.sleep(15)
+    if stats.errors or stats.output_tokens != len(jobs) * max_tokens:
+        raise SystemExit(f"{side} c={c}: {len(stats.errors)} errors, "
+                         f"{stats.output_tokens} tokens: {stats.errors[:3]}")
+    print(f"  {side:24s} c={c:<3d}: {stats.tokens_per_s:8.1f} tok/s ({stats.output_tokens} "
+          f"tokens in {stats.wall_s:.2f} s; other programs {other:.2f} cores)", flush=True)
+    return {"tokens_per_s": stats.tokens_per_s, "cpu_s_per_1k_tokens": 1000 * cpu / stats.output_tokens,
+            "client_cpu_s_per_1k_tokens": 1000 * stats.cpu_s / stats.output_tokens,
+            "other_programs_cores": other}
+
+
+def summarize(runs: list[dict], n: int) -> dict:
+    """Median tokens/s and CPU of `runs` (dicts of `one_run`), with every run's rate."""
+    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+            "runs": [r["tokens_per_s"] for r in runs],
+            "cpu_s_per_1k_tokens": statistics.median(r["cpu_s_per_1k_tokens"] for r in runs),
+            "client_cpu_s_per_1k_tokens": statistics.median(
+                r["client_cpu_s_per_1k_tokens"] for r in runs),
+            "other_programs_cores": [r["other_programs_cores"] for r in runs], "requests": n}
 
 
 def main() -> int:
@@ -129,6 +132,9 @@ def main() -> int:
                     help="STREAM_INTERVAL values to serve (one model copy each)")
     ap.add_argument("--sender-threads", type=int, nargs="+", default=[0],
                     help="RESPONSE_SENDER_THREADS values to serve (0: the adapter's default)")
+    ap.add_argument("--engine-process", nargs="+", default=["true"], choices=["true", "false"],
+                    help="ENGINE_PROCESS values to serve (true, the default: the engine in a "
+                         "child process of the stub; false: on a thread of the stub)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -150,71 +156,83 @@ def main() -> int:
     print(f"model {args.model}, settings {params}, max_tokens {args.max_tokens}, "
           f"torch threads {torch.get_num_threads()}", flush=True)
 
+    # (1) the engine with every core to itself: torch's default threads, measured alone.
     default_threads = torch.get_num_threads()
     engine = Engine(EngineConfig.create(model_path=str(weights), **params))
-    inproc = measure(lambda jobs, c: engine_load(engine, jobs, c), levels, n_requests,
-                     args.max_tokens, args.repeats, "in-process")
+    run_main = lambda jobs, c: engine_load(engine, jobs, c)  # noqa: E731
+    warm_up(run_main, levels, args.max_tokens, "in-process")
+    inproc = {c: summarize([one_run(run_main, c, n_requests(c), args.max_tokens,
+                                    f"main-{c}-{r}", "in-process (default threads)")
+                            for r in range(args.repeats)], n_requests(c)) for c in levels}
     engine.check_invariant()
     engine.shutdown()
-    del engine
+    del engine, run_main
     gc.collect()
-    threaded: dict[int, dict] = {}
-    adapter_threads = max(1, len(os.sched_getaffinity(0)) - 1)  # INTRA_OP_THREAD_COUNT "auto"
 
-    def as_the_adapter() -> None:  # built and stepped on one non-main thread, capped threads
-        torch.set_num_threads(adapter_threads)
-        eng = Engine(EngineConfig.create(model_path=str(weights), **params))
-        threaded.update(measure(lambda jobs, c: engine_load(eng, jobs, c), levels,
-                                n_requests, args.max_tokens, args.repeats, "in-proc adp"))
-        eng.check_invariant()
-        eng.shutdown()
+    # (2) as the adapter runs it: built and stepped on the main thread of its process (the
+    # engine process) with INTRA_OP_THREAD_COUNT "auto" threads; its runs alternate with the
+    # server's, so drifts of this VM's speed hit both alike.
+    adapter_threads = max(1, len(os.sched_getaffinity(0)) - 1)
+    torch.set_num_threads(adapter_threads)
+    engine = Engine(EngineConfig.create(model_path=str(weights), **params))
+    run_adp = lambda jobs, c: engine_load(engine, jobs, c)  # noqa: E731
 
-    worker = threading.Thread(target=as_the_adapter)
-    worker.start()
-    worker.join()
-    if not threaded:
-        raise SystemExit("the in-process run as the adapter runs it failed")
-    torch.set_num_threads(default_threads)
-
-    variants = [(k, n) for k in args.stream_intervals for n in args.sender_threads]
-    names = {v: f"{args.model}-bench-si{v[0]}-st{v[1]}" for v in variants}
+    variants = [(k, n, p) for k in args.stream_intervals for n in args.sender_threads
+                for p in args.engine_process]
+    names = {v: f"{args.model}-bench-si{v[0]}-st{v[1]}-ep{v[2][0]}" for v in variants}
     adapter_params = {}
-    for (k, n), name in names.items():
-        adapter_params[name] = {"STREAM_INTERVAL": str(k)}
+    for (k, n, p), name in names.items():
+        adapter_params[name] = {"STREAM_INTERVAL": str(k), "ENGINE_PROCESS": p}
         if n > 0:
             adapter_params[name]["RESPONSE_SENDER_THREADS"] = str(n)
-    served: dict[tuple[int, int], dict[int, dict]] = {}
+    label = {v: f"server si{v[0]} st{v[1] or 'default'} ep {v[2]}" for v in variants}
+    adp_runs: dict[int, list[dict]] = {c: [] for c in levels}
+    srv_runs: dict[tuple, dict[int, list[dict]]] = {v: {c: [] for c in levels} for v in variants}
     with tempfile.TemporaryDirectory(prefix="serving-overhead-") as tmp:
         models = {name: (args.model, params) for name in names.values()}
         repo = temp_repository(Path(tmp) / "repo", models, adapter_params)
         with TritonServer(repo, startup_timeout=600) as server:
             tree = ProcTree(server.proc.pid)
-            for (k, n), name in names.items():
-                served[(k, n)] = measure(
-                    lambda jobs, c, name=name: stream_load(server.grpc_url, name, jobs, c),
-                    levels, n_requests, args.max_tokens, args.repeats,
-                    f"server si{k} st{n or 'default'}", cpu_of=tree.cpu_s)
+            serve = {v: (lambda jobs, c, name=name: stream_load(server.grpc_url, name, jobs, c))
+                     for v, name in names.items()}
+            warm_up(run_adp, levels, args.max_tokens, "in-proc adp")
+            for v in variants:
+                warm_up(serve[v], levels, args.max_tokens, label[v])
+            for r in range(args.repeats):
+                for c in levels:
+                    adp_runs[c].append(one_run(run_adp, c, n_requests(c), args.max_tokens,
+                                               f"adp-{c}-{r}", "in-process (as the adapter)"))
+                    for v in variants:
+                        srv_runs[v][c].append(one_run(serve[v], c, n_requests(c),
+                                                      args.max_tokens, f"{names[v]}-{c}-{r}",
+                                                      label[v], cpu_of=tree.cpu_s))
+    engine.check_invariant()
+    engine.shutdown()
+    torch.set_num_threads(default_threads)
+    threaded = {c: summarize(adp_runs[c], n_requests(c)) for c in levels}
+    served = {v: {c: summarize(srv_runs[v][c], n_requests(c)) for c in levels} for v in variants}
 
     rows = []
     print(f"\nmodel {args.model}, {args.max_tokens} output tokens per request, greedy, "
           f"median of {args.repeats}; {platform.processor() or platform.machine()}, "
           f"torch threads: {default_threads} in-process, {adapter_threads} as the adapter")
-    print("| concurrency | requests | STREAM_INTERVAL | RESPONSE_SENDER_THREADS "
-          "| in-process tok/s (main thread) "
+    print("| concurrency | requests | STREAM_INTERVAL | RESPONSE_SENDER_THREADS | ENGINE_PROCESS "
+          "| in-process tok/s (default threads) "
           "| in-process tok/s (as the adapter) | server tok/s | server / in-process "
           "| server / in-process (as the adapter) | in-process CPU s/1k tok | server CPU s/1k tok "
           "| client CPU s/1k tok |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in levels:
         a, t = inproc[c], threaded[c]
-        for k, n in variants:
-            b = served[(k, n)][c]
+        for k, n, p in variants:
+            b = served[(k, n, p)][c]
             ratio = b["tokens_per_s"] / a["tokens_per_s"]
             ratio_t = b["tokens_per_s"] / t["tokens_per_s"]
             rows.append({"concurrency": c, "stream_interval": k, "sender_threads": n,
-                         "in_process": a, "in_process_thread": t, "server": b, "ratio": ratio,
-                         "ratio_thread": ratio_t})
-            print(f"| {c} | {a['requests']} | {k} | {n or 'default'} | {a['tokens_per_s']:.1f} | "
+                         "engine_process": p, "in_process": a, "in_process_thread": t,
+                         "server": b, "ratio": ratio, "ratio_thread": ratio_t})
+            print(f"| {c} | {a['requests']} | {k} | {n or 'default'} | {p} | "
+                  f"{a['tokens_per_s']:.1f} | "
                   f"{t['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | {100 * ratio:.1f}% | "
                   f"{100 * ratio_t:.1f}% | {a['cpu_s_per_1k_tokens']:.2f} | "
                   f"{b['cpu_s_per_1k_tokens']:.2f} | {b['client_cpu_s_per_1k_tokens']:.2f} |")

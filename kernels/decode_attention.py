@@ -309,7 +309,8 @@ def _decode_split_kernel(
                 k_off = slot[None, :] * stride_kn + kv_head_k  # [1, BLOCK_N]
                 k = tl.load(K + k_off + offs_d[:, None],
                             mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-                qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)
+                k = k.to(q.dtype)  # an FP8 tile is converted once, also for its V use below
+                qk = tl.dot(q, k, input_precision=DOT_PRECISION)
                 if BLOCK_DPE > 0:
                     kpe = tl.load(K + k_off + offs_dpe[:, None],
                                   mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)

@@ -54,6 +54,59 @@ class EngineFailedError(RuntimeError):
     says why. The model must be reloaded."""
 
 
+def validate_request(request: GenerateRequest, tokenizer, vocab_size: int, context_len: int,
+                     max_total_tokens: int) -> list[int]:
+    """Check a request against a model's limits and return its prompt token ids.
+
+    Used by `Engine.add_request` and by the adapter's engine-process front
+    (`mla_backend.serving.engine_process`), which checks requests before they cross to the
+    engine's process.
+
+    Args:
+        request: exactly one of `text` (tokenized with `tokenizer`) / `input_ids`.
+        tokenizer: a transformers tokenizer (callable; `.input_ids` of its result).
+        vocab_size: token ids must lie in [0, vocab_size).
+        context_len: prompt + max_tokens limit (tokens).
+        max_total_tokens: the KV pool's size (tokens); a request larger than it can never run.
+    Returns:
+        The prompt's token ids (list of int, non-empty).
+    Raises:
+        InvalidRequestError: empty prompt, both/neither of text and input_ids, ids outside the
+            vocab, bad sampling values, prompt + max_tokens beyond the context or the pool.
+    """
+    if (request.text is None) == (request.input_ids is None):
+        raise InvalidRequestError("give exactly one of text_input and input_ids")
+    if request.text is not None:
+        if not isinstance(request.text, str) or request.text == "":
+            raise InvalidRequestError("text_input must be a non-empty string")
+        ids = list(tokenizer(request.text).input_ids)
+        if not ids:
+            raise InvalidRequestError("text_input tokenizes to no tokens")
+    else:
+        ids = list(request.input_ids or [])
+        if not ids:
+            raise InvalidRequestError("input_ids must not be empty")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+               or t < 0 or t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"input_ids: token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    sp = request.sampling_params
+    try:
+        sp.verify(vocab_size)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    if len(ids) + sp.max_new_tokens > context_len:
+        raise InvalidRequestError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_new_tokens}) exceeds the context "
+            f"length of {context_len} tokens")
+    if len(ids) + sp.max_new_tokens > max_total_tokens:
+        raise InvalidRequestError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_new_tokens}) can never fit the KV "
+            f"pool of {max_total_tokens} tokens")
+    return ids
+
+
 @dataclass
 class GenerateResult:
     """Final result of one request from `Engine.generate`."""
@@ -180,22 +233,9 @@ class Engine:
             raise EngineFailedError(self.failed)
         if self._closed:
             raise InvalidRequestError("the engine is shutting down")
-        ids = self._prompt_ids(request)
+        ids = validate_request(request, self.tokenizer, self.vocab_size, self.context_len,
+                               self.max_total_tokens)
         sp = request.sampling_params
-        try:
-            sp.verify(self.vocab_size)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
-        if len(ids) + sp.max_new_tokens > self.context_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_new_tokens}) exceeds the context "
-                f"length of {self.context_len} tokens"
-            )
-        if len(ids) + sp.max_new_tokens > self.max_total_tokens:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_new_tokens}) can never fit the KV "
-                f"pool of {self.max_total_tokens} tokens"
-            )
         with self._rid_lock:
             if request.rid in self._known_rids:
                 raise InvalidRequestError(f"request id {request.rid!r} is already in use")
@@ -537,27 +577,6 @@ class Engine:
             self._known_rids.discard(rid)
 
     # ------------------------------------------------------------------ helpers
-    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
-        if (request.text is None) == (request.input_ids is None):
-            raise InvalidRequestError("give exactly one of text_input and input_ids")
-        if request.text is not None:
-            if not isinstance(request.text, str) or request.text == "":
-                raise InvalidRequestError("text_input must be a non-empty string")
-            ids = list(self.tokenizer(request.text).input_ids)
-            if not ids:
-                raise InvalidRequestError("text_input tokenizes to no tokens")
-            return ids
-        ids = list(request.input_ids or [])
-        if not ids:
-            raise InvalidRequestError("input_ids must not be empty")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-               or t < 0 or t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"input_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        return ids
-
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
         for src in (getattr(self.runner.hf_config, "eos_token_id", None),

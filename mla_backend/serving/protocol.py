@@ -63,7 +63,8 @@ RESERVED_PARAMETERS: frozenset[str] = frozenset(
 # config.pbtxt `parameters` read by the adapter, not by `EngineConfig`.
 ADAPTER_PARAMETERS: tuple[str, ...] = ("REPORT_CUSTOM_METRICS", "LOG_REQUESTS",
                                        "STREAM_INTERVAL", "UNLOAD_ON_FATAL_ERROR",
-                                       "INTRA_OP_THREAD_COUNT", "RESPONSE_SENDER_THREADS")
+                                       "INTRA_OP_THREAD_COUNT", "RESPONSE_SENDER_THREADS",
+                                       "ENGINE_PROCESS")
 
 STREAMING_ECHO_ERROR = (
     "exclude_input_in_output: when streaming, exclude_input_in_output = false is not allowed"

@@ -5,10 +5,12 @@ Threading follows Triton's official vLLM backend (REFERENCE.md §4.3):
 - Triton's execute thread, `execute()`: parses each request (`protocol.parse_request`),
   registers it and calls `Engine.add_request`; a bad request gets one INVALID_ARGUMENT error
   flagged FINAL right there; returns None.
-- engine thread: builds the `Engine` (`initialize` waits for it and fails the load with its
-  error), then loops `Engine.wait_for_work` / `Engine.step` and puts each step's
-  `RequestOutput`s on a queue. All of the engine's torch work runs on this one thread (one
-  OpenMP thread team; see `_engine_main`).
+- engine thread: builds the engine (`initialize` waits for it and fails the load with its
+  error), then loops `wait_for_work` / `step` and puts each step's `RequestOutput`s on a queue.
+  With ENGINE_PROCESS "true" (the default) the engine is an `EngineProcess`: the `Engine` runs in
+  a child process with its own GIL (`engine_process.py` says why: per-token sends here stalled
+  its steps) and this thread only receives its outputs; with "false" it is an `Engine` and all of
+  its torch work runs on this one thread (one OpenMP thread team; see `_engine_main`).
 - response thread (`mla-responses`, the dispatcher): decides every response of an accepted
   request but sends none itself. It takes every step's outputs queued so far, merges the
   increments of one request into one (`coalesce`: when sending falls behind the engine, a request
@@ -34,8 +36,8 @@ carries its FINAL flag; whoever removes it from `_live` (under `_lock`) queues t
 `_live` are dropped — nothing is queued after FINAL. Requests rejected before registration get
 their one error response straight from the execute thread.
 
-A tensor-parallel worker that dies (`Engine.failed`, noticed at the next step or within 0.1 s
-when idle) is fatal. The engine thread stops; every live request and every later one ends with
+A tensor-parallel worker or the engine process that dies (`failed`, noticed at the next step
+or within 0.1 s when idle) is fatal. The engine thread stops; every live request and every later one ends with
 one UNAVAILABLE error carrying the message ("tensor-parallel worker rank 1 (pid N) exited
 (signal 9, SIGKILL); the model must be reloaded"). The model stays loaded and "ready" (this
 Triton, 2.51, has no per-instance health check) but fails every request at once. With the
@@ -51,7 +53,8 @@ Data: tensors and parameters come from Triton (`pb_utils`), engine settings from
 adapter-only parameters: `REPORT_CUSTOM_METRICS` (default "true"), `LOG_REQUESTS` (default
 "false"), `UNLOAD_ON_FATAL_ERROR` (default "false"; see above), `INTRA_OP_THREAD_COUNT` (torch's
 intra-op threads; default "auto": on a CPU one fewer than the process's cores, at least 1, on a
-GPU torch's default; see `_intra_op_threads`), `STREAM_INTERVAL` (default "1": a streamed
+GPU torch's default; see `_intra_op_threads`), `ENGINE_PROCESS` (default "true": the engine in a
+child process of the stub; "false": on the stub's engine thread), `STREAM_INTERVAL` (default "1": a streamed
 response per token; N > 1: after a request's first streamed response, which goes out at once,
 each carries at least N tokens (the last one may carry fewer): N times fewer sends, each an IPC
 round trip to the server process, for N - 1 steps more latency per delta; as SGLang's
@@ -80,6 +83,7 @@ from mla_backend.config import EngineConfig
 from mla_backend.engine import Engine, EngineFailedError, InvalidRequestError
 from mla_backend.model_executor.model_runner import resolve_device
 from mla_backend.request import RequestOutput
+from mla_backend.serving.engine_process import EngineProcess
 from mla_backend.serving.metrics import FinishedRequest, MetricsRecorder
 from mla_backend.serving.protocol import (
     ADAPTER_PARAMETERS,
@@ -197,6 +201,7 @@ class TritonPythonModel:
         self._log_requests = _flag(params, "LOG_REQUESTS", False)
         self._stream_interval = _positive_int(params, "STREAM_INTERVAL", 1)
         self._unload_on_fatal = _flag(params, "UNLOAD_ON_FATAL_ERROR", False)
+        self._engine_process = _flag(params, "ENGINE_PROCESS", True)
         self._num_senders = _positive_int(params, "RESPONSE_SENDER_THREADS",
                                           _DEFAULT_SENDER_THREADS)
         try:
@@ -235,15 +240,21 @@ class TritonPythonModel:
                        t0: float) -> None:
         """After the engine is built: log it, create the metrics, the request table, the sender
         threads and the response thread."""
-        device = getattr(getattr(self.engine, "runner", None), "device", config.model.device)
-        workers = getattr(getattr(self.engine, "runner", None), "tp_workers", None)
+        if isinstance(self.engine, EngineProcess):
+            device, workers = self.engine.device, self.engine.tp_worker_pids
+            threads, where = self.engine.torch_threads, f"engine process pid {self.engine.pid}"
+        else:
+            device, where = self.engine.runner.device, "engine thread of the stub"
+            workers = self.engine.runner.tp_workers
+            workers = None if workers is None else workers.pids()
+            threads = torch.get_num_threads()
         self.logger.log_info(
             f"[mla_backend] {self.model_name}: loaded {config.model.model_path} on {device} in "
             f"{time.monotonic() - t0:.1f}s; "
             f"context {self.engine.context_len} tokens, KV pool {self.engine.max_total_tokens} "
             f"tokens, radix cache {'on' if config.cache.enable_radix_cache else 'off'}, "
-            f"torch intra-op threads {torch.get_num_threads()}"
-            + ("" if workers is None else f"; tensor-parallel worker pids {workers.pids()}")
+            f"torch intra-op threads {threads}; {where}"
+            + ("" if workers is None else f"; tensor-parallel worker pids {workers}")
         )
         self.metrics: MetricsRecorder | None = None
         if report_metrics:
@@ -344,9 +355,12 @@ class TritonPythonModel:
         sleep after each parallel region: on a 2-core CPU that halved decode throughput.
         `threads` (INTRA_OP_THREAD_COUNT) caps the intra-op threads before anything runs."""
         try:
-            if threads is not None:
-                torch.set_num_threads(threads)
-            self.engine = Engine(config)
+            if self._engine_process:
+                self.engine = EngineProcess(config, threads)
+            else:
+                if threads is not None:
+                    torch.set_num_threads(threads)
+                self.engine = Engine(config)
         except BaseException as e:  # noqa: BLE001 - initialize re-raises it: the load fails
             self._engine_error = e
             return
@@ -665,12 +679,16 @@ class TritonPythonModel:
 
     def _log_pool_state(self) -> None:
         """Log the engine's counters and its pool invariant (the engine thread has stopped)."""
-        stats = ""
         try:
-            stats = " ".join(f"{k}={v}" for k, v in sorted(self.engine.stats().items()))
-            self.engine.check_invariant()
+            self.engine.check_invariant()  # first: an engine process sends fresh stats with it
             verdict = "pool invariant ok"
+        except EngineFailedError as e:  # the engine process is gone: nothing left to check
+            verdict = f"pool invariant not checked ({e})"
         except Exception as e:  # noqa: BLE001
             verdict = f"pool invariant FAILED: {e!r}"
+        try:
+            stats = " ".join(f"{k}={v}" for k, v in sorted(self.engine.stats().items()))
+        except Exception as e:  # noqa: BLE001
+            stats = f"unavailable ({e!r})"
         log = self.logger.log_info if verdict.endswith("ok") else self.logger.log_error
         log(f"[mla_backend] {self.model_name}: unloaded; engine stats: {stats}; {verdict}")

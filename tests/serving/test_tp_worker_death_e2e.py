@@ -3,7 +3,7 @@
 Each test starts its own server (the model-control mode is what differs) over a temp repository
 of deepseek-v2-tiny copies: `dsv2-tp2` (tensor_parallel_size 2: the instance spawns one CPU worker
 rank, gloo) and `dsv2-tp1` (TP 1, the bystander). The worker's pid comes from the adapter's
-"loaded" log line and must be a child of dsv2-tp2's stub process. With a streaming request in
+"loaded" log line and must descend from dsv2-tp2's stub process. With a streaming request in
 flight on each model, the worker gets SIGKILL; then, in both modes, the in-flight dsv2-tp2
 request ends with one error naming the worker (no hang, no response after it; the adapter sends
 UNAVAILABLE, but a gRPC stream's error carries only the message), the dsv2-tp1 stream finishes
@@ -98,10 +98,12 @@ def _worker_pids(server: TritonServer) -> list[int]:
 
 
 def _check_is_stub_child(server: TritonServer, pid: int) -> None:
+    """`pid` descends from dsv2-tp2's stub (a child of its engine process, ENGINE_PROCESS's
+    default)."""
     stubs = [p for p in psutil.Process(server.proc.pid).children()
              if any(arg == f"{TP2}_0_0" for arg in p.cmdline())]
     assert len(stubs) == 1, [p.cmdline() for p in psutil.Process(server.proc.pid).children()]
-    assert pid in [c.pid for c in stubs[0].children()]
+    assert pid in [c.pid for c in stubs[0].children(recursive=True)]
 
 
 def _next(stream: Stream, timeout: float = WAIT_S):

@@ -1,0 +1,370 @@
+"""`EngineProcess`: the adapter's `Engine` in a child process of the Python-backend stub.
+
+Why a process: in one process the engine thread and the adapter's response and sender threads
+share one GIL. Every `InferenceResponseSender.send` takes the GIL back when its IPC round trip
+returns; with per-token streaming that is one GIL handoff per token, and each handoff makes the
+engine thread (which drops the GIL inside every torch operation) block, switch out and wait for
+a core again. Measured on a 2-core CPU VM (deepseek-v2-tiny, 64 concurrent streams, per-step
+`/proc/<tid>/schedstat` of the engine thread; docs/benchmarks.md, "Server-path cost"): a decode
+step took 38-40 ms in the stub against 32 ms for the same engine stepped on a thread of an idle
+process, with ~65 context switches and 3.4-4 ms of run-queue wait per step. In its own process
+the engine has its own GIL; what crosses the boundary is one message per step.
+
+Owns: the child process (spawned with the `python3` of this environment, as the tensor-parallel
+workers are; it spawns those workers itself), the pipe to it, and a stub-side front with the
+subset of `Engine`'s interface the adapter uses (`add_request`, `abort`, `wait_for_work`,
+`step`, `check_health`, `failed`, `stats`, `check_invariant`, `close`, `tokenizer`,
+`context_len`, `max_total_tokens`). Requests are checked and tokenized in the stub
+(`engine.validate_request` with the stub's own tokenizer and the limits the child reports), so a
+bad request is refused at once, as with an in-process engine; the child gets prompt ids.
+
+Messages (one duplex `multiprocessing` pipe, pickled tuples):
+- stub → child: ("add", GenerateRequest with input_ids), ("abort", rid), ("check",), ("close",).
+- child → stub: ("ready", facts) or ("load_error", message) once; then ("out", [RequestOutput],
+  failed, stats or None) after a step that produced outputs, a change of `failed` or of the
+  counters; ("step_error", message) when a step raised; ("check", verdict or None, stats).
+
+If the child dies (killed, crashed), `failed` says so ("the engine process (pid N) exited
+(signal 9, SIGKILL); the model must be reloaded") and every live request ends with that error,
+as for a dead tensor-parallel worker. If the stub dies, the child sees the pipe close and exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import signal
+import threading
+import time
+from typing import Any
+
+from mla_backend.config import EngineConfig
+from mla_backend.distributed.tp_workers import _how_it_ended, _python_executable
+from mla_backend.engine import EngineFailedError, InvalidRequestError, validate_request
+from mla_backend.request import GenerateRequest, RequestOutput
+
+_IDLE_POLL_S = 0.1  # the child's wait for a message while it has no work (s)
+_STATS_EVERY_S = 0.1  # the child sends changed counters at most this often while busy (s)
+_START_POLL_S = 0.5  # how often the stub checks the child is alive while it loads (s)
+_CHECK_TIMEOUT_S = 30.0  # check_invariant's wait for the child's answer (s)
+_CLOSE_TIMEOUT_S = 30.0  # close() waits this long for the child, then terminates it (s)
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed to start (its own load error's message, or how it exited)."""
+
+
+class EngineProcess:
+    """Stub-side front of an `Engine` running in a child process (module docstring).
+
+    Thread use: `add_request` / `abort` from any thread; `wait_for_work`, `step`,
+    `check_health` from one receiver thread (the adapter's engine thread); `check_invariant`
+    and `close` once that thread has stopped.
+
+    Args:
+        config: the engine configuration (pickled to the child).
+        threads: torch intra-op threads for the child (None: torch's default).
+    Raises:
+        EngineProcessError: the child could not build the engine (its message: bad parameters,
+            missing weights, ...) or exited while loading.
+    """
+
+    def __init__(self, config: EngineConfig, threads: int | None) -> None:
+        from transformers import AutoTokenizer
+
+        ctx = mp.get_context("spawn")
+        ctx.set_executable(_python_executable())
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        # Not a daemon: the child spawns tensor-parallel workers of its own.
+        self._proc = ctx.Process(target=_child_main, args=(child_conn, config, threads),
+                                 name="mla-engine", daemon=False)
+        self._proc.start()
+        child_conn.close()
+        self.pid: int = self._proc.pid
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # _live, _pending, failed
+        self._live: set[str] = set()  # rids added and not yet finished
+        self._pending: list[RequestOutput] = []  # outputs made here (the child died)
+        self._closed = False
+        self.failed: str | None = None
+        try:
+            facts = self._wait_ready()  # first: the engine's own load error names the cause
+            # The stub's own copy tokenizes and checks requests (`add_request`).
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model.model_path)
+        except BaseException:
+            self._stop_child(5.0)
+            raise
+        self.vocab_size: int = facts["vocab_size"]
+        self.context_len: int = facts["context_len"]
+        self.max_total_tokens: int = facts["max_total_tokens"]
+        self.device: str = facts["device"]
+        self.torch_threads: int = facts["torch_threads"]
+        self.tp_worker_pids: list[int] | None = facts["tp_worker_pids"]
+        self._stats: dict[str, int] = facts["stats"]
+
+    def _wait_ready(self) -> dict[str, Any]:
+        while not self._conn.poll(_START_POLL_S):
+            if not self._proc.is_alive():
+                self._proc.join(1.0)
+                raise EngineProcessError(
+                    f"the engine process (pid {self.pid}) exited while loading "
+                    f"({_how_it_ended(self._proc.exitcode)})")
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(5.0)
+            raise EngineProcessError(
+                f"the engine process (pid {self.pid}) exited while loading "
+                f"({_how_it_ended(self._proc.exitcode)})") from None
+        if kind == "load_error":
+            self._proc.join(10.0)
+            raise EngineProcessError(payload)
+        return payload
+
+    # ------------------------------------------------------------------ any thread
+    def add_request(self, request: GenerateRequest) -> None:
+        """Check, tokenize and send a request to the engine process.
+
+        Raises:
+            InvalidRequestError: as `Engine.add_request` (bad prompt or sampling values, beyond
+                the context or the pool, duplicate id, shutting down).
+            EngineFailedError: the engine (or its process) has failed.
+        """
+        if self.failed is not None:
+            raise EngineFailedError(self.failed)
+        if self._closed:
+            raise InvalidRequestError("the engine is shutting down")
+        ids = validate_request(request, self.tokenizer, self.vocab_size, self.context_len,
+                               self.max_total_tokens)
+        with self._lock:
+            if request.rid in self._live:
+                raise InvalidRequestError(f"request id {request.rid!r} is already in use")
+            self._live.add(request.rid)
+        if not self._send(("add", dataclasses.replace(request, text=None, input_ids=ids))):
+            raise EngineFailedError(self.failed or "the engine process is gone")
+
+    def abort(self, rid: str) -> None:
+        """Ask the engine to abort `rid` (its final output follows from a later `step`)."""
+        self._send(("abort", rid))
+
+    def stats(self) -> dict[str, int]:
+        """The engine's counters as of its latest message (`Engine.stats`)."""
+        return dict(self._stats)
+
+    def _send(self, message: tuple) -> bool:
+        """Send `message` to the child; False (and `failed` set) when the child is gone."""
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+            return True
+        except (BrokenPipeError, EOFError, OSError):
+            self._child_gone()
+            return False
+
+    def _child_gone(self) -> None:
+        """The child exited: set `failed` and queue one error output per live request."""
+        self._proc.join(1.0)
+        with self._lock:
+            if self.failed is not None and not self._live:
+                return
+            if self.failed is None:
+                self.failed = (f"the engine process (pid {self.pid}) exited "
+                               f"({_how_it_ended(self._proc.exitcode)}); the model must be "
+                               "reloaded")
+            self._pending += [RequestOutput(rid=rid, new_token_ids=[], new_text="",
+                                            finished=True, error=self.failed)
+                              for rid in sorted(self._live)]
+            self._live.clear()
+
+    # ------------------------------------------------------------------ receiver thread
+    def wait_for_work(self, timeout: float) -> bool:
+        """Block up to `timeout` s until the child has sent something (or died)."""
+        if self._pending:
+            return True
+        try:
+            return self._conn.poll(timeout)
+        except (EOFError, OSError):
+            self._child_gone()
+            return True
+
+    def step(self) -> list[RequestOutput]:
+        """Every output the child has sent since the last call (possibly several steps').
+
+        Raises:
+            RuntimeError: the child's step raised (its message); outputs received before it are
+                returned by the next call.
+        """
+        outputs: list[RequestOutput] = []
+        error = None
+        try:
+            while error is None and self._conn.poll(0):
+                kind, *payload = self._conn.recv()
+                if kind == "out":
+                    outs, failed, stats = payload
+                    outputs += outs
+                    if failed is not None and self.failed is None:
+                        self.failed = failed
+                    if stats is not None:
+                        self._stats = stats
+                elif kind == "step_error":
+                    error = payload[0]
+        except (EOFError, OSError):
+            self._child_gone()
+        with self._lock:
+            for out in outputs:
+                if out.finished:
+                    self._live.discard(out.rid)
+            if error is not None:
+                self._pending = outputs + self._pending
+                outputs = []
+            else:
+                outputs += self._pending
+            self._pending = []
+        if error is not None:
+            raise RuntimeError(error)
+        return outputs
+
+    def check_health(self) -> str | None:
+        """`failed`, after noticing a child that exited while idle."""
+        if self.failed is None and not self._proc.is_alive():
+            self._child_gone()
+        return self.failed
+
+    # ------------------------------------------------------------------ after the receiver stops
+    def check_invariant(self) -> None:
+        """Ask the child to check its pools (`Engine.check_invariant`); refreshes `stats`.
+
+        Raises:
+            AssertionError: the pool invariant failed, or the child did not answer.
+            EngineFailedError: the child is gone (nothing to check).
+        """
+        if not self._send(("check",)):
+            raise EngineFailedError(self.failed)
+        deadline = time.monotonic() + _CHECK_TIMEOUT_S
+        try:
+            while self._conn.poll(max(deadline - time.monotonic(), 0.0)):
+                kind, *payload = self._conn.recv()
+                if kind == "check":
+                    verdict, self._stats = payload
+                    if verdict is not None:
+                        raise AssertionError(verdict)
+                    return
+                if kind == "out" and payload[2] is not None:
+                    self._stats = payload[2]
+        except (EOFError, OSError):
+            self._child_gone()
+            raise EngineFailedError(self.failed) from None
+        raise AssertionError(f"the engine process (pid {self.pid}) did not answer within "
+                             f"{_CHECK_TIMEOUT_S:.0f} s")
+
+    def close(self) -> None:
+        """Stop the engine (it aborts what is left and stops its tensor-parallel workers) and
+        join its process; terminate it if it does not exit in time. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_child(_CLOSE_TIMEOUT_S)
+
+    def _stop_child(self, timeout_s: float) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(("close",))
+        except (BrokenPipeError, EOFError, OSError):
+            pass
+        self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(5.0)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5.0)
+        self._conn.close()
+
+
+# ---------------------------------------------------------------------- child process
+def _child_main(conn: Any, config: EngineConfig, threads: int | None) -> None:
+    """Entry point of the engine process: build the engine, then serve the pipe."""
+    # Ctrl-C reaches the whole process group; the stub decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+
+    from mla_backend.engine import Engine
+
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        engine = Engine(config)
+    except BaseException as e:  # noqa: BLE001 - the stub fails the load with this message
+        conn.send(("load_error", str(e) or repr(e)))
+        conn.close()
+        return
+    workers = getattr(engine.runner, "tp_workers", None)
+    conn.send(("ready", {
+        "vocab_size": engine.vocab_size, "context_len": engine.context_len,
+        "max_total_tokens": engine.max_total_tokens, "device": str(engine.runner.device),
+        "torch_threads": torch.get_num_threads(),
+        "tp_worker_pids": None if workers is None else workers.pids(),
+        "stats": engine.stats()}))
+    try:
+        _serve(engine, conn)
+    finally:
+        engine.close()
+        conn.close()
+
+
+def _serve(engine: Any, conn: Any) -> None:
+    """Alternate between the stub's messages and engine steps until ("close",) or EOF."""
+    last_stats: dict[str, int] | None = None
+    last_stats_t = 0.0
+    failed_sent: str | None = None
+    while True:
+        wait = 0.0 if engine.has_work() else _IDLE_POLL_S
+        try:
+            while conn.poll(wait):
+                message = conn.recv()
+                if message[0] == "close":
+                    return
+                _handle(engine, conn, message)
+                wait = 0.0
+        except (EOFError, OSError):  # the stub is gone
+            return
+        outputs: list[RequestOutput] = []
+        if engine.has_work():
+            try:
+                outputs = engine.step()
+            except Exception as e:  # noqa: BLE001 - the stub reports it and fails the requests
+                conn.send(("step_error", f"{e!r}"))
+                continue
+        else:
+            engine.check_health()
+        now = time.monotonic()
+        stats = None
+        if now - last_stats_t >= _STATS_EVERY_S or not engine.has_work():
+            current = engine.stats()
+            if current != last_stats:
+                stats = last_stats = current
+                last_stats_t = now
+        if outputs or stats is not None or engine.failed != failed_sent:
+            failed_sent = engine.failed
+            conn.send(("out", outputs, engine.failed, stats))
+
+
+def _handle(engine: Any, conn: Any, message: tuple) -> None:
+    kind = message[0]
+    if kind == "add":
+        request = message[1]
+        try:
+            engine.add_request(request)
+        except (InvalidRequestError, EngineFailedError) as e:  # checked in the stub: rare
+            conn.send(("out", [RequestOutput(rid=request.rid, new_token_ids=[], new_text="",
+                                             finished=True, error=str(e))],
+                       engine.failed, None))
+    elif kind == "abort":
+        engine.abort(message[1])
+    elif kind == "check":
+        try:
+            engine.check_invariant()
+            verdict = None
+        except AssertionError as e:
+            verdict = f"{e!r}"
+        conn.send(("check", verdict, engine.stats()))

@@ -1,0 +1,101 @@
+"""End-to-end: the adapter's ENGINE_PROCESS setting on a real tritonserver (issue 5).
+
+One server over a temp repository of deepseek-v2-tiny copies: `dsv2-proc` (ENGINE_PROCESS
+default, "true": the engine in a child process of the stub) and `dsv2-thread` ("false": the
+engine on a thread of the stub). Both stream the text of an in-process engine and say where their
+engine runs in the "loaded" log line; the engine process is a child of dsv2-proc's stub. Then the
+engine process gets SIGKILL while it streams: that request ends with one error naming the
+process, a new request to dsv2-proc fails at once with the same message, dsv2-thread's concurrent
+stream and a new one are unaffected, and the server stays live. At shutdown dsv2-thread's pools
+balance and dsv2-proc says its pools could not be checked.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from mla_backend.tools.tritonserver import TritonServer
+
+from test_triton_e2e import Stream, grpc_inputs, is_final, text_of
+from test_tp_worker_death_e2e import (
+    PROMPT, SETTINGS, SHORT, _next, _refused, _serves_baseline, _until_end, baseline)
+from serving_helpers import write_model
+
+pytestmark = pytest.mark.e2e
+
+PROC, THREAD = "dsv2-proc", "dsv2-thread"
+LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}  # still running at the kill
+FAST_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine-process") / "repository"
+    write_model(root, PROC, SETTINGS)
+    write_model(root, THREAD, SETTINGS, extra_params={"ENGINE_PROCESS": "false"})
+    srv = TritonServer(root, wait_models=[PROC, THREAD], startup_timeout=300).start()
+    yield srv
+    srv.stop()
+    log = srv.log_path.read_text(errors="replace")
+    assert re.search(rf"\[mla_backend\] {THREAD}: unloaded; engine stats: [^;]*live=0 [^;]*; "
+                     r"pool invariant ok", log)
+    assert re.search(rf"\[mla_backend\] {PROC}: unloaded; engine stats: [^;]*; pool invariant "
+                     r"not checked \(the engine process \(pid \d+\) exited \(signal 9, SIGKILL\)",
+                     log)
+
+
+def _engine_pid(server: TritonServer) -> int:
+    log = server.log_path.read_text(errors="replace")
+    (pid,) = re.findall(rf"\[mla_backend\] {PROC}: loaded [^\n]*; engine process pid (\d+)", log)
+    return int(pid)
+
+
+def test_both_placements_serve_the_in_process_text(server):
+    _serves_baseline(server, PROC)
+    _serves_baseline(server, THREAD)
+    log = server.log_path.read_text(errors="replace")
+    assert re.search(rf"\[mla_backend\] {THREAD}: loaded [^\n]*; engine thread of the stub", log)
+    pid = _engine_pid(server)
+    stubs = [p for p in psutil.Process(server.proc.pid).children()
+             if any(arg == f"{PROC}_0_0" for arg in p.cmdline())]
+    assert len(stubs) == 1 and pid in [c.pid for c in stubs[0].children()]
+
+
+def test_killed_engine_process_fails_its_model_only(server):
+    pid = _engine_pid(server)
+    message = (f"the engine process (pid {pid}) exited (signal 9, SIGKILL); the model must be "
+               "reloaded")
+    want = baseline()
+    victim, bystander = Stream(server.grpc_url), Stream(server.grpc_url)
+    try:
+        victim.send(PROC, grpc_inputs(PROMPT, sampling=LONG), "victim")
+        bystander.send(THREAD, grpc_inputs(PROMPT, sampling=SHORT), "bystander")
+        first, error = _next(victim)
+        assert error is None and not is_final(first)
+        os.kill(pid, signal.SIGKILL)
+        results, error = _until_end(victim)
+        assert error is not None and message in error, error
+        assert not any(is_final(r) for r in results)
+        with pytest.raises(queue.Empty):  # nothing after the error
+            victim.responses.get(timeout=1.0)
+        results, error = _until_end(bystander)
+        assert error is None and text_of(results) == want
+    finally:
+        victim.close()
+        bystander.close()
+    for _ in range(2):
+        error, seconds = _refused(server, PROC)
+        assert message in error and seconds < FAST_S
+    server.check_alive()
+    _serves_baseline(server, THREAD)
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
