@@ -679,11 +679,13 @@ class TritonPythonModel:
 
     def _log_pool_state(self) -> None:
         """Log the engine's counters and its pool invariant (the engine thread has stopped)."""
+        label = "engine stats"
         try:
             self.engine.check_invariant()  # first: an engine process sends fresh stats with it
             verdict = "pool invariant ok"
         except EngineFailedError as e:  # the engine process is gone: nothing left to check
             verdict = f"pool invariant not checked ({e})"
+            label = "engine stats (its last report)"
         except Exception as e:  # noqa: BLE001
             verdict = f"pool invariant FAILED: {e!r}"
         try:
@@ -691,4 +693,4 @@ class TritonPythonModel:
         except Exception as e:  # noqa: BLE001
             stats = f"unavailable ({e!r})"
         log = self.logger.log_info if verdict.endswith("ok") else self.logger.log_error
-        log(f"[mla_backend] {self.model_name}: unloaded; engine stats: {stats}; {verdict}")
+        log(f"[mla_backend] {self.model_name}: unloaded; {label}: {stats}; {verdict}")

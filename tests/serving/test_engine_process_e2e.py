@@ -46,9 +46,9 @@ def server(tmp_path_factory):
     log = srv.log_path.read_text(errors="replace")
     assert re.search(rf"\[mla_backend\] {THREAD}: unloaded; engine stats: [^;]*live=0 [^;]*; "
                      r"pool invariant ok", log)
-    assert re.search(rf"\[mla_backend\] {PROC}: unloaded; engine stats: [^;]*; pool invariant "
-                     r"not checked \(the engine process \(pid \d+\) exited \(signal 9, SIGKILL\)",
-                     log)
+    assert re.search(rf"\[mla_backend\] {PROC}: unloaded; engine stats \(its last report\): "
+                     r"[^;]*; pool invariant not checked \(the engine process \(pid \d+\) exited "
+                     r"\(signal 9, SIGKILL\)", log)
 
 
 def _engine_pid(server: TritonServer) -> int:
