@@ -104,7 +104,8 @@ def one_run(run, c: int, n: int, max_tokens: int, tag: str, side: str, cpu_of=No
                          f"{stats.output_tokens} tokens: {stats.errors[:3]}")
     print(f"  {side:24s} c={c:<3d}: {stats.tokens_per_s:8.1f} tok/s ({stats.output_tokens} "
           f"tokens in {stats.wall_s:.2f} s; other programs {other:.2f} cores)", flush=True)
-    return {"tokens_per_s": stats.tokens_per_s, "cpu_s_per_1k_tokens": 1000 * cpu / stats.output_tokens,
+    return {"tokens_per_s": stats.tokens_per_s,
+            "cpu_s_per_1k_tokens": 1000 * cpu / stats.output_tokens,
             "client_cpu_s_per_1k_tokens": 1000 * stats.cpu_s / stats.output_tokens,
             "other_programs_cores": other}
 

@@ -37,11 +37,11 @@ carries its FINAL flag; whoever removes it from `_live` (under `_lock`) queues t
 their one error response straight from the execute thread.
 
 A tensor-parallel worker or the engine process that dies (`failed`, noticed at the next step
-or within 0.1 s when idle) is fatal. The engine thread stops; every live request and every later one ends with
-one UNAVAILABLE error carrying the message ("tensor-parallel worker rank 1 (pid N) exited
-(signal 9, SIGKILL); the model must be reloaded"). The model stays loaded and "ready" (this
-Triton, 2.51, has no per-instance health check) but fails every request at once. With the
-adapter parameter UNLOAD_ON_FATAL_ERROR "true" — only for servers started with
+or within 0.1 s when idle) is fatal. The engine thread stops; every live request and every
+later one ends with one UNAVAILABLE error carrying the message ("tensor-parallel worker rank 1
+(pid N) exited (signal 9, SIGKILL); the model must be reloaded"). The model stays loaded and
+"ready" (this Triton, 2.51, has no per-instance health check) but fails every request at once.
+With the adapter parameter UNLOAD_ON_FATAL_ERROR "true" — only for servers started with
 `--model-control-mode=explicit` — the model also asks Triton to unload it
 (`pb_utils.unload_model`), so `v2/models/<name>/ready` turns false while the server and its other
 models keep serving; load it again to recover. Not by default: outside explicit mode that call
@@ -53,10 +53,10 @@ Data: tensors and parameters come from Triton (`pb_utils`), engine settings from
 adapter-only parameters: `REPORT_CUSTOM_METRICS` (default "true"), `LOG_REQUESTS` (default
 "false"), `UNLOAD_ON_FATAL_ERROR` (default "false"; see above), `INTRA_OP_THREAD_COUNT` (torch's
 intra-op threads; default "auto": on a CPU one fewer than the process's cores, at least 1, on a
-GPU torch's default; see `_intra_op_threads`), `ENGINE_PROCESS` (default "true": the engine in a
-child process of the stub; "false": on the stub's engine thread), `STREAM_INTERVAL` (default "1": a streamed
-response per token; N > 1: after a request's first streamed response, which goes out at once,
-each carries at least N tokens (the last one may carry fewer): N times fewer sends, each an IPC
+GPU torch's default; see `_intra_op_threads`), `ENGINE_PROCESS` (default "true": the engine in
+a child process of the stub; "false": on the stub's engine thread), `STREAM_INTERVAL` (default
+"1": a streamed response per token; N > 1: after a request's first streamed response, which
+goes out at once, each carries at least N tokens (the last one may carry fewer): N times fewer sends, each an IPC
 round trip to the server process, for N - 1 steps more latency per delta; as SGLang's
 `stream_interval`), `RESPONSE_SENDER_THREADS` (default "4", integer >= 1: the sender threads,
 i.e. how many send round trips of different requests may be in flight at once; more threads
