@@ -214,15 +214,21 @@ class ProcTree:
 
     def cpu_s(self) -> float:
         """User + system CPU seconds of the live processes of the tree (threads included)."""
-        total = 0
+        return sum(self.cpu_by_name().values())
+
+    def cpu_by_name(self) -> dict[str, float]:
+        """`cpu_s` per program name (`name`: tritonserver, triton_python_backend_stub, python3
+        for the adapter's engine process and tensor-parallel workers)."""
+        ticks: dict[str, int] = {}
         for pid in self.pids():
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])  # utime, stime
+                name = self.name(pid)
+                ticks[name] = ticks.get(name, 0) + int(fields[11]) + int(fields[12])
             except (FileNotFoundError, ProcessLookupError):
                 pass
-        return total / self._ticks
+        return {name: t / self._ticks for name, t in ticks.items()}
 
     @staticmethod
     def name(pid: int) -> str:

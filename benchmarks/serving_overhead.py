@@ -76,8 +76,11 @@ def warm_up(run, levels: list[int], max_tokens: int, side: str) -> None:
         run(jobs_for(c, max(8, max_tokens // 4), f"{side}-warm{c}"), c)
 
 
-def one_run(run, c: int, n: int, max_tokens: int, tag: str, side: str, cpu_of=None) -> dict:
-    """One measurement of `n` requests at concurrency `c`: tokens/s and CPU s per 1000 tokens.
+def one_run(run, c: int, n: int, max_tokens: int, tag: str, side: str, cpu_of=None,
+            cpu_split=None) -> dict:
+    """One measurement of `n` requests at concurrency `c`: tokens/s and CPU s per 1000 tokens
+    (with `cpu_split`, a callable of program name → CPU s: also µs of CPU per output token per
+    program, the client included).
 
     A run during which other programs on the machine used more than MAX_OTHER_LOAD cores (busy
     time of /proc/stat minus ours) is discarded and redone after a pause, up to RETRIES times.
@@ -88,9 +91,12 @@ def one_run(run, c: int, n: int, max_tokens: int, tag: str, side: str, cpu_of=No
     for attempt in range(RETRIES + 1):
         jobs = jobs_for(n, max_tokens, f"{tag}-{attempt}")
         cpu0 = cpu_of() if cpu_of else 0.0
+        split0 = cpu_split() if cpu_split else {}
         busy0 = system_busy_s()
         stats = run(jobs, c)
         cpu = (cpu_of() - cpu0) if cpu_of else stats.cpu_s
+        split = {name: s - split0.get(name, 0.0) for name, s in cpu_split().items()} \
+            if cpu_split else {}
         # cores' worth of CPU that other programs used during the run
         other = max(system_busy_s() - busy0 - cpu - (stats.cpu_s if cpu_of else 0.0),
                     0.0) / stats.wall_s
@@ -107,7 +113,9 @@ def one_run(run, c: int, n: int, max_tokens: int, tag: str, side: str, cpu_of=No
     return {"tokens_per_s": stats.tokens_per_s,
             "cpu_s_per_1k_tokens": 1000 * cpu / stats.output_tokens,
             "client_cpu_s_per_1k_tokens": 1000 * stats.cpu_s / stats.output_tokens,
-            "other_programs_cores": other}
+            "other_programs_cores": other,
+            "cpu_us_per_token": {name: 1e6 * s / stats.output_tokens
+                                 for name, s in {**split, "client": stats.cpu_s}.items()}}
 
 
 def summarize(runs: list[dict], n: int) -> dict:
@@ -117,7 +125,10 @@ def summarize(runs: list[dict], n: int) -> dict:
             "cpu_s_per_1k_tokens": statistics.median(r["cpu_s_per_1k_tokens"] for r in runs),
             "client_cpu_s_per_1k_tokens": statistics.median(
                 r["client_cpu_s_per_1k_tokens"] for r in runs),
-            "other_programs_cores": [r["other_programs_cores"] for r in runs], "requests": n}
+            "other_programs_cores": [r["other_programs_cores"] for r in runs], "requests": n,
+            "cpu_us_per_token": {name: statistics.median(r["cpu_us_per_token"].get(name, 0.0)
+                                                         for r in runs)
+                                 for name in runs[0]["cpu_us_per_token"]}}
 
 
 def main() -> int:
@@ -206,7 +217,8 @@ def main() -> int:
                     for v in variants:
                         srv_runs[v][c].append(one_run(serve[v], c, n_requests(c),
                                                       args.max_tokens, f"{names[v]}-{c}-{r}",
-                                                      label[v], cpu_of=tree.cpu_s))
+                                                      label[v], cpu_of=tree.cpu_s,
+                                                      cpu_split=tree.cpu_by_name))
     engine.check_invariant()
     engine.shutdown()
     torch.set_num_threads(default_threads)
@@ -237,6 +249,18 @@ def main() -> int:
                   f"{t['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | {100 * ratio:.1f}% | "
                   f"{100 * ratio_t:.1f}% | {a['cpu_s_per_1k_tokens']:.2f} | "
                   f"{b['cpu_s_per_1k_tokens']:.2f} | {b['client_cpu_s_per_1k_tokens']:.2f} |")
+    print("\nCPU µs per output token by program (median of the runs; python3: the engine "
+          "process; client: this process, which also runs the in-process engine between runs)")
+    names_seen = sorted({n for v in variants for c in levels
+                         for n in served[v][c]["cpu_us_per_token"]})
+    print("| concurrency | STREAM_INTERVAL | RESPONSE_SENDER_THREADS | ENGINE_PROCESS | "
+          + " | ".join(names_seen) + " |")
+    print("|---" * (4 + len(names_seen)) + "|")
+    for c in levels:
+        for k, n, p in variants:
+            us = served[(k, n, p)][c]["cpu_us_per_token"]
+            print(f"| {c} | {k} | {n or 'default'} | {p} | "
+                  + " | ".join(f"{us.get(name, 0.0):.1f}" for name in names_seen) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "settings": params,
                                                "max_tokens": args.max_tokens, "rows": rows,
