@@ -214,21 +214,25 @@ class ProcTree:
 
     def cpu_s(self) -> float:
         """User + system CPU seconds of the live processes of the tree (threads included)."""
-        return sum(self.cpu_by_name().values())
-
-    def cpu_by_name(self) -> dict[str, float]:
-        """`cpu_s` per program name (`name`: tritonserver, triton_python_backend_stub, python3
-        for the adapter's engine process and tensor-parallel workers)."""
-        ticks: dict[str, int] = {}
+        total = 0
         for pid in self.pids():
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                name = self.name(pid)
-                ticks[name] = ticks.get(name, 0) + int(fields[11]) + int(fields[12])
+                total += int(fields[11]) + int(fields[12])  # utime, stime
             except (FileNotFoundError, ProcessLookupError):
                 pass
-        return {name: t / self._ticks for name, t in ticks.items()}
+        return total / self._ticks
+
+    def sched_by_name(self) -> dict[str, list[float]]:
+        """`sched_of` summed per program name (`name`: tritonserver, triton_python_backend_stub,
+        python3 for the adapter's engine process and tensor-parallel workers)."""
+        out: dict[str, list[float]] = {}
+        for pid in self.pids():
+            total = out.setdefault(self.name(pid), [0.0, 0.0, 0.0])
+            for i, v in enumerate(sched_of(pid)):
+                total[i] += v
+        return out
 
     @staticmethod
     def name(pid: int) -> str:
@@ -238,6 +242,28 @@ class ProcTree:
             return os.path.basename(argv[0].decode(errors="replace"))
         except (FileNotFoundError, ProcessLookupError):
             return "?"
+
+
+def sched_of(pid: int, tid: int | None = None) -> list[float]:
+    """[CPU s, run-queue wait s, times scheduled in] of process `pid`, summed over its threads,
+    or of its thread `tid` alone (/proc/<pid>/task/<tid>/schedstat; zeros for a process that is
+    gone). The wait is time a thread was runnable but had no core; every time it blocks or is
+    preempted it is scheduled in again. Threads that have ended are not counted."""
+    total = [0.0, 0.0, 0.0]
+    try:
+        tids = [str(tid)] if tid is not None else os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return total
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                cpu_ns, wait_ns, slices = (int(x) for x in f.read().split()[:3])
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue
+        total[0] += cpu_ns / 1e9
+        total[1] += wait_ns / 1e9
+        total[2] += slices
+    return total
 
 
 def system_busy_s() -> float:

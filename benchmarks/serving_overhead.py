@@ -27,7 +27,10 @@ Radix cache off (every prompt is new anyway), pool and request slots sized for t
 Both sides are warmed up first (a few requests at concurrency 1 and a full wave at each C); each
 measurement is repeated `--repeats` times and the median is reported, with the CPU seconds per
 1000 output tokens (in-process: this process; server: tritonserver and its stub processes, plus
-the client). Prints a table and writes it as JSON with `--json PATH`.
+the client), and per program the CPU and run-queue wait per output token and how often its
+threads were scheduled in (/proc/<pid>/task/<tid>/schedstat: a thread that blocks, e.g. on the
+GIL, or is preempted is scheduled in again). Prints the tables and writes them as JSON with
+`--json PATH`.
 """
 
 from __future__ import annotations
@@ -40,12 +43,13 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_client import (  # noqa: E402
-    REPO, Job, ProcTree, engine_load, stream_load, system_busy_s, temp_repository)
+    REPO, Job, ProcTree, engine_load, sched_of, stream_load, system_busy_s, temp_repository)
 
 BASE_PROMPT = ("Write a detailed story about a lighthouse keeper who finds a message in a bottle "
                "and decides to")
@@ -76,11 +80,11 @@ def warm_up(run, levels: list[int], max_tokens: int, side: str) -> None:
         run(jobs_for(c, max(8, max_tokens // 4), f"{side}-warm{c}"), c)
 
 
-def one_run(run, c: int, n: int, max_tokens: int, tag: str, side: str, cpu_of=None,
-            cpu_split=None) -> dict:
-    """One measurement of `n` requests at concurrency `c`: tokens/s and CPU s per 1000 tokens
-    (with `cpu_split`, a callable of program name → CPU s: also µs of CPU per output token per
-    program, the client included).
+def one_run(run, c: int, n: int, max_tokens: int, tag: str, side: str, sched, cpu_of=None
+            ) -> dict:
+    """One measurement of `n` requests at concurrency `c`: tokens/s and CPU s per 1000 tokens,
+    and per program (`sched`: a callable of program name → `sched_of` counters) µs of CPU and of
+    run-queue wait per output token and times scheduled in per 1000 tokens.
 
     A run during which other programs on the machine used more than MAX_OTHER_LOAD cores (busy
     time of /proc/stat minus ours) is discarded and redone after a pause, up to RETRIES times.
@@ -91,12 +95,13 @@ def one_run(run, c: int, n: int, max_tokens: int, tag: str, side: str, cpu_of=No
     for attempt in range(RETRIES + 1):
         jobs = jobs_for(n, max_tokens, f"{tag}-{attempt}")
         cpu0 = cpu_of() if cpu_of else 0.0
-        split0 = cpu_split() if cpu_split else {}
+        sched0 = sched()
         busy0 = system_busy_s()
         stats = run(jobs, c)
         cpu = (cpu_of() - cpu0) if cpu_of else stats.cpu_s
-        split = {name: s - split0.get(name, 0.0) for name, s in cpu_split().items()} \
-            if cpu_split else {}
+        sched1 = sched()
+        split = {name: [b - a for a, b in zip(sched0.get(name, [0.0] * 3), counters)]
+                 for name, counters in sched1.items()}
         # cores' worth of CPU that other programs used during the run
         other = max(system_busy_s() - busy0 - cpu - (stats.cpu_s if cpu_of else 0.0),
                     0.0) / stats.wall_s
@@ -114,8 +119,9 @@ def one_run(run, c: int, n: int, max_tokens: int, tag: str, side: str, cpu_of=No
             "cpu_s_per_1k_tokens": 1000 * cpu / stats.output_tokens,
             "client_cpu_s_per_1k_tokens": 1000 * stats.cpu_s / stats.output_tokens,
             "other_programs_cores": other,
-            "cpu_us_per_token": {name: 1e6 * s / stats.output_tokens
-                                 for name, s in {**split, "client": stats.cpu_s}.items()}}
+            "sched": {name: [1e6 * cpu / stats.output_tokens, 1e6 * wait / stats.output_tokens,
+                             1e3 * slices / stats.output_tokens]
+                      for name, (cpu, wait, slices) in split.items()}}
 
 
 def summarize(runs: list[dict], n: int) -> dict:
@@ -126,9 +132,8 @@ def summarize(runs: list[dict], n: int) -> dict:
             "client_cpu_s_per_1k_tokens": statistics.median(
                 r["client_cpu_s_per_1k_tokens"] for r in runs),
             "other_programs_cores": [r["other_programs_cores"] for r in runs], "requests": n,
-            "cpu_us_per_token": {name: statistics.median(r["cpu_us_per_token"].get(name, 0.0)
-                                                         for r in runs)
-                                 for name in runs[0]["cpu_us_per_token"]}}
+            "sched": {name: [statistics.median(r["sched"][name][i] for r in runs)
+                             for i in range(3)] for name in runs[0]["sched"]}}
 
 
 def main() -> int:
@@ -173,8 +178,12 @@ def main() -> int:
     engine = Engine(EngineConfig.create(model_path=str(weights), **params))
     run_main = lambda jobs, c: engine_load(engine, jobs, c)  # noqa: E731
     warm_up(run_main, levels, args.max_tokens, "in-process")
+    # the thread that steps the in-process engine (engine_load runs on this, the main thread)
+    main_tid = threading.get_native_id()
+    sched_self = lambda: {"in-process engine": sched_of(os.getpid(), main_tid)}  # noqa: E731
     inproc = {c: summarize([one_run(run_main, c, n_requests(c), args.max_tokens,
-                                    f"main-{c}-{r}", "in-process (default threads)")
+                                    f"main-{c}-{r}", "in-process (default threads)",
+                                    sched_self)
                             for r in range(args.repeats)], n_requests(c)) for c in levels}
     engine.check_invariant()
     engine.shutdown()
@@ -205,6 +214,10 @@ def main() -> int:
         repo = temp_repository(Path(tmp) / "repo", models, adapter_params)
         with TritonServer(repo, startup_timeout=600) as server:
             tree = ProcTree(server.proc.pid)
+
+            # (Not the client: its gRPC threads end with each run, and an ended thread's
+            # counters are gone; its CPU is in the main table.)
+            sched_server = tree.sched_by_name
             serve = {v: (lambda jobs, c, name=name: stream_load(server.grpc_url, name, jobs, c))
                      for v, name in names.items()}
             warm_up(run_adp, levels, args.max_tokens, "in-proc adp")
@@ -213,12 +226,13 @@ def main() -> int:
             for r in range(args.repeats):
                 for c in levels:
                     adp_runs[c].append(one_run(run_adp, c, n_requests(c), args.max_tokens,
-                                               f"adp-{c}-{r}", "in-process (as the adapter)"))
+                                               f"adp-{c}-{r}", "in-process (as the adapter)",
+                                               sched_self))
                     for v in variants:
                         srv_runs[v][c].append(one_run(serve[v], c, n_requests(c),
                                                       args.max_tokens, f"{names[v]}-{c}-{r}",
-                                                      label[v], cpu_of=tree.cpu_s,
-                                                      cpu_split=tree.cpu_by_name))
+                                                      label[v], sched_server,
+                                                      cpu_of=tree.cpu_s))
     engine.check_invariant()
     engine.shutdown()
     torch.set_num_threads(default_threads)
@@ -249,18 +263,18 @@ def main() -> int:
                   f"{t['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | {100 * ratio:.1f}% | "
                   f"{100 * ratio_t:.1f}% | {a['cpu_s_per_1k_tokens']:.2f} | "
                   f"{b['cpu_s_per_1k_tokens']:.2f} | {b['client_cpu_s_per_1k_tokens']:.2f} |")
-    print("\nCPU µs per output token by program (median of the runs; python3: the engine "
-          "process; client: this process, which also runs the in-process engine between runs)")
-    names_seen = sorted({n for v in variants for c in levels
-                         for n in served[v][c]["cpu_us_per_token"]})
-    print("| concurrency | STREAM_INTERVAL | RESPONSE_SENDER_THREADS | ENGINE_PROCESS | "
-          + " | ".join(names_seen) + " |")
-    print("|---" * (4 + len(names_seen)) + "|")
+    print("\nPer program, medians of the runs: CPU µs / run-queue wait µs per output token, "
+          "times scheduled in per 1000 tokens (python3: the engine process)")
+    print("| concurrency | side | program | CPU µs/token | run-queue wait µs/token "
+          "| scheduled in /1k tokens |")
+    print("|---|---|---|---|---|---|")
     for c in levels:
-        for k, n, p in variants:
-            us = served[(k, n, p)][c]["cpu_us_per_token"]
-            print(f"| {c} | {k} | {n or 'default'} | {p} | "
-                  + " | ".join(f"{us.get(name, 0.0):.1f}" for name in names_seen) + " |")
+        sides = [("in-process (as the adapter)", threaded[c])] + [
+            (f"server ENGINE_PROCESS {p}, STREAM_INTERVAL {k}, senders {n or 'default'}",
+             served[(k, n, p)][c]) for k, n, p in variants]
+        for side, result in sides:
+            for name, (cpu, wait, slices) in sorted(result["sched"].items()):
+                print(f"| {c} | {side} | {name} | {cpu:.1f} | {wait:.1f} | {slices:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "settings": params,
                                                "max_tokens": args.max_tokens, "rows": rows,

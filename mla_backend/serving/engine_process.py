@@ -298,7 +298,7 @@ def _child_main(conn: Any, config: EngineConfig, threads: int | None) -> None:
         conn.send(("load_error", str(e) or repr(e)))
         conn.close()
         return
-    workers = getattr(engine.runner, "tp_workers", None)
+    workers = engine.runner.tp_workers
     conn.send(("ready", {
         "vocab_size": engine.vocab_size, "context_len": engine.context_len,
         "max_total_tokens": engine.max_total_tokens, "device": str(engine.runner.device),

@@ -12,10 +12,7 @@ balance and dsv2-proc says its pools could not be checked.
 
 from __future__ import annotations
 
-import os
-import queue
 import re
-import signal
 import time
 
 import psutil
@@ -23,15 +20,12 @@ import pytest
 
 from mla_backend.tools.tritonserver import TritonServer
 
-from test_triton_e2e import Stream, grpc_inputs, is_final, text_of
-from test_tp_worker_death_e2e import (
-    PROMPT, SETTINGS, SHORT, _next, _refused, _serves_baseline, _until_end, baseline)
+from test_tp_worker_death_e2e import SETTINGS, _refused, _serves_baseline, kill_mid_stream
 from serving_helpers import write_model
 
 pytestmark = pytest.mark.e2e
 
 PROC, THREAD = "dsv2-proc", "dsv2-thread"
-LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}  # still running at the kill
 FAST_S = 10.0
 
 
@@ -72,24 +66,7 @@ def test_killed_engine_process_fails_its_model_only(server):
     pid = _engine_pid(server)
     message = (f"the engine process (pid {pid}) exited (signal 9, SIGKILL); the model must be "
                "reloaded")
-    want = baseline()
-    victim, bystander = Stream(server.grpc_url), Stream(server.grpc_url)
-    try:
-        victim.send(PROC, grpc_inputs(PROMPT, sampling=LONG), "victim")
-        bystander.send(THREAD, grpc_inputs(PROMPT, sampling=SHORT), "bystander")
-        first, error = _next(victim)
-        assert error is None and not is_final(first)
-        os.kill(pid, signal.SIGKILL)
-        results, error = _until_end(victim)
-        assert error is not None and message in error, error
-        assert not any(is_final(r) for r in results)
-        with pytest.raises(queue.Empty):  # nothing after the error
-            victim.responses.get(timeout=1.0)
-        results, error = _until_end(bystander)
-        assert error is None and text_of(results) == want
-    finally:
-        victim.close()
-        bystander.close()
+    kill_mid_stream(server, PROC, THREAD, pid, message)
     for _ in range(2):
         error, seconds = _refused(server, PROC)
         assert message in error and seconds < FAST_S

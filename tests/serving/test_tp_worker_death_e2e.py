@@ -150,22 +150,22 @@ def _serves_baseline(server: TritonServer, model: str) -> None:
     assert text_of(results) == baseline()
 
 
-def _kill_worker_mid_stream(server: TritonServer) -> int:
-    """Streams on both models, SIGKILL dsv2-tp2's worker after its first token; checks the
-    in-flight requests' ends. Returns the killed pid."""
+def kill_mid_stream(server: TritonServer, victim_model: str, bystander_model: str, pid: int,
+                    message: str) -> None:
+    """Streams on both models, SIGKILL `pid` after the victim's first token; the victim's
+    request must end with one error containing `message` and nothing after it, the bystander's
+    must finish with the baseline text."""
     expected = baseline()  # before the kill: not timed against the streams
-    (pid,) = _worker_pids(server)
-    _check_is_stub_child(server, pid)
     victim, bystander = Stream(server.grpc_url), Stream(server.grpc_url)
     try:
-        victim.send(TP2, grpc_inputs(PROMPT, sampling=LONG), "victim")
-        bystander.send(TP1, grpc_inputs(PROMPT, sampling=SHORT), "bystander")
+        victim.send(victim_model, grpc_inputs(PROMPT, sampling=LONG), "victim")
+        bystander.send(bystander_model, grpc_inputs(PROMPT, sampling=SHORT), "bystander")
         first, error = _next(victim)
         assert error is None and not is_final(first) and text_of([first])
         os.kill(pid, signal.SIGKILL)
         results, error = _until_end(victim)
         assert error is not None, f"no error after {len(results)} more responses"
-        assert _message(pid) in error  # (a gRPC stream's error carries no status code)
+        assert message in error  # (a gRPC stream's error carries no status code)
         assert not any(is_final(r) for r in results)
         with pytest.raises(queue.Empty):  # nothing after the error
             victim.responses.get(timeout=1.0)
@@ -174,6 +174,13 @@ def _kill_worker_mid_stream(server: TritonServer) -> int:
     finally:
         victim.close()
         bystander.close()
+
+
+def _kill_worker_mid_stream(server: TritonServer) -> int:
+    """`kill_mid_stream` on dsv2-tp2's worker (dsv2-tp1 the bystander). Returns the killed pid."""
+    (pid,) = _worker_pids(server)
+    _check_is_stub_child(server, pid)
+    kill_mid_stream(server, TP2, TP1, pid, _message(pid))
     return pid
 
 
