@@ -5,9 +5,10 @@ same model, same settings, same requests, at each concurrency, in one run.
         [--concurrency 1 64] [--max-tokens 64] [--requests N] [--repeats 3]
         [--stream-intervals 1 4] [--sender-threads 1 4] [--engine-process true false]
 
-Each request: a distinct prompt, `max_tokens` = `min_tokens` = `--max-tokens`, `ignore_eos`,
-greedy, streaming. At concurrency C, N requests (default max(8, C)) run closed-loop with C in
-flight (a finished request is replaced at once); C = 64 with N = 64 is "64 submitted together".
+Each request: a distinct prompt (the same prompts on every side of a comparison), `max_tokens`
+= `min_tokens` = `--max-tokens`, `ignore_eos`, greedy, streaming. At concurrency C, N requests
+(default max(16, C)) run closed-loop with C in flight (a finished request is replaced at once);
+C = 64 with N = 64 is "64 submitted together".
 Radix cache off (every prompt is new anyway), pool and request slots sized for the largest C.
 
 - in-process: `Engine` in this process (`serving_client.engine_load`), (1) with torch's
@@ -25,12 +26,14 @@ Radix cache off (every prompt is new anyway), pool and request slots sized for t
   ...), so a drift of the machine's speed during the benchmark hits every side alike.
 
 Both sides are warmed up first (a few requests at concurrency 1 and a full wave at each C); each
-measurement is repeated `--repeats` times and the median is reported, with the CPU seconds per
-1000 output tokens (in-process: this process; server: tritonserver and its stub processes, plus
-the client), and per program the CPU and run-queue wait per output token and how often its
-threads were scheduled in (/proc/<pid>/task/<tid>/schedstat: a thread that blocks, e.g. on the
-GIL, or is preempted is scheduled in again). Prints the tables and writes them as JSON with
-`--json PATH`.
+measurement is repeated `--repeats` times and the median is reported; the server / in-process
+(as the adapter) ratio also per run pair (median and quartiles; the pair's two runs are back to
+back) and fastest run against fastest run (a shared VM's noise only slows runs down), with the
+CPU seconds per 1000 output tokens (in-process: this process; server: tritonserver and its stub
+processes, plus the client), and per program the CPU and run-queue wait per output token and
+how often its threads were scheduled in (/proc/<pid>/task/<tid>/schedstat: a thread that
+blocks, e.g. on the GIL, or is preempted is scheduled in again). Prints the tables and writes
+them as JSON with `--json PATH`.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ BASE_PROMPT = ("Write a detailed story about a lighthouse keeper who finds a mes
 
 
 def jobs_for(n: int, max_tokens: int, tag: str) -> list[Job]:
+    """`n` requests with distinct prompts "[<tag> <i>] ..."; every side of a comparison must get
+    the same `tag` (the same prompts): a longer tag is a longer prompt, i.e. more work."""
     sampling = {"max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
                 "temperature": 0}
     return [Job(f"[{tag} {i}] {BASE_PROMPT} visit island number {i}.", sampling)
@@ -73,16 +78,17 @@ MAX_OTHER_LOAD = 0.15  # cores; a run during which other programs used more is r
 RETRIES = 20
 
 
-def warm_up(run, levels: list[int], max_tokens: int, side: str) -> None:
+def warm_up(run, levels: list[int], max_tokens: int) -> None:
     """A few requests at concurrency 1, then one short wave at each level."""
-    run(jobs_for(2, max_tokens, f"{side}-warm"), 1)
+    run(jobs_for(2, max_tokens, "warm"), 1)
     for c in levels:
-        run(jobs_for(c, max(8, max_tokens // 4), f"{side}-warm{c}"), c)
+        run(jobs_for(c, max(8, max_tokens // 4), f"warm{c}"), c)
 
 
 def one_run(run, c: int, n: int, max_tokens: int, tag: str, side: str, sched, cpu_of=None
             ) -> dict:
-    """One measurement of `n` requests at concurrency `c`: tokens/s and CPU s per 1000 tokens,
+    """One measurement of `n` requests at concurrency `c` (prompts `jobs_for(..., tag)`: give
+    each side of a comparison the same `tag`): tokens/s and CPU s per 1000 tokens,
     and per program (`sched`: a callable of program name → `sched_of` counters) µs of CPU and of
     run-queue wait per output token and times scheduled in per 1000 tokens.
 
@@ -124,6 +130,14 @@ def one_run(run, c: int, n: int, max_tokens: int, tag: str, side: str, sched, cp
                       for name, (cpu, wait, slices) in split.items()}}
 
 
+def pair_ratios(in_process: list[float], server: list[float]) -> list[float]:
+    """server / in-process tokens/s of each repeat: the two runs of a pair ran back to back, so
+    the ratio cancels the drifts of this VM's speed slower than a pair (median and quartiles in
+    the table). The fastest run of each side is the other robust reading: noise on a shared
+    VM only ever slows a run down."""
+    return [b / a for a, b in zip(in_process, server)]
+
+
 def summarize(runs: list[dict], n: int) -> dict:
     """Median tokens/s and CPU of `runs` (dicts of `one_run`), with every run's rate."""
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
@@ -143,7 +157,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=0,
-                    help="requests per measurement (0: max(8, concurrency))")
+                    help="requests per measurement (0: max(16, concurrency))")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stream-intervals", type=int, nargs="+", default=[1],
                     help="STREAM_INTERVAL values to serve (one model copy each)")
@@ -167,7 +181,7 @@ def main() -> int:
     params = settings(max(levels), args.max_tokens)
 
     def n_requests(c: int) -> int:
-        return args.requests or max(8, c)
+        return args.requests or max(16, c)
 
     weights = REPO / "model_repository" / args.model / "weights"
     print(f"model {args.model}, settings {params}, max_tokens {args.max_tokens}, "
@@ -177,12 +191,12 @@ def main() -> int:
     default_threads = torch.get_num_threads()
     engine = Engine(EngineConfig.create(model_path=str(weights), **params))
     run_main = lambda jobs, c: engine_load(engine, jobs, c)  # noqa: E731
-    warm_up(run_main, levels, args.max_tokens, "in-process")
+    warm_up(run_main, levels, args.max_tokens)
     # the thread that steps the in-process engine (engine_load runs on this, the main thread)
     main_tid = threading.get_native_id()
     sched_self = lambda: {"in-process engine": sched_of(os.getpid(), main_tid)}  # noqa: E731
     inproc = {c: summarize([one_run(run_main, c, n_requests(c), args.max_tokens,
-                                    f"main-{c}-{r}", "in-process (default threads)",
+                                    f"{c}-{r}", "in-process (default threads)",
                                     sched_self)
                             for r in range(args.repeats)], n_requests(c)) for c in levels}
     engine.check_invariant()
@@ -220,17 +234,17 @@ def main() -> int:
             sched_server = tree.sched_by_name
             serve = {v: (lambda jobs, c, name=name: stream_load(server.grpc_url, name, jobs, c))
                      for v, name in names.items()}
-            warm_up(run_adp, levels, args.max_tokens, "in-proc adp")
+            warm_up(run_adp, levels, args.max_tokens)
             for v in variants:
-                warm_up(serve[v], levels, args.max_tokens, label[v])
+                warm_up(serve[v], levels, args.max_tokens)
             for r in range(args.repeats):
                 for c in levels:
                     adp_runs[c].append(one_run(run_adp, c, n_requests(c), args.max_tokens,
-                                               f"adp-{c}-{r}", "in-process (as the adapter)",
+                                               f"{c}-{r}", "in-process (as the adapter)",
                                                sched_self))
                     for v in variants:
                         srv_runs[v][c].append(one_run(serve[v], c, n_requests(c),
-                                                      args.max_tokens, f"{names[v]}-{c}-{r}",
+                                                      args.max_tokens, f"{c}-{r}",
                                                       label[v], sched_server,
                                                       cpu_of=tree.cpu_s))
     engine.check_invariant()
@@ -246,22 +260,28 @@ def main() -> int:
     print("| concurrency | requests | STREAM_INTERVAL | RESPONSE_SENDER_THREADS | ENGINE_PROCESS "
           "| in-process tok/s (default threads) "
           "| in-process tok/s (as the adapter) | server tok/s | server / in-process "
-          "| server / in-process (as the adapter) | in-process CPU s/1k tok | server CPU s/1k tok "
+          "| server / in-process (as the adapter) | same, per run pair: median [quartiles] "
+          "| same, fastest / fastest | in-process CPU s/1k tok | server CPU s/1k tok "
           "| client CPU s/1k tok |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in levels:
         a, t = inproc[c], threaded[c]
         for k, n, p in variants:
             b = served[(k, n, p)][c]
             ratio = b["tokens_per_s"] / a["tokens_per_s"]
             ratio_t = b["tokens_per_s"] / t["tokens_per_s"]
+            pairs = pair_ratios(t["runs"], b["runs"])
+            best = max(b["runs"]) / max(t["runs"])
             rows.append({"concurrency": c, "stream_interval": k, "sender_threads": n,
                          "engine_process": p, "in_process": a, "in_process_thread": t,
-                         "server": b, "ratio": ratio, "ratio_thread": ratio_t})
+                         "server": b, "ratio": ratio, "ratio_thread": ratio_t,
+                         "ratio_thread_pairs": pairs, "ratio_thread_fastest": best})
+            q1, q2, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3
             print(f"| {c} | {a['requests']} | {k} | {n or 'default'} | {p} | "
                   f"{a['tokens_per_s']:.1f} | "
                   f"{t['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | {100 * ratio:.1f}% | "
-                  f"{100 * ratio_t:.1f}% | {a['cpu_s_per_1k_tokens']:.2f} | "
+                  f"{100 * ratio_t:.1f}% | {100 * q2:.1f}% [{100 * q1:.1f}–{100 * q3:.1f}%] | "
+                  f"{100 * best:.1f}% | {a['cpu_s_per_1k_tokens']:.2f} | "
                   f"{b['cpu_s_per_1k_tokens']:.2f} | {b['client_cpu_s_per_1k_tokens']:.2f} |")
     print("\nPer program, medians of the runs: CPU µs / run-queue wait µs per output token, "
           "times scheduled in per 1000 tokens (python3: the engine process)")

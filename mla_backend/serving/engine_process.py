@@ -32,7 +32,11 @@ as for a dead tensor-parallel worker. If the stub dies, the child sees the pipe 
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing as mp
+import os
+import pickle
+import select
 import signal
 import threading
 import time
@@ -52,6 +56,40 @@ _CLOSE_TIMEOUT_S = 30.0  # close() waits this long for the child, then terminate
 
 class EngineProcessError(RuntimeError):
     """The engine process failed to start (its own load error's message, or how it exited)."""
+
+
+class _Channel:
+    """One end of the stub <-> engine-process pipe (a `multiprocessing` Connection): one pickled
+    tuple per message, and a poll that is a single poll(2) call.
+
+    `Connection.send` / `poll` work too but cost more per call, and the engine process calls
+    them once per step: `send` pickles through `ForkingPickler` (it rebuilds its dispatch table
+    on every call, for the tensors and file descriptors our messages never carry) and `poll`
+    builds a new selector each time. Measured in a step log of the engine process on the 2-core
+    CPU VM (deepseek-v2-tiny, one request at a time): median 100-128 us between two ~5.5 ms
+    steps with `Connection`, 72-78 us with this class (docs/benchmarks.md, "Server-path cost",
+    item 7).
+
+    Raises (every method): EOFError / OSError when the other end is gone.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self._poller = select.poll()
+        self._poller.register(conn.fileno(), select.POLLIN)
+
+    def send(self, message: tuple) -> None:
+        self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def recv(self) -> Any:
+        return pickle.loads(self.conn.recv_bytes())
+
+    def poll(self, timeout_s: float) -> bool:
+        """True when a message (or the other end's close) is waiting; waits up to `timeout_s`."""
+        return bool(self._poller.poll(math.ceil(max(timeout_s, 0.0) * 1000)))
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 class EngineProcess:
@@ -74,7 +112,8 @@ class EngineProcess:
 
         ctx = mp.get_context("spawn")
         ctx.set_executable(_python_executable())
-        self._conn, child_conn = ctx.Pipe(duplex=True)
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        self._conn = _Channel(parent_conn)
         # Not a daemon: the child spawns tensor-parallel workers of its own.
         self._proc = ctx.Process(target=_child_main, args=(child_conn, config, threads),
                                  name="mla-engine", daemon=False)
@@ -286,10 +325,12 @@ def _child_main(conn: Any, config: EngineConfig, threads: int | None) -> None:
     """Entry point of the engine process: build the engine, then serve the pipe."""
     # Ctrl-C reaches the whole process group; the stub decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _own_session()
     import torch
 
     from mla_backend.engine import Engine
 
+    conn = _Channel(conn)
     try:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -312,7 +353,24 @@ def _child_main(conn: Any, config: EngineConfig, threads: int | None) -> None:
         conn.close()
 
 
-def _serve(engine: Any, conn: Any) -> None:
+def _own_session() -> None:
+    """Move this process into a session of its own (setsid), hence into a scheduling group of
+    its own where Linux groups processes by session (`autogroup`: kernel.sched_autogroup_enabled
+    = 1 and the process in the root cpu cgroup, as on our CPU VMs; inside a container's cgroup
+    it changes nothing). There the CPU scheduler weighs the engine against tritonserver, the
+    stub and the clients as one group against another, instead of one thread against each of
+    their threads: with per-token streaming their threads wake ~60 times per decode step of 64
+    requests, and on a machine with few cores many of those wake-ups preempted the engine
+    (docs/benchmarks.md, "Server-path cost", item 7). Signals of the terminal's session no
+    longer reach this process, which is what we want: the stub decides when it stops (closing
+    the pipe or sending ("close",)). No-op where setsid is refused."""
+    try:
+        os.setsid()
+    except OSError:  # already a session or group leader
+        pass
+
+
+def _serve(engine: Any, conn: _Channel) -> None:
     """Alternate between the stub's messages and engine steps until ("close",) or EOF."""
     last_stats: dict[str, int] | None = None
     last_stats_t = 0.0

@@ -175,6 +175,25 @@ def test_close_stops_the_child():
         ep.add_request(GenerateRequest(rid="after", text=PROMPTS[0]))
 
 
+def test_child_leads_its_own_session_and_exits_when_the_stub_is_gone():
+    """The engine process is a session (and process group) of its own, so a kill of
+    tritonserver's process group does not reach it; it must end by itself once the stub's end of
+    the pipe is gone (the stub killed), with a request still running."""
+    ep = EngineProcess(_config(), threads=1)
+    try:
+        assert os.getsid(ep.pid) == ep.pid and os.getpgid(ep.pid) == ep.pid
+        assert os.getsid(ep.pid) != os.getsid(0)
+        long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+        ep.add_request(GenerateRequest(rid="orphan", text=PROMPTS[0], sampling_params=long))
+        while not ep.step():  # running: its first output came back
+            ep.wait_for_work(0.1)
+        ep._conn.close()  # no ("close",): the pipe just closes, as when the stub dies
+        ep._proc.join(WAIT_S)
+        assert ep._proc.exitcode == 0
+    finally:
+        ep.close()
+
+
 @pytest.mark.gpu
 def test_cuda_engine_process_equals_in_process():
     """On a GPU (CUDA graphs, the overlap schedule, the triton backend by default): the child
