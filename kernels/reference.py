@@ -112,6 +112,25 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(xf[..., :n]) * xf[..., n:]).to(x.dtype)
 
 
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T (+ bias [N]) in fp32 (fp64 for fp64 inputs): [T, N]."""
+    out = _upcast(x) @ _upcast(weight).T
+    return out if bias is None else out + _upcast(bias)
+
+
+def softmax_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool = False,
+                     scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy softmax routing: logits [T, E] → (weights [T, top_k] fp32 (fp64 for fp64 input),
+    ids [T, top_k] int64), ids in descending score order; renormalize divides by the chosen
+    weights' sum (+1e-20) when top_k > 1, then everything is multiplied by `scale`."""
+    p = torch.softmax(_upcast(logits), dim=-1)
+    weights, ids = torch.topk(p, k=top_k, dim=-1, sorted=True)
+    if renormalize and top_k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
     """Rotary position embedding (Su et al. 2021) on the last dim of x.
 

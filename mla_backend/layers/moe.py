@@ -55,6 +55,7 @@ from mla_backend.layers.linear import (
 )
 from mla_backend.layers.quantization import (
     FP8_E4M3,
+    GEMV_MAX_ROWS,
     BlockFP8Config,
     Fp8Config,
     QuantConfig,
@@ -115,7 +116,16 @@ def select_experts(
         (weights [T, top_k] fp32, ids [T, top_k] int64).
     Raises:
         ValueError: unknown topk_method, or E not divisible by n_group.
+
+    "greedy" on CUDA (not while torch.compile traces) runs as one triton kernel,
+    `mla_kernels.moe_routing.softmax_topk` (same math; ids in descending score order, where
+    torch's unsorted top-k leaves them in any order).
     """
+    if (topk_method == "greedy" and router_logits.is_cuda
+            and not torch.compiler.is_compiling()):
+        from mla_kernels.moe_routing import softmax_topk
+
+        return softmax_topk(router_logits, top_k, norm_topk_prob, routed_scaling_factor)
     scores = router_logits.float().softmax(dim=-1)
     num_tokens, num_experts = scores.shape
     if topk_method == "greedy":
@@ -367,13 +377,39 @@ class DeepseekV2MoE(nn.Module):
                      else ReplicatedLinear(hidden_size, n_routed_experts))
         self.experts = StackedExperts(n_routed_experts, hidden_size, moe_intermediate_size,
                                       experts_quant_config)
+        self._gate_f32: torch.Tensor | None = None  # `_gate_weight_f32`'s copy (not a buffer)
+        self._gate_f32_key: tuple | None = None
         self.shared_experts = (GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts,
                                         reduce_results=False, quant_config=quant_config)
                                if n_shared_experts else None)
 
+    def _gate_weight_f32(self) -> torch.Tensor:
+        """The router weight [E, H] in fp32 (the router runs in fp32, as DeepSeek's `MoEGate`).
+        A bf16 weight's fp32 copy is made once and kept until the weight changes (its storage or
+        version), instead of one cast kernel per layer and step."""
+        w = self.gate.weight
+        if w.dtype == torch.float32 or torch.compiler.is_compiling():
+            return w.float()
+        try:
+            version = w._version
+        except RuntimeError:  # an inference-mode tensor has no version counter
+            version = None
+        key = (w.data_ptr(), w.device, version)
+        if self._gate_f32_key != key:
+            self._gate_f32, self._gate_f32_key = w.float(), key
+        return self._gate_f32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E] fp32
+        w_gate = self._gate_weight_f32()
+        if (x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.stride(1) == 1
+                and x.dtype in (torch.bfloat16, torch.float16)
+                and not torch.compiler.is_compiling()):
+            from mla_kernels.gemv import gemv
+
+            logits = gemv(x, w_gate)  # [T, E] fp32 from bf16 x, one launch (decode at bs 1)
+        else:
+            logits = F.linear(x.float(), w_gate)  # [T, E] fp32
         if self.topk_method == "noaux_tc":
             weights, ids = select_experts_noaux_tc(
                 logits, self.gate.e_score_correction_bias, self.top_k, self.n_group,

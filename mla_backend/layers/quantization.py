@@ -107,12 +107,26 @@ class BlockFP8Config:
         return None if any(m in prefix for m in self.modules_to_not_convert) else self
 
 
+# Token rows up to which a 16-bit CUDA linear runs as `mla_kernels.gemv` instead of cuBLAS
+# (decode at batch size 1; benchmarks/bench_gemv.py, docs/benchmarks.md "Decode latency").
+GEMV_MAX_ROWS = 1
+
+
 class UnquantizedLinearMethod:
-    """weight in the model dtype; y = x W^T (+ b)."""
+    """weight in the model dtype; y = x W^T (+ b): `F.linear`, or for a bf16/fp16 CUDA x of at
+    most `GEMV_MAX_ROWS` rows (not while torch.compile traces) the triton `gemv`."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        w = layer.weight
+        if (x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
+                and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+                and x.stride(1) == 1 and w.stride(1) == 1
+                and not torch.compiler.is_compiling()):
+            from mla_kernels.gemv import gemv
+
+            return gemv(x, w, bias)
+        return F.linear(x, w, bias)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass

@@ -12,9 +12,12 @@ so gives the same attention scores.
 
 Dispatch: `forward` runs the triton kernel `mla_kernels.rotary.rotary_embedding` for CUDA
 tensors and `forward_native` (pure torch, the form torch.compile traces) on CPU or while
-compiling. cos/sin are computed per call (no position table), so the CUDA path builds the
-kernel's per-token [T, rotary_dim] cos ‖ sin table with the same torch ops as `cos_sin` and
-passes `positions=None` (row t ↔ token t).
+compiling. cos/sin are computed from the positions (no position table), so the CUDA path builds the
+kernel's per-token [T, rotary_dim] cos ‖ sin table (`table`, the same torch ops as `cos_sin`) and
+passes `positions=None` (row t ↔ token t). Every layer of a model rotates the same positions
+with the same frequencies, so `models.deepseek_v2` builds that table once per forward and hands
+it to every layer (`forward(..., table=...)`): at batch size 1 the five to seven small torch
+kernels that build it were ~190 of the ~970 launches of a V2-Lite decode step.
 """
 
 from __future__ import annotations
@@ -104,16 +107,24 @@ class DeepseekRotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         return torch.cos(freqs) * self.mscale, torch.sin(freqs) * self.mscale
 
+    def table(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [T] int64 -> [T, rotary_dim] fp32: cos ‖ sin of `cos_sin` (times mscale)."""
+        cos, sin = self.cos_sin(positions)
+        return torch.cat([cos, sin], dim=-1)
+
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        table: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Triton kernel on CUDA, else `forward_native` (same args and results)."""
+        """Triton kernel on CUDA, else `forward_native` (same args and results). `table`: this
+        module's `table(positions)` when the caller already has it (else it is computed)."""
         if q.is_cuda and not torch.compiler.is_compiling():
-            return self.forward_cuda(positions, q, k)
-        return self.forward_native(positions, q, k)
+            return self.forward_cuda(positions, q, k, table)
+        return self.forward_native(positions, q, k, table)
 
     def forward_cuda(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        table: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward_native` through the triton kernel: new contiguous tensors, inputs unchanged.
 
@@ -122,8 +133,8 @@ class DeepseekRotaryEmbedding(nn.Module):
         """
         from mla_kernels.rotary import rotary_embedding
 
-        cos, sin = self.cos_sin(positions)
-        table = torch.cat([cos, sin], dim=-1)  # [T, rotary_dim] fp32, row t for token t
+        if table is None:
+            table = self.table(positions)  # [T, rotary_dim] fp32, row t for token t
         q_in = q if q.numel() == 0 or q.stride(-1) == 1 else q.contiguous()
         k_in = k if k.numel() == 0 or k.stride(-1) == 1 else k.contiguous()
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -133,13 +144,18 @@ class DeepseekRotaryEmbedding(nn.Module):
         return q_out, k_out
 
     def forward_native(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        table: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, rotary_dim] and k [T, Hk, rotary_dim] at `positions` [T] (pure torch).
+        """Rotate q [T, Hq, rotary_dim] and k [T, Hk, rotary_dim] at `positions` [T] (pure torch;
+        `table` as in `forward`).
 
         Returns new tensors of the input dtype (math in fp32).
         """
-        cos, sin = self.cos_sin(positions)
+        if table is None:
+            cos, sin = self.cos_sin(positions)
+        else:
+            cos, sin = table.chunk(2, dim=-1)
         cos, sin = cos[:, None, :], sin[:, None, :]
         return _rotate_interleaved(q, cos, sin), _rotate_interleaved(k, cos, sin)
 

@@ -193,8 +193,10 @@ class DeepseekV2Attention(nn.Module):
         self.w_vc = w[:, self.qk_nope_head_dim:].transpose(1, 2).contiguous()  # [H, kv_lora, v]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                forward_batch: "ForwardBatch", path: str) -> torch.Tensor:
-        """positions [T] int64, hidden [T, hidden] -> [T, hidden]."""
+                forward_batch: "ForwardBatch", path: str,
+                rope_table: torch.Tensor | None = None) -> torch.Tensor:
+        """positions [T] int64, hidden [T, hidden] -> [T, hidden]. `rope_table`: [T, rope dim]
+        fp32, `rotary_emb.table(positions)` when the model has built it for all layers."""
         t, heads = hidden.shape[0], self.num_heads
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
@@ -204,8 +206,9 @@ class DeepseekV2Attention(nn.Module):
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv.contiguous())  # [T, kv_lora]
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))  # [T,H,r], [T,1,r]
+        c_kv = self.kv_a_layernorm(c_kv)  # [T, kv_lora] (the norm reads the strided view)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1),  # [T,H,r], [T,1,r]
+                                     table=rope_table)
         if path == ABSORBED:
             return self._absorbed(q_nope, q_pe, c_kv, k_pe, forward_batch)
 
@@ -276,12 +279,13 @@ class DeepseekV2DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, forward_batch: "ForwardBatch",
-                path: str) -> tuple[torch.Tensor, torch.Tensor]:
+                path: str, rope_table: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_batch, path)
+        hidden = self.self_attn(positions, hidden, forward_batch, path, rope_table)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -315,8 +319,11 @@ class DeepseekV2Model(nn.Module):
                 forward_batch: "ForwardBatch") -> torch.Tensor:
         path = self.attention_path(forward_batch)
         hidden, residual = self.embed_tokens(input_ids), None
+        # One cos/sin table for every layer (all rotate the same positions alike).
+        rope_table = self.layers[0].self_attn.rotary_emb.table(positions) if self.layers else None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, forward_batch, path)
+            hidden, residual = layer(positions, hidden, residual, forward_batch, path,
+                                     rope_table)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

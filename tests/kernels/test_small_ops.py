@@ -235,6 +235,15 @@ def _check_layers(dtype, tol, call):
                          ds_rope.forward_native(positions, q_pe, k_pe)):
         assert got.shape == want.shape and got.dtype == want.dtype
         torch.testing.assert_close(got, want, **tol)
+    # the table a model builds once per forward gives the same rotation on both paths
+    table = ds_rope.table(positions)
+    assert table.shape == (4, 64) and table.dtype == torch.float32
+    for got, want in zip(call(ds_rope, positions, q_pe, k_pe, table),
+                         ds_rope.forward_native(positions, q_pe, k_pe)):
+        torch.testing.assert_close(got, want, **tol)
+    for got, want in zip(ds_rope.forward_native(positions, q_pe, k_pe, table),
+                         ds_rope.forward_native(positions, q_pe, k_pe)):
+        assert torch.equal(got, want)
 
 
 def test_layers_forward_cuda_path_matches_native_fp32():

@@ -1,0 +1,107 @@
+"""Dense matrix-vector product for decode at batch size 1: `gemv`, out = x W^T (+ bias).
+
+Owns `gemv` and its launch configuration `gemv_config`; float32 twin `reference.linear_ref`.
+At one token per step every linear layer is a read of its whole weight with almost no math, and
+cuBLAS's kernels for M = 1 reach well under the card's copy bandwidth on the shapes of
+DeepSeek-V2-Lite (e.g. q_proj 2048 -> 3072 in 6.6 us, 1.9 TB/s; docs/benchmarks.md, "Decode
+latency"). Here each program owns BLOCK_N output features and streams their weight rows through
+K in BLOCK_K chunks (the loads software-pipelined over NUM_STAGES), with the fp32 accumulation
+in registers; the grid covers N for every token row (rows beyond the first re-read the weight,
+mostly from L2), so it is meant for 1-2 rows.
+
+Layout: x [T, K] and W [N, K] (the `nn.Linear` weight), last dims contiguous, any row stride;
+out [T, N] in x's dtype, or fp32 for a 16-bit x with an fp32 W (DeepSeek's fp32 router over
+bf16 hidden states, without casting x first).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_kernel(X, W, B, Out, N, K, stride_xt, stride_wn, stride_ot,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr):
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = X + t * stride_xt + offs_k
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        mask_k = offs_k + k0 < K
+        w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=mask_k, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Out + t * stride_ot + offs_n, y.to(Out.dtype.element_ty), mask=mask_n)
+
+
+def gemv_config(n: int, k: int) -> dict:
+    """Launch settings for an [N, K] weight: BLOCK_N, BLOCK_K, NUM_STAGES, num_warps.
+
+    From the sweep of `benchmarks/bench_gemv.py --sweep` on an H200 (docs/benchmarks.md,
+    "Decode latency"; one token row): below 4096 outputs the narrowest tiles with the longest K
+    chunks won (4 x 512, 2 warps: more programs for the few rows), above it 8 x 256 (within 4%
+    of each shape's best)."""
+    if n < 4096:
+        block_n, block_k = 4, 512
+    else:
+        block_n, block_k = 8, 256
+    block_k = min(block_k, triton.next_power_of_2(max(k, 16)))
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "NUM_STAGES": 4, "num_warps": 2}
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """out = x @ weight.T (+ bias), math in fp32, one rounding to the output dtype.
+
+    Args:
+        x: [T, K] float (T small: every row re-reads the weight), last dim contiguous.
+        weight: [N, K] of x's dtype, or fp32 (then the output is fp32), last dim contiguous
+            (any row stride).
+        bias: optional [N].
+        out: optional [T, N] destination of the output dtype, last dim contiguous.
+        config: launch settings (`gemv_config`'s keys) instead of `gemv_config(N, K)`.
+    Returns:
+        out, or a new [T, N] tensor.
+    Raises:
+        ValueError: shapes or dtypes disagree, or a last dim is strided.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)}: need [T, K] "
+                         "and [N, K]")
+    if x.dtype != weight.dtype and weight.dtype != torch.float32:
+        raise ValueError(f"x is {x.dtype}, weight {weight.dtype} (x's dtype or fp32)")
+    out_dtype = weight.dtype if weight.dtype == torch.float32 else x.dtype
+    t, k = x.shape
+    n = weight.shape[0]
+    if (t and k and x.stride(1) != 1) or (n and k and weight.stride(1) != 1):
+        raise ValueError("x and weight must have contiguous last dims")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if out is None:
+        out = torch.empty((t, n), dtype=out_dtype, device=x.device)
+    if tuple(out.shape) != (t, n) or out.dtype != out_dtype or (t and n and out.stride(1) != 1):
+        raise ValueError(f"out must be [{t}, {n}] {out_dtype} with a contiguous last dim")
+    if t == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.to(out.dtype).expand(t, n)) if bias is not None else out.zero_()
+    cfg = dict(config or gemv_config(n, k))
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), t)
+    _gemv_kernel[grid](x, weight, bias if bias is not None else weight, out, n, k,
+                       x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                       BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                       NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"])
+    return out
+
+
+__all__ = ["gemv", "gemv_config"]

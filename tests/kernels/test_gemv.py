@@ -1,0 +1,113 @@
+"""`mla_kernels.gemv.gemv` (batch-size-1 linear) vs its twin `reference.linear_ref`, and the
+dispatch of `mla_backend.layers.linear` to it.
+
+CPU (CI): under TRITON_INTERPRET=1 (tests/kernels/conftest.py) in fp32, on small shapes that
+still cross the kernel's N and K block edges. GPU (`gpu` marker): bf16 on the decode shapes of
+DeepSeek-V2-Lite against fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_backend  # noqa: F401  (mla_kernels alias; conftest sets TRITON_INTERPRET)
+from mla_kernels.gemv import gemv, gemv_config
+from mla_kernels.reference import linear_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP32 = dict(atol=1e-4, rtol=1e-4)
+# bf16 output vs fp32: one bf16 rounding (2^-8 relative) of sums of K products
+BF16 = dict(atol=2e-2, rtol=1.6e-2)
+
+
+def _rand(*shape: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+# N around the block sizes (4, 8, 16) and K around BLOCK_K, including K not a multiple of 16
+@pytest.mark.parametrize("n,k", [(3, 40), (37, 300), (1024, 96), (4100, 33), (8, 512)])
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_vs_ref(n, k, t, with_bias):
+    x, w = _rand(t, k, seed=n + k), _rand(n, k, seed=n * k + 1)
+    bias = _rand(n, seed=n) if with_bias else None
+    out = gemv(x, w, bias)
+    assert out.shape == (t, n) and out.dtype == x.dtype
+    torch.testing.assert_close(out.cpu(), linear_ref(x.cpu(), w.cpu(), None if bias is None
+                                                     else bias.cpu()), **FP32)
+
+
+def test_gemv_strided_rows_out_and_config():
+    x = _rand(2, 80, seed=1)[:, 8:72]  # row stride 80
+    w = _rand(40, 96, seed=2)[:, 16:80]  # row stride 96
+    out = torch.full((2, 50), 7.0, device=DEVICE)[:, 5:45]
+    got = gemv(x, w, out=out, config=dict(BLOCK_N=8, BLOCK_K=32, NUM_STAGES=2, num_warps=1))
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out.cpu(), linear_ref(x.cpu(), w.cpu()), **FP32)
+    assert gemv_config(102400, 2048)["BLOCK_N"] >= gemv_config(576, 2048)["BLOCK_N"]
+
+
+def test_gemv_16bit_x_fp32_weight_gives_fp32():
+    # the router's case: bf16 hidden states, fp32 gate weight, fp32 logits, x never cast
+    x = _rand(1, 300, seed=5, dtype=torch.bfloat16)
+    w = _rand(64, 300, seed=6)
+    out = gemv(x, w)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.cpu(), linear_ref(x.cpu(), w.cpu()), **FP32)
+
+
+def test_gemv_empty_shapes():
+    w = _rand(6, 4, seed=3)
+    assert gemv(torch.empty(0, 4, device=DEVICE), w).shape == (0, 6)
+    b = _rand(6, seed=4)
+    out = gemv(torch.empty(2, 0, device=DEVICE), torch.empty(6, 0, device=DEVICE), b)
+    assert torch.equal(out.cpu(), b.cpu().expand(2, 6))
+
+
+@pytest.mark.parametrize("x,w,match", [
+    ((2, 4), (3, 5), "need"), ((4,), (3, 4), "need"), ((2, 4), (3, 4, 1), "need")])
+def test_gemv_bad_shapes(x, w, match):
+    with pytest.raises(ValueError, match=match):
+        gemv(torch.zeros(x, device=DEVICE), torch.zeros(w, device=DEVICE))
+
+
+def test_gemv_bad_dtype_and_strides():
+    with pytest.raises(ValueError, match="weight"):
+        gemv(torch.zeros(1, 4, device=DEVICE), torch.zeros(3, 4, device=DEVICE,
+                                                           dtype=torch.float64))
+    with pytest.raises(ValueError, match="weight"):  # a 16-bit weight needs a 16-bit x
+        gemv(torch.zeros(1, 4, device=DEVICE), torch.zeros(3, 4, device=DEVICE,
+                                                           dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv(torch.zeros(1, 4, device=DEVICE), torch.zeros(4, 3, device=DEVICE).t())
+    with pytest.raises(ValueError, match="bias"):
+        gemv(torch.zeros(1, 4, device=DEVICE), torch.zeros(3, 4, device=DEVICE),
+             torch.zeros(4, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", [(3072, 2048), (576, 2048), (5632, 2048), (2048, 2816),
+                                 (102400, 2048), (2048, 10944)])
+@pytest.mark.parametrize("t", [1, 2])
+def test_gemv_bf16_on_gpu(n, k, t):
+    x = _rand(t, k, seed=k, dtype=torch.bfloat16)
+    w = (0.02 * _rand(n, k, seed=n, dtype=torch.float32)).to(torch.bfloat16)
+    torch.testing.assert_close(gemv(x, w).float().cpu(), linear_ref(x.cpu(), w.cpu()), **BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_linear_layer_dispatch_on_gpu():
+    from mla_backend.layers import quantization
+    from mla_backend.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear(2048, 3072, bias=True).to("cuda", torch.bfloat16)
+    torch.nn.init.normal_(layer.weight, std=0.02)
+    torch.nn.init.normal_(layer.bias, std=0.1)
+    for t in (1, quantization.GEMV_MAX_ROWS, quantization.GEMV_MAX_ROWS + 1):
+        x = _rand(t, 2048, seed=t, dtype=torch.bfloat16)
+        want = linear_ref(x.cpu(), layer.weight.detach().cpu(), layer.bias.detach().cpu())
+        torch.testing.assert_close(layer(x).float().cpu(), want, **BF16)
