@@ -6,8 +6,9 @@ cuBLAS's kernels for M = 1 reach well under the card's copy bandwidth on the sha
 DeepSeek-V2-Lite (e.g. q_proj 2048 -> 3072 in 6.6 us, 1.9 TB/s; docs/benchmarks.md, "Decode
 latency"). Here each program owns BLOCK_N output features and streams their weight rows through
 K in BLOCK_K chunks (the loads software-pipelined over NUM_STAGES), with the fp32 accumulation
-in registers; the grid covers N for every token row (rows beyond the first re-read the weight,
-mostly from L2), so it is meant for 1-2 rows.
+in registers; the grid covers N for every token row (rows beyond the first re-read the weight),
+so it is meant for one row: at two it already loses to cuBLAS on large weights
+(`benchmarks/bench_gemv.py --rows 2`).
 
 Layout: x [T, K] and W [N, K] (the `nn.Linear` weight), last dims contiguous, any row stride;
 out [T, N] in x's dtype, or fp32 for a 16-bit x with an fp32 W (DeepSeek's fp32 router over
@@ -93,8 +94,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"out must be [{t}, {n}] {out_dtype} with a contiguous last dim")
     if t == 0 or n == 0:
         return out
-    if k == 0:
-        return out.copy_(bias.to(out.dtype).expand(t, n)) if bias is not None else out.zero_()
     cfg = dict(config or gemv_config(n, k))
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), t)
     _gemv_kernel[grid](x, weight, bias if bias is not None else weight, out, n, k,

@@ -55,7 +55,6 @@ from mla_backend.layers.linear import (
 )
 from mla_backend.layers.quantization import (
     FP8_E4M3,
-    GEMV_MAX_ROWS,
     BlockFP8Config,
     Fp8Config,
     QuantConfig,
@@ -294,11 +293,26 @@ def dequantize_expert(w: torch.Tensor, scale: torch.Tensor, e: int,
                       dequant_weight_block_fp8(w[e, half:], scale[e, nb:], block_shape)])
 
 
-class NoAuxRouterGate(ReplicatedLinear):
-    """Router of `noaux_tc` (DeepSeek-V3): a replicated linear hidden -> E plus the per-expert
-    `e_score_correction_bias`, both kept in fp32 whatever the model dtype (as transformers'
-    `_keep_in_fp32_modules_strict`; the checkpoint stores the bias in fp32, and a bf16 bias would
-    shift expert choices).
+class RouterGate(ReplicatedLinear):
+    """MoE router: a replicated linear hidden -> E whose weight is kept in fp32 whatever the
+    model dtype, so the logits come out in fp32 (DeepSeek's `MoEGate` computes
+    `F.linear(x.float(), weight.float())`; a bf16 checkpoint's values are exact in fp32, and no
+    cast runs per layer and step). `UnquantizedLinearMethod` takes the 16-bit x as it is.
+
+    Parameters: `weight` [E, H] fp32 (`mlp.gate.weight`), filled through `weight_loader`.
+    Forward: x [T, H] -> logits [T, E] fp32.
+    """
+
+    def __init__(self, in_features: int, num_experts: int) -> None:
+        super().__init__(in_features, num_experts)
+        self.weight = nn.Parameter(torch.empty(num_experts, in_features, dtype=torch.float32),
+                                   requires_grad=False)
+
+
+class NoAuxRouterGate(RouterGate):
+    """Router of `noaux_tc` (DeepSeek-V3): `RouterGate` plus the per-expert
+    `e_score_correction_bias`, also fp32 (as transformers' `_keep_in_fp32_modules_strict`; the
+    checkpoint stores the bias in fp32, and a bf16 bias would shift expert choices).
 
     Parameters: `weight` [E, H] fp32 (`mlp.gate.weight`), `e_score_correction_bias` [E] fp32
     (`mlp.gate.e_score_correction_bias`). Both are filled through `weight_loader`.
@@ -306,8 +320,6 @@ class NoAuxRouterGate(ReplicatedLinear):
 
     def __init__(self, in_features: int, num_experts: int) -> None:
         super().__init__(in_features, num_experts)
-        self.weight = nn.Parameter(torch.empty(num_experts, in_features, dtype=torch.float32),
-                                   requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
                                                     requires_grad=False)
 
@@ -335,8 +347,8 @@ class DeepseekV2MoE(nn.Module):
             The router stays unquantized (as in DeepSeek-V3's checkpoint).
         experts_quant_config: None, a `BlockFP8Config` or `Fp8Config` for the routed experts
             (see `StackedExperts`).
-    Parameters (HF names in brackets): `gate.weight` [E, H] (`mlp.gate.weight`; fp32 with
-    noaux_tc, see `NoAuxRouterGate`), `gate.e_score_correction_bias` [E] fp32 (noaux_tc only,
+    Parameters (HF names in brackets): `gate.weight` [E, H] fp32 (`mlp.gate.weight`;
+    `RouterGate`, `NoAuxRouterGate` with noaux_tc), `gate.e_score_correction_bias` [E] fp32 (noaux_tc only,
     `mlp.gate.e_score_correction_bias`), `experts.w13_weight` [E, 2I, H]
     (`mlp.experts.{e}.gate_proj/up_proj.weight`), `experts.w2_weight` [E, H, I]
     (`mlp.experts.{e}.down_proj.weight`), with block FP8 also `experts.w13_weight_scale_inv` /
@@ -374,42 +386,16 @@ class DeepseekV2MoE(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.fused_moe = fused_moe
         self.gate = (NoAuxRouterGate(hidden_size, n_routed_experts) if topk_method == "noaux_tc"
-                     else ReplicatedLinear(hidden_size, n_routed_experts))
+                     else RouterGate(hidden_size, n_routed_experts))
         self.experts = StackedExperts(n_routed_experts, hidden_size, moe_intermediate_size,
                                       experts_quant_config)
-        self._gate_f32: torch.Tensor | None = None  # `_gate_weight_f32`'s copy (not a buffer)
-        self._gate_f32_key: tuple | None = None
         self.shared_experts = (GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts,
                                         reduce_results=False, quant_config=quant_config)
                                if n_shared_experts else None)
 
-    def _gate_weight_f32(self) -> torch.Tensor:
-        """The router weight [E, H] in fp32 (the router runs in fp32, as DeepSeek's `MoEGate`).
-        A bf16 weight's fp32 copy is made once and kept until the weight changes (its storage or
-        version), instead of one cast kernel per layer and step."""
-        w = self.gate.weight
-        if w.dtype == torch.float32 or torch.compiler.is_compiling():
-            return w.float()
-        try:
-            version = w._version
-        except RuntimeError:  # an inference-mode tensor has no version counter
-            version = None
-        key = (w.data_ptr(), w.device, version)
-        if self._gate_f32_key != key:
-            self._gate_f32, self._gate_f32_key = w.float(), key
-        return self._gate_f32
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        w_gate = self._gate_weight_f32()
-        if (x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.stride(1) == 1
-                and x.dtype in (torch.bfloat16, torch.float16)
-                and not torch.compiler.is_compiling()):
-            from mla_kernels.gemv import gemv
-
-            logits = gemv(x, w_gate)  # [T, E] fp32 from bf16 x, one launch (decode at bs 1)
-        else:
-            logits = F.linear(x.float(), w_gate)  # [T, E] fp32
+        logits = self.gate(x)  # [T, E] fp32
         if self.topk_method == "noaux_tc":
             weights, ids = select_experts_noaux_tc(
                 logits, self.gate.e_score_correction_bias, self.top_k, self.n_group,

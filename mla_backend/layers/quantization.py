@@ -113,19 +113,24 @@ GEMV_MAX_ROWS = 1
 
 
 class UnquantizedLinearMethod:
-    """weight in the model dtype; y = x W^T (+ b): `F.linear`, or for a bf16/fp16 CUDA x of at
-    most `GEMV_MAX_ROWS` rows (not while torch.compile traces) the triton `gemv`."""
+    """weight in the model dtype, or fp32 (the MoE router, `layers.moe.RouterGate`: then the
+    result is fp32); y = x W^T (+ b). A bf16/fp16 CUDA x of at most `GEMV_MAX_ROWS` rows (not
+    while torch.compile traces) goes through the triton `gemv` (which takes a 16-bit x with an
+    fp32 weight as it is), anything else through `F.linear` (x cast to an fp32 weight's dtype)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
         w = layer.weight
         if (x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
-                and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+                and x.dtype in (torch.bfloat16, torch.float16)
+                and w.dtype in (x.dtype, torch.float32)
                 and x.stride(1) == 1 and w.stride(1) == 1
                 and not torch.compiler.is_compiling()):
             from mla_kernels.gemv import gemv
 
             return gemv(x, w, bias)
+        if w.dtype == torch.float32 and x.dtype != torch.float32:
+            x = x.float()
         return F.linear(x, w, bias)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

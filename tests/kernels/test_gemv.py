@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mla_backend  # noqa: F401  (mla_kernels alias; conftest sets TRITON_INTERPRET)
-from mla_kernels.gemv import gemv, gemv_config
+from mla_kernels.gemv import gemv
 from mla_kernels.reference import linear_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,7 +46,6 @@ def test_gemv_strided_rows_out_and_config():
     got = gemv(x, w, out=out, config=dict(BLOCK_N=8, BLOCK_K=32, NUM_STAGES=2, num_warps=1))
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(out.cpu(), linear_ref(x.cpu(), w.cpu()), **FP32)
-    assert gemv_config(102400, 2048)["BLOCK_N"] >= gemv_config(576, 2048)["BLOCK_N"]
 
 
 def test_gemv_16bit_x_fp32_weight_gives_fp32():

@@ -182,3 +182,24 @@ def test_lm_head_tied_and_untied():
     untied.weight.data.copy_(torch.randn(11, 5, generator=g))
     assert untied(h.to(torch.bfloat16)).dtype == torch.float32
     assert not math.isnan(float(untied(h.to(torch.bfloat16)).sum()))
+
+
+def test_router_gate_keeps_fp32_under_a_bf16_default_dtype():
+    from mla_backend.layers.moe import DeepseekV2MoE
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as the model runner builds a bf16 model
+    try:
+        moe = DeepseekV2MoE(32, 16, n_routed_experts=8, num_experts_per_tok=2)
+    finally:
+        torch.set_default_dtype(old)
+    gate = moe.gate
+    assert gate.weight.dtype == torch.float32
+    w = torch.randn(8, 32).to(torch.bfloat16)
+    gate.weight_loader(gate.weight, w)  # a bf16 checkpoint: exact in fp32
+    assert torch.equal(gate.weight, w.float())
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    logits = gate(x)
+    assert logits.dtype == torch.float32
+    # DeepSeek's MoEGate: F.linear(x.float(), weight.float())
+    assert torch.equal(logits, F.linear(x.float(), w.float()))
