@@ -348,8 +348,8 @@ class DeepseekV2MoE(nn.Module):
         experts_quant_config: None, a `BlockFP8Config` or `Fp8Config` for the routed experts
             (see `StackedExperts`).
     Parameters (HF names in brackets): `gate.weight` [E, H] fp32 (`mlp.gate.weight`;
-    `RouterGate`, `NoAuxRouterGate` with noaux_tc), `gate.e_score_correction_bias` [E] fp32 (noaux_tc only,
-    `mlp.gate.e_score_correction_bias`), `experts.w13_weight` [E, 2I, H]
+    `RouterGate`, `NoAuxRouterGate` with noaux_tc), `gate.e_score_correction_bias` [E] fp32
+    (noaux_tc only, `mlp.gate.e_score_correction_bias`), `experts.w13_weight` [E, 2I, H]
     (`mlp.experts.{e}.gate_proj/up_proj.weight`), `experts.w2_weight` [E, H, I]
     (`mlp.experts.{e}.down_proj.weight`), with block FP8 also `experts.w13_weight_scale_inv` /
     `experts.w2_weight_scale_inv` (`...weight_scale_inv`), `shared_experts.*`.
