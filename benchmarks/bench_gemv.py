@@ -9,7 +9,12 @@ real step (whose 27 layers' weights never fit in L2); median of `--repeats` repl
 bandwidth = weight bytes / time, against the device-to-device copy bandwidth measured in the
 same run. Also checks each kernel against fp32 `F.linear` (max abs error).
 
-    PYTHONPATH=. python3 benchmarks/bench_gemv.py [--sweep] [--rows 1 2]
+    PYTHONPATH=. python3 benchmarks/bench_gemv.py [--sweep] [--rows 1 2] [--static-weight]
+
+`--static-weight` launches gemv as the model's linears do (`static_weight=True`: programmatic
+dependent launch on Hopper, the first part of the weight read before the wait; kernels/pdl.py).
+The calls of one graph are independent (the same x), so with PDL neighbouring calls overlap
+more than a model's dependent chain of kernels would: read those times as a lower bound.
 """
 
 from __future__ import annotations
@@ -82,8 +87,11 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--static-weight", action="store_true",
+                    help="gemv(..., static_weight=True): PDL launch and weight prefetch")
     args = ap.parse_args()
     bw = copy_bandwidth()
+    sw = args.static_weight
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:,.0f} GB/s")
     grid = [dict(BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=st, num_warps=nw)
             for bn, bk, st, nw in itertools.product((4, 8, 16, 32), (128, 256, 512), (2, 4),
@@ -102,7 +110,8 @@ def main() -> int:
             want = F.linear(x.float(), ws[0].float())
             err = (gemv(x, ws[0]).float() - want).abs().max().item()
             cublas = graph_us(lambda i: F.linear(x, ws[i % copies]), args.calls, args.repeats)
-            ours = graph_us(lambda i: gemv(x, ws[i % copies], out=outs[i % 2]), args.calls,
+            ours = graph_us(lambda i: gemv(x, ws[i % copies], out=outs[i % 2],
+                                          static_weight=sw), args.calls,
                             args.repeats)
             best_cfg, best = gemv_config(n, k), ours
             if args.sweep:
@@ -110,7 +119,8 @@ def main() -> int:
                     if cfg["BLOCK_K"] > max(128, k):
                         continue
                     us = graph_us(lambda i, c=cfg: gemv(x, ws[i % copies], out=outs[i % 2],
-                                                        config=c), args.calls, args.repeats)
+                                                        config=c, static_weight=sw),
+                                    args.calls, args.repeats)
                     if us < best:
                         best_cfg, best = cfg, us
             cfg_s = "/".join(str(best_cfg[key]) for key in ("BLOCK_N", "BLOCK_K", "NUM_STAGES",

@@ -296,12 +296,17 @@ def decode_step_ms(eng: Engine, bs: int, prompt_len: int, new_tokens: int, vocab
 def section_latency(args, model_dir: str, vocab: int, bw: float, res: dict) -> None:
     modes = {"eager": {"disable_cuda_graph": True},
              "graphs": {},
+             "graphs-nopdl": {},  # graphs with programmatic dependent launch off (A/B)
              "graphs+compile": {"enable_torch_compile": True,
                                 "torch_compile_mode": args.compile_mode}}
     ms: dict[str, dict[int, float]] = {}
     info: dict[str, dict] = {}
     roof_tok_s = None
+    import mla_kernels.pdl as pdl
+
+    pdl_default = pdl.ENABLED
     for mode in args.latency_modes:
+        pdl.ENABLED = mode != "graphs-nopdl" and pdl_default
         eng = make_engine(model_dir, cuda_graph_max_bs=max(args.latency_bs),
                           max_running_requests=max(args.latency_bs), **modes[mode])
         if roof_tok_s is None:
@@ -316,6 +321,7 @@ def section_latency(args, model_dir: str, vocab: int, bw: float, res: dict) -> N
         log(f"latency {mode}: " + ", ".join(f"bs{b} {v:.2f} ms" for b, v in ms[mode].items()))
         del eng
         release()
+    pdl.ENABLED = pdl_default
     rows = []
     for bs in args.latency_bs:
         row: list[Any] = [bs]
@@ -465,7 +471,7 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=32, help="0 skips HF")
     ap.add_argument("--hf-max-new-tokens", type=int, default=128)
     ap.add_argument("--latency-modes", nargs="+", default=["eager", "graphs", "graphs+compile"],
-                    choices=["eager", "graphs", "graphs+compile"])
+                    choices=["eager", "graphs", "graphs-nopdl", "graphs+compile"])
     ap.add_argument("--latency-new-tokens", type=int, default=48)
     ap.add_argument("--latency-bs", type=int, nargs="+", default=list(LATENCY_BS))
     ap.add_argument("--mla-context", type=int, default=2048)

@@ -64,8 +64,9 @@ def compile_setting(swap: bool, block_n: int, warps: int, stages: int):
                           options=dict(num_warps=warps, num_stages=stages))
 
 
-def ptxas_report(ptx: str) -> str:
-    """'N registers, S spill bytes' from the ptxas bundled with triton."""
+def ptxas_stats(ptx: str) -> tuple[str, str]:
+    """(registers per thread, spill store bytes) from the ptxas bundled with triton ("?" when
+    ptxas does not say)."""
     ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__),
                                    "backends/nvidia/bin/ptxas"))[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,7 +77,12 @@ def ptxas_report(ptx: str) -> str:
                              capture_output=True, text=True, check=True)
     regs = re.search(r"Used (\d+) registers", res.stderr)
     spills = re.search(r"(\d+) bytes spill stores", res.stderr)
-    return f"{regs.group(1) if regs else '?'} | {spills.group(1) if spills else '?'}"
+    return regs.group(1) if regs else "?", spills.group(1) if spills else "?"
+
+
+def ptxas_report(ptx: str) -> str:
+    """'N | S': registers and spill bytes (`ptxas_stats`) as two table cells."""
+    return " | ".join(ptxas_stats(ptx))
 
 
 def main(argv: list[str]) -> None:

@@ -35,6 +35,12 @@ converted to q's dtype on load (exact: every fp8 value is a bf16/fp16/fp32 value
 are applied in fp32 where they cost nothing: k_scale folded into the softmax scale of q·k,
 v_scale into the normalized partial output (sum_j p_j · v_j · s = s · sum_j p_j · v_j).
 
+MLA in a bf16 pool at bs >= WS_MLA_MIN_BS on sm_90 is handed to `decode_attention_ws` (the same
+stage-1 contract, warp-specialized in Gluon) before any of the above; the merge is shared.
+
+Programmatic dependent launch (kernels/pdl.py) on Hopper: both kernels wait for the kernel in
+front before their first load.
+
 No host synchronisation: split counts live on the device, the grids depend only on shapes and
 `max_kv_splits`, so the op can be captured in a CUDA graph.
 """
@@ -44,6 +50,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .pdl import launch_options, pdl_trigger, pdl_wait, use_pdl
 
 # Smallest number of tokens a split is given by `get_num_kv_splits` (short sequences get fewer
 # splits so that each program still has at least this much work).
@@ -72,6 +80,12 @@ REUSE_K_TILE_AS_V = False
 SWAP_AB_WIDE = True
 SWAP_AB_MAX_BS = 64
 STAGE1_NUM_STAGES_SWAP = 5
+# MLA (one latent KV head, 576 / 512, a bf16 pool with v a view of k) at batches of at least this
+# many requests on sm_90 runs the warp-specialized Gluon kernel (`decode_attention_ws`) instead:
+# H200, bs 16 x 4096 37.1 vs 41.4 us, bs 16 x 32768 158.6 vs 214.9, bs 64 x 4096 90.4 vs 114.4,
+# bs 256 x 4096 299.5 vs 409.6 (docs/benchmarks.md, decode attention, third round); smaller
+# batches were not measured. None turns it off.
+WS_MLA_MIN_BS: int | None = 16
 # Largest number of fp32 accumulator elements (BLOCK_H x BLOCK_DV) a stage-1 program keeps.
 _MAX_ACC_ELEMS = 8192
 
@@ -219,8 +233,10 @@ def _decode_split_kernel(
     BLOCKS_PER_KV: tl.constexpr, MAX_KV_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    V_IS_K_PREFIX: tl.constexpr, SWAP_AB: tl.constexpr,
+    V_IS_K_PREFIX: tl.constexpr, SWAP_AB: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)  # before any load: q, the slot map and the pool come from earlier kernels
     b = tl.program_id(0)
     hp = tl.program_id(1)
     split = tl.program_id(2)
@@ -342,8 +358,10 @@ def _merge_splits_kernel(
     MidO, MidLse, O, SeqLens, NumKvSplits,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh,
     Lv: tl.constexpr, MAX_KV_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SPLIT_ALIGN: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
@@ -423,6 +441,15 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          f"for bs {bs}, H {num_heads}, splits {max_kv_splits}, Lv {lv}")
     if bs == 0:
         return
+    if (WS_MLA_MIN_BS is not None and bs >= WS_MLA_MIN_BS and num_kv_heads == 1 and lv == 512
+            and k_scale == 1.0 and v_scale == 1.0 and v_buffer.data_ptr() == k_buffer.data_ptr()
+            and v_buffer.stride()[:2] == k_buffer.stride()[:2]):
+        from .decode_attention_ws import mla_decode_ws_fwd, ws_supported
+
+        if ws_supported(q, k_buffer):
+            mla_decode_ws_fwd(q, k_buffer, o, req_to_token, req_pool_indices, seq_lens,
+                              num_kv_splits, max_kv_splits, attn_logits, attn_lse, sm_scale)
+            return
     hpp = heads_per_program(num_heads, num_kv_heads, lv)
     group = num_heads // num_kv_heads
     blocks_per_kv = triton.cdiv(group, hpp)
@@ -440,6 +467,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
 
     grid = (bs, num_kv_heads * blocks_per_kv, max_kv_splits)
+    pdl = use_pdl(q)
     _decode_split_kernel[grid](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
         attn_logits, attn_lse, sm_scale * k_scale, v_scale,
@@ -453,11 +481,12 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         SWAP_AB=swap, num_warps=STAGE1_NUM_WARPS,
         num_stages=(STAGE1_NUM_STAGES_SWAP if swap
                     else STAGE1_NUM_STAGES_WIDE if wide else STAGE1_NUM_STAGES),
+        USE_PDL=pdl, **launch_options(pdl),
     )
     _merge_splits_kernel[(bs, num_heads)](
         attn_logits, attn_lse, o, seq_lens, num_kv_splits,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2), o.stride(0), o.stride(1),
         Lv=lv, MAX_KV_SPLITS=max_kv_splits, BLOCK_DV=block_dv, SPLIT_ALIGN=block_n,
-        num_warps=4 if block_dv >= 256 else 2, num_stages=2,
+        num_warps=4 if block_dv >= 256 else 2, num_stages=2, USE_PDL=pdl, **launch_options(pdl),
     )

@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from .fused_moe_gemv import _gemv_down_kernel, _gemv_gate_up_kernel
+from .pdl import launch_options, use_pdl
 
 
 class MoEConfig(NamedTuple):
@@ -463,13 +464,15 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  config: GemvConfig, w13_scale: torch.Tensor | None = None,
                  w2_scale: torch.Tensor | None = None,
                  block_shape: tuple[int, int] | None = None,
-                 activation_quant: bool = True) -> torch.Tensor:
-    """The GEMV path of `fused_experts` (no sort): two kernel launches and one [T*k, I] buffer
-    (with FP8 weights also the torch quantization of x and of that buffer).
+                 activation_quant: bool = True, shared_w13: torch.Tensor | None = None,
+                 shared_w2: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMV path of `fused_experts` (no sort): two kernel launches and one [T*(k+S), I]
+    buffer (with FP8 weights also the torch quantization of x and of that buffer).
 
     Shapes as in `fused_experts`, already checked there (any strides; topk_weights any float
     dtype, read as fp32; out [T, H] of x's dtype is written whole). T*k >= 1, H >= 1. FP8
-    arguments as in `fused_experts` (block_shape resolved; None = per tensor).
+    arguments as in `fused_experts` (block_shape resolved; None = per tensor). shared_w13 /
+    shared_w2: S shared experts as extra slots of weight 1 (unquantized only; checked there).
     Raises:
         ValueError: a tile size that is not a power of two.
     """
@@ -490,31 +493,64 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                                                               down_block_k)
     group = group_k if quant == 2 else None
     a1, x_scale = _quantize(x, fp8, group, activation_quant)
-    h_act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)  # [T*k, I]
+    n_shared = 0 if shared_w13 is None else shared_w13.shape[0] // (2 * inter)
+    slots = top_k + n_shared
+    h_act = torch.empty((t * slots, inter), dtype=x.dtype, device=x.device)  # [T*(k+S), I]
     s13, xs = _scale_args(w13_scale, x_scale, quant, h_act)
-    _gemv_gate_up_kernel[(t * top_k, triton.cdiv(inter, config.block_n))](
-        a1, w13, h_act, topk_ids, xs[0], s13[0],
+    pdl = use_pdl(x)
+    sw13 = w13 if shared_w13 is None else shared_w13  # a dummy pointer when there are none
+    sw2 = w2 if shared_w2 is None else shared_w2
+    _gemv_gate_up_kernel[(t * slots, triton.cdiv(inter, config.block_n))](
+        a1, w13, h_act, topk_ids, xs[0], s13[0], sw13,
         h, inter, inter * w13.stride(1), group_n, group_k,
         (triton.cdiv(inter, group_n) * s13[2]) if quant == 2 else 0,
+        n_shared * inter * sw13.stride(-2),
         a1.stride(0), a1.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         h_act.stride(0), h_act.stride(1), topk_ids.stride(0), topk_ids.stride(1),
-        *xs[1:], *s13[1:],
-        TOP_K=top_k, BLOCK_N=config.block_n, BLOCK_K=block_k, QUANT=quant,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        *xs[1:], *s13[1:], sw13.stride(-2), sw13.stride(-1),
+        TOP_K=top_k, N_SHARED=n_shared, BLOCK_N=config.block_n, BLOCK_K=block_k, QUANT=quant,
+        USE_PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     a2, a2_scale = _quantize(h_act, fp8, group, activation_quant)
     s2, as2 = _scale_args(w2_scale, a2_scale, quant, out)
     _gemv_down_kernel[(t, triton.cdiv(h, config.down_block_n))](
-        a2, w2, out, topk_weights, topk_ids, as2[0], s2[0],
+        a2, w2, out, topk_weights, topk_ids, as2[0], s2[0], sw2,
         h, inter, group_n, group_k,
         a2.stride(0), a2.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         out.stride(0), out.stride(1), topk_weights.stride(0), topk_weights.stride(1),
-        topk_ids.stride(0), topk_ids.stride(1), *as2[1:], *s2[1:],
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_N=config.down_block_n,
-        BLOCK_K=down_block_k, QUANT=quant,
-        num_warps=config.down_num_warps, num_stages=config.num_stages,
+        topk_ids.stride(0), topk_ids.stride(1), *as2[1:], *s2[1:], sw2.stride(-2),
+        sw2.stride(-1),
+        TOP_K=top_k, N_SHARED=n_shared, K_PAD=triton.next_power_of_2(slots),
+        BLOCK_N=config.down_block_n,
+        BLOCK_K=down_block_k, QUANT=quant, USE_PDL=pdl,
+        num_warps=config.down_num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return out
+
+
+def _check_shared(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None,
+                  fp8: bool) -> int:
+    """S, the number of shared experts of width I in shared_w13 / shared_w2 (0 when None).
+    Raises:
+        ValueError: only one given, shapes not [2*S*I, H] / [H, S*I], a dtype other than x's,
+            or FP8 routed weights."""
+    if shared_w13 is None and shared_w2 is None:
+        return 0
+    if shared_w13 is None or shared_w2 is None:
+        raise ValueError("fused_experts: give both shared_w13 and shared_w2, or neither")
+    inter, h = w2.shape[2], x.shape[1]
+    n2 = shared_w13.shape[0] if shared_w13.dim() == 2 else -1
+    if (shared_w13.dim() != 2 or shared_w2.dim() != 2 or inter == 0 or n2 % (2 * inter)
+            or n2 == 0 or shared_w13.shape[1] != h or tuple(shared_w2.shape) != (h, n2 // 2)):
+        raise ValueError(f"fused_experts: shared_w13 {tuple(shared_w13.shape)} / shared_w2 "
+                         f"{tuple(shared_w2.shape)} must be [2*S*{inter}, {h}] / [{h}, S*{inter}]")
+    if fp8 or shared_w13.dtype != x.dtype or shared_w2.dtype != x.dtype:
+        raise ValueError(f"fused_experts: shared experts need unquantized weights of x's dtype "
+                         f"{x.dtype}, got {shared_w13.dtype} / {shared_w2.dtype} (routed "
+                         f"{w13.dtype})")
+    return n2 // (2 * inter)
 
 
 def _pow2_divisor(group: int, block: int) -> int:
@@ -619,9 +655,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   path: str = "auto", w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None,
                   block_shape: tuple[int, int] | None = None,
-                  activation_quant: bool = True) -> torch.Tensor:
+                  activation_quant: bool = True, shared_w13: torch.Tensor | None = None,
+                  shared_w2: torch.Tensor | None = None) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), SiLU-gated experts:
-    expert_e(v) = w2[e] @ (silu(w13[e, :I] @ v) * (w13[e, I:] @ v)).
+    expert_e(v) = w2[e] @ (silu(w13[e, :I] @ v) * (w13[e, I:] @ v)), plus, when shared_w13 /
+    shared_w2 are given, the shared experts' SiLU-gated MLP of x[t] (DeepSeek's
+    `shared_experts`) computed in the same two launches.
 
     Same math as `mla_backend.layers.moe.experts_forward`, without host synchronisation. The
     [T*k, I] intermediate is rounded to x's dtype, products accumulate in fp32; the sorted path
@@ -655,11 +694,20 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             without).
         activation_quant: FP8 only; False keeps activations in x's dtype (W8A16, a diagnostic
             that isolates the weight format).
+        shared_w13: optional [2*S*I, H] in x's dtype: the gate rows of S shared experts of
+            width I (S*I rows, as `GatedMLP.gate_up_proj` holds an intermediate of S*I) and
+            then their up rows; shared_w2: [H, S*I] (`down_proj`). The shared MLP splits
+            exactly into S experts of width I (SiLU-and-mul is per intermediate unit and the
+            down product sums over units), run as S extra slots of weight 1 whose [H] results
+            join the routed slots' fp32 sum before the one rounding. GEMV path only (the caller
+            picks when it pays: each token row reads the shared weights once), unquantized
+            weights only.
     Returns:
         out, or a new [T, H] tensor of x's dtype.
     Raises:
         ValueError: shapes or dtypes do not fit together, unknown path, GEMV tiles not powers
-            of two, FP8 weights without fitting scales (or scales without FP8 weights).
+            of two, FP8 weights without fitting scales (or scales without FP8 weights), shared
+            experts of the wrong shape or dtype, with FP8 weights or off the GEMV path.
     """
     if path not in ("auto", "gemv", "sorted"):
         raise ValueError(f"fused_experts: path must be 'auto', 'gemv' or 'sorted', got {path!r}")
@@ -692,13 +740,18 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"fused_experts: out must be [{t}, {h}] {x.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
     top_k = topk_ids.shape[1]
+    n_shared = _check_shared(x, w13, w2, shared_w13, shared_w2, fp8)
     num_rows = t * top_k
     if num_rows == 0 or h == 0:
         return out.zero_()
-    if path == "gemv" or (path == "auto" and use_gemv_path(t, top_k)):
+    if path == "gemv" or (path == "auto" and use_gemv_path(t, top_k + n_shared)):
         return gemv_experts(x, w13, w2, topk_weights, topk_ids, out,
-                            gemv_config or get_default_gemv_config(top_k, x.device),
-                            w13_scale, w2_scale, block_shape, activation_quant)
+                            gemv_config or get_default_gemv_config(top_k + n_shared, x.device),
+                            w13_scale, w2_scale, block_shape, activation_quant,
+                            shared_w13, shared_w2)
+    if n_shared:
+        raise ValueError("fused_experts: shared experts are folded on the GEMV path only "
+                         f"(T={t}, k={top_k}, S={n_shared}, path {path!r})")
     cfg = config or get_default_config(t, top_k, e, x.device, fp8=fp8)
     group = None if block_shape is None else block_shape[1]
 

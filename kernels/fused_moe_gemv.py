@@ -16,28 +16,42 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import pdl_trigger, pdl_wait
+
 
 @triton.jit
 def _gemv_gate_up_kernel(
-    X, W13, Inter, TopkIds, XScale, WScale,
-    H, I, up_offset, group_n, group_k, up_scale_offset,
+    X, W13, Inter, TopkIds, XScale, WScale, SW13,
+    H, I, up_offset, group_n, group_k, up_scale_offset, shared_up_offset,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ir, stride_in,
     stride_idt, stride_idk, stride_xst, stride_xsk, stride_wse, stride_wsn, stride_wsk,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
+    stride_swn, stride_swh,
+    TOP_K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # inter[row, n-block] = silu(x[t] . gate rows) * (x[t] . up rows), e = topk_ids[t, j].
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)
+    # inter[row, n-block] = silu(x[t] . gate rows) * (x[t] . up rows), e = topk_ids[t, j]; the
+    # slots j >= TOP_K are the N_SHARED shared experts (s = j - TOP_K: gate rows s*I.. of SW13).
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
-    t = (row // TOP_K).to(tl.int64)
-    j = (row % TOP_K).to(tl.int64)
-    e = tl.load(TopkIds + t * stride_idt + j * stride_idk).to(tl.int64)
+    t = (row // (TOP_K + N_SHARED)).to(tl.int64)
+    j = (row % (TOP_K + N_SHARED)).to(tl.int64)
+    e = tl.load(TopkIds + t * stride_idt + tl.minimum(j, TOP_K - 1) * stride_idk).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = X + t * stride_xt + offs_k[None, :].to(tl.int64) * stride_xh  # [1, BLOCK_K]
-    g_ptrs = (W13 + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-              + offs_k[None, :].to(tl.int64) * stride_wh)  # [BLOCK_N, BLOCK_K] gate rows
-    u_ptrs = g_ptrs + up_offset  # the up rows follow the I gate rows
+    if j < TOP_K:
+        g_ptrs = (W13 + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+                  + offs_k[None, :].to(tl.int64) * stride_wh)  # [BLOCK_N, BLOCK_K] gate rows
+        u_ptrs = g_ptrs + up_offset  # the up rows follow the I gate rows
+        w_step = BLOCK_K * stride_wh
+    else:
+        g_ptrs = (SW13 + ((j - TOP_K) * I + offs_n[:, None].to(tl.int64)) * stride_swn
+                  + offs_k[None, :].to(tl.int64) * stride_swh)
+        u_ptrs = g_ptrs + shared_up_offset  # the up rows follow all N_SHARED * I gate rows
+        w_step = BLOCK_K * stride_swh
     gs_ptrs = WScale + e * stride_wse + (offs_n // group_n).to(tl.int64) * stride_wsn  # QUANT 2
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -58,8 +72,8 @@ def _gemv_gate_up_kernel(
             acc_g += tl.sum(g * xv, axis=1)
             acc_u += tl.sum(u * xv, axis=1)
         x_ptrs += BLOCK_K * stride_xh
-        g_ptrs += BLOCK_K * stride_wh
-        u_ptrs += BLOCK_K * stride_wh
+        g_ptrs += w_step
+        u_ptrs += w_step
     if QUANT == 1:
         s = tl.load(XScale) * tl.load(WScale + e * stride_wse)
         acc_g = acc_g * s
@@ -71,24 +85,29 @@ def _gemv_gate_up_kernel(
 
 @triton.jit
 def _gemv_down_kernel(
-    Inter, W2, Out, TopkWeights, TopkIds, AScale, WScale,
+    Inter, W2, Out, TopkWeights, TopkIds, AScale, WScale, SW2,
     H, I, group_n, group_k,
     stride_ir, stride_in, stride_we, stride_wn, stride_wi, stride_ot, stride_on,
     stride_twt, stride_twk, stride_idt, stride_idk, stride_asr, stride_ask,
-    stride_wse, stride_wsn, stride_wsk,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT: tl.constexpr,
+    stride_wse, stride_wsn, stride_wsk, stride_s2n, stride_s2i,
+    TOP_K: tl.constexpr, N_SHARED: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, QUANT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # out[t, n-block] = sum_j topk_weights[t, j] * inter[t*k + j] . w2[e_j, n-block rows].
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)
+    # out[t, n-block] = sum_j topk_weights[t, j] * inter[t*k + j] . w2[e_j, n-block rows]; the
+    # slots j >= TOP_K are the N_SHARED shared experts (weight 1, columns (j - TOP_K)*I.. of SW2).
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     slots = tl.arange(0, K_PAD)
-    mask_s = slots < TOP_K
-    e = tl.load(TopkIds + t * stride_idt + slots.to(tl.int64) * stride_idk, mask=mask_s,
+    routed = slots < TOP_K
+    mask_s = slots < TOP_K + N_SHARED
+    e = tl.load(TopkIds + t * stride_idt + slots.to(tl.int64) * stride_idk, mask=routed,
                 other=0).to(tl.int64)  # [K_PAD]
-    rw = tl.load(TopkWeights + t * stride_twt + slots.to(tl.int64) * stride_twk, mask=mask_s,
+    rw = tl.load(TopkWeights + t * stride_twt + slots.to(tl.int64) * stride_twk, mask=routed,
                  other=0.0).to(tl.float32)  # [K_PAD]
-    rows = t * TOP_K + slots.to(tl.int64)  # [K_PAD]
+    rw = tl.where(routed, rw, tl.where(mask_s, 1.0, 0.0))
+    rows = t * (TOP_K + N_SHARED) + slots.to(tl.int64)  # [K_PAD]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
@@ -96,6 +115,13 @@ def _gemv_down_kernel(
               + offs_k[None, None, :].to(tl.int64) * stride_in)  # [K_PAD, 1, BLOCK_K]
     w_ptrs = (W2 + e[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
               + offs_k[None, None, :].to(tl.int64) * stride_wi)  # [K_PAD, BLOCK_N, BLOCK_K]
+    w_step = tl.zeros([K_PAD], dtype=tl.int64) + BLOCK_K * stride_wi
+    if N_SHARED > 0:
+        s_col = tl.maximum(slots - TOP_K, 0).to(tl.int64) * I  # first column of shared expert
+        s_ptrs = (SW2 + offs_n[None, :, None].to(tl.int64) * stride_s2n
+                  + (s_col[:, None, None] + offs_k[None, None, :]) * stride_s2i)
+        w_ptrs = tl.where(routed[:, None, None], w_ptrs, s_ptrs)
+        w_step = tl.where(routed, w_step, BLOCK_K * stride_s2i)
     ws_ptrs = (WScale + e[:, None] * stride_wse
                + (offs_n[None, :] // group_n).to(tl.int64) * stride_wsn)  # QUANT 2 [K_PAD, BN]
     mask_sn = mask_s[:, None, None] & mask_n[None, :, None]
@@ -113,9 +139,9 @@ def _gemv_down_kernel(
         else:
             acc += tl.sum(w * a, axis=2)
         a_ptrs += BLOCK_K * stride_in
-        w_ptrs += BLOCK_K * stride_wi
+        w_ptrs += w_step[:, None, None]
     if QUANT == 1:
-        ws = tl.load(WScale + e * stride_wse, mask=mask_s, other=0.0)  # [K_PAD]
+        ws = tl.load(WScale + e * stride_wse, mask=routed, other=0.0)  # [K_PAD]
         acc = acc * (ws * tl.load(AScale))[:, None]
     y = tl.sum(acc * rw[:, None], axis=0)  # [BLOCK_N]
     o_ptrs = Out + t * stride_ot + offs_n.to(tl.int64) * stride_on

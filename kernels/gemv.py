@@ -21,47 +21,72 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, pdl_trigger, pdl_wait, use_pdl
+
 
 @triton.jit
 def _gemv_kernel(X, W, B, Out, N, K, stride_xt, stride_wn, stride_ot,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
     pid_n = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
+    pdl_trigger(USE_PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = X + t * stride_xt + offs_k
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    k_start = 0
+    if PREFETCH_K > 0:
+        # The first PREFETCH_K columns of the (static) weight are read before the grid-dependency
+        # wait, so with PDL their memory latency overlaps the kernel in front (kernels/pdl.py).
+        offs_p = tl.arange(0, PREFETCH_K)
+        mask_p = offs_p < K
+        wp = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_p[None, :],
+                     mask=mask_n[:, None] & mask_p[None, :], other=0.0)
+        pdl_wait(USE_PDL)
+        xp = tl.load(X + t * stride_xt + offs_p, mask=mask_p, other=0.0)
+        y = tl.sum(wp.to(tl.float32) * xp.to(tl.float32)[None, :], axis=1)
+        k_start = PREFETCH_K
+    else:
+        pdl_wait(USE_PDL)
+    for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
         mask_k = offs_k + k0 < K
         w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = tl.load(x_ptrs + k0, mask=mask_k, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
+    y += tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(Out + t * stride_ot + offs_n, y.to(Out.dtype.element_ty), mask=mask_n)
 
 
-def gemv_config(n: int, k: int) -> dict:
-    """Launch settings for an [N, K] weight: BLOCK_N, BLOCK_K, NUM_STAGES, num_warps.
+def gemv_config(n: int, k: int, prefetch: bool = False) -> dict:
+    """Launch settings for an [N, K] weight: BLOCK_N, BLOCK_K, NUM_STAGES, num_warps, PREFETCH_K.
 
     From the sweep of `benchmarks/bench_gemv.py --sweep` on an H200 (docs/benchmarks.md,
     "Decode latency"; one token row): below 4096 outputs the narrowest tiles with the longest K
     chunks won (4 x 512, 2 warps: more programs for the few rows), above it 8 x 256 (within 4%
-    of each shape's best)."""
+    of each shape's best). `prefetch` (a static weight launched with PDL): PREFETCH_K columns of
+    each program's rows are read before the grid-dependency wait — up to 2048 at 4 rows per
+    program (64 bf16 registers per thread at 2 warps), 1024 at 8 — and the rest in the loop."""
     if n < 4096:
         block_n, block_k = 4, 512
     else:
         block_n, block_k = 8, 256
     block_k = min(block_k, triton.next_power_of_2(max(k, 16)))
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "NUM_STAGES": 4, "num_warps": 2}
+    prefetch_k = 0
+    if prefetch:
+        prefetch_k = min(2048 if block_n == 4 else 1024, triton.next_power_of_2(max(k, 16)))
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "NUM_STAGES": 4, "num_warps": 2,
+            "PREFETCH_K": prefetch_k}
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, config: dict | None = None,
+         static_weight: bool = False) -> torch.Tensor:
     """out = x @ weight.T (+ bias), math in fp32, one rounding to the output dtype.
 
     Args:
@@ -70,7 +95,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             (any row stride).
         bias: optional [N].
         out: optional [T, N] destination of the output dtype, last dim contiguous.
-        config: launch settings (`gemv_config`'s keys) instead of `gemv_config(N, K)`.
+        config: launch settings (`gemv_config`'s keys) instead of `gemv_config(N, K, ...)`.
+        static_weight: the caller guarantees that no kernel writes `weight` (or `bias`) while
+            this one may run (a model parameter). Then, on a device with programmatic dependent
+            launch (`pdl.use_pdl`), the kernel is launched with PDL and reads the first part of
+            the weight before waiting for the kernel in front (kernels/pdl.py). Otherwise the
+            kernel runs in plain stream order.
     Returns:
         out, or a new [T, N] tensor.
     Raises:
@@ -94,12 +124,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"out must be [{t}, {n}] {out_dtype} with a contiguous last dim")
     if t == 0 or n == 0:
         return out
-    cfg = dict(config or gemv_config(n, k))
+    pdl = static_weight and use_pdl(x)
+    cfg = dict(config or gemv_config(n, k, prefetch=pdl))
+    prefetch_k = cfg.get("PREFETCH_K", 0)  # also without PDL when a config asks (tests)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), t)
     _gemv_kernel[grid](x, weight, bias if bias is not None else weight, out, n, k,
                        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                       NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"])
+                       NUM_STAGES=cfg["NUM_STAGES"], USE_PDL=pdl, PREFETCH_K=prefetch_k,
+                       num_warps=cfg["num_warps"], **launch_options(pdl))
     return out
 
 

@@ -19,13 +19,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, pdl_trigger, pdl_wait, use_pdl
+
 _MAX_EXPERTS = 1024
 
 
 @triton.jit
 def _softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, stride_l, stride_w, stride_i, E,
                          scale, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     valid = cols < E
@@ -82,11 +87,12 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = False,
     if t == 0:
         return weights, ids
     block_e = triton.next_power_of_2(e)
+    pdl = use_pdl(logits)
     _softmax_topk_kernel[(t,)](logits, weights, ids, logits.stride(0), weights.stride(0),
                                ids.stride(0), e, float(scale), TOP_K=top_k,
                                RENORMALIZE=bool(renormalize and top_k > 1), BLOCK_E=block_e,
-                               BLOCK_K=triton.next_power_of_2(top_k),
-                               num_warps=1 if block_e <= 256 else 4)
+                               BLOCK_K=triton.next_power_of_2(top_k), USE_PDL=pdl,
+                               num_warps=1 if block_e <= 256 else 4, **launch_options(pdl))
     return weights, ids
 
 

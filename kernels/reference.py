@@ -119,6 +119,12 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return out if bias is None else out + _upcast(bias)
 
 
+def bmm_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Twin of `bmm_gemv.bmm_gemv`: x [T, H, K], w [H, K, N] -> [T, H, N] with out[t, h] =
+    x[t, h] @ w[h], in fp32 (fp64 for fp64 inputs)."""
+    return torch.einsum("thk,hkn->thn", _upcast(x), _upcast(w))
+
+
 def softmax_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool = False,
                      scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy softmax routing: logits [T, E] → (weights [T, top_k] fp32 (fp64 for fp64 input),

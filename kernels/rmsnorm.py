@@ -18,10 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, pdl_trigger, pdl_wait, use_pdl
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, D, eps,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -34,7 +38,10 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, D, eps,
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res,
-                        stride_out, stride_res_out, D, eps, BLOCK_D: tl.constexpr):
+                        stride_out, stride_res_out, D, eps, BLOCK_D: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -85,8 +92,10 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x.shape[0] == 0:
         return out
     block, warps = _launch_cfg(d)
+    pdl = use_pdl(x)
     _rmsnorm_kernel[(x.shape[0],)](x, weight.contiguous(), out, x.stride(0), out.stride(0), d,
-                                   float(eps), BLOCK_D=block, num_warps=warps)
+                                   float(eps), BLOCK_D=block, USE_PDL=pdl, num_warps=warps,
+                                   **launch_options(pdl))
     return out
 
 
@@ -120,9 +129,11 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     if x.shape[0] == 0:
         return
     block, warps = _launch_cfg(d)
+    pdl = use_pdl(x)
     _add_rmsnorm_kernel[(x.shape[0],)](
         x, residual, weight.contiguous(), out, residual_out, x.stride(0), residual.stride(0),
-        out.stride(0), residual_out.stride(0), d, float(eps), BLOCK_D=block, num_warps=warps)
+        out.stride(0), residual_out.stride(0), d, float(eps), BLOCK_D=block, USE_PDL=pdl,
+        num_warps=warps, **launch_options(pdl))
 
 
 __all__ = ["fused_add_rmsnorm", "rmsnorm"]

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, pdl_trigger, pdl_wait, use_pdl
+
 
 @triton.jit
 def _rotate_heads(in_ptr, out_ptr, stride_it, stride_ih, stride_ot, stride_oh, tok, h0, H,
@@ -63,7 +65,9 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cache_ptr,
                    HQ, HK, HALF, PASS,
                    HAS_POS: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_HALF: tl.constexpr, COPY_PASS: tl.constexpr,
-                   BLOCK_PASS: tl.constexpr):
+                   BLOCK_PASS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     if HAS_POS:
@@ -149,14 +153,15 @@ def rotary_embedding(positions: torch.Tensor | None, q: torch.Tensor, k: torch.T
     block_pass = triton.next_power_of_2(n_pass) if copy_pass else 1
     grid = (n_tok, triton.cdiv(hq, block_h) + triton.cdiv(hk, block_h))
     pos = positions if positions is not None else cos_sin_cache  # dummy pointer when unused
+    pdl = use_pdl(q)
     _rotary_kernel[grid](
         pos, q, k, q_out, k_out, cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos_sin_cache.stride(0), hq, hk, half, n_pass,
         HAS_POS=positions is not None, IS_NEOX=bool(is_neox), BLOCK_H=block_h,
-        BLOCK_HALF=block_half, COPY_PASS=copy_pass, BLOCK_PASS=block_pass,
-        num_warps=4 if block_h * block_half >= 512 else 1)
+        BLOCK_HALF=block_half, COPY_PASS=copy_pass, BLOCK_PASS=block_pass, USE_PDL=pdl,
+        num_warps=4 if block_h * block_half >= 512 else 1, **launch_options(pdl))
 
 
 __all__ = ["rotary_embedding"]

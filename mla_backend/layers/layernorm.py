@@ -82,6 +82,18 @@ class RMSNorm(nn.Module):
         s = x + residual
         return self._norm(s), s
 
+    def norm_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Normed x written into `out` (same shape, x's dtype; e.g. a column slice of a wider
+        buffer, last dim contiguous): the triton kernel straight into it on CUDA (as `forward`
+        dispatches), else `forward_native` and a copy. Returns out."""
+        if (x.is_cuda and not torch.compiler.is_compiling() and x.dtype == self.weight.dtype
+                and out.dtype == x.dtype and out.dim() == 2 and out.stride(-1) == 1):
+            from mla_kernels.rmsnorm import rmsnorm
+
+            rmsnorm(_rows(x, self.weight.shape[0]), self.weight, self.variance_epsilon, out=out)
+            return out
+        return out.copy_(self.forward_native(x))
+
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
 

@@ -58,6 +58,7 @@ from mla_backend.layers.quantization import (
     BlockFP8Config,
     Fp8Config,
     QuantConfig,
+    UnquantizedLinearMethod,
     quantize_fp8_per_tensor,
 )
 
@@ -405,12 +406,43 @@ class DeepseekV2MoE(nn.Module):
                                           self.topk_group, self.norm_topk_prob,
                                           self.routed_scaling_factor)
         use_fused = x.is_cuda if self.fused_moe is None else self.fused_moe
-        out = self.experts(x, weights, ids, use_fused)
-        if self.shared_experts is not None:
+        shared = self._foldable_shared(x) if use_fused else None
+        out = self.experts(x, weights, ids, use_fused, shared=shared)
+        if self.shared_experts is not None and shared is None:
             out = out + self.shared_experts(x)
         # Tensor parallel: each rank holds a slice of every expert's intermediate dim, so routed
         # and shared outputs are partial sums; one all-reduce (a no-op at TP 1).
         return tensor_model_parallel_all_reduce(out)
+
+
+    def _foldable_shared(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up weight [2*S*I, H], down weight [H, S*I]) of the shared experts when they run
+        inside the routed experts' GEMV launches (`fused_experts(shared_w13=, shared_w2=)`):
+        at most `SHARED_FOLD_MAX_ROWS` token rows, unquantized 16/32-bit weights of x's dtype
+        without bias on both sides, the shared width a multiple of the routed I, and not while
+        torch.compile traces (inductor then compiles the shared MLP itself). Else None."""
+        se = self.shared_experts
+        ex = self.experts
+        if (se is None or x.shape[0] > SHARED_FOLD_MAX_ROWS or torch.compiler.is_compiling()
+                or type(ex.quant_method) is not UnquantizedMoEMethod
+                or ex.w13_weight.dtype != x.dtype):
+            return None
+        gu, down = se.gate_up_proj, se.down_proj
+        for lin in (gu, down):
+            if (type(lin.quant_method) is not UnquantizedLinearMethod or lin.bias is not None
+                    or lin.weight.dtype != x.dtype):
+                return None
+        inter = ex.intermediate_size
+        width = down.weight.shape[1]
+        if inter == 0 or width % inter or tuple(gu.weight.shape) != (2 * width, x.shape[1]):
+            return None
+        return gu.weight, down.weight
+
+
+# Token rows up to which the shared experts run inside the routed experts' GEMV launches
+# (`DeepseekV2MoE._foldable_shared`): each row reads the shared weights itself there, so only
+# decode at batch size 1 gains (docs/benchmarks.md, "Decode latency").
+SHARED_FOLD_MAX_ROWS = 1
 
 
 @torch.compiler.disable
@@ -558,7 +590,8 @@ class StackedExperts(nn.Module):
         return isinstance(self.quant_method, BlockFP8MoEMethod)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                fused: bool) -> torch.Tensor:
+                fused: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
         """Routed output [T, H] in x's dtype (before any TP all-reduce).
 
         Args:
@@ -566,8 +599,12 @@ class StackedExperts(nn.Module):
             fused: the triton `fused_experts` (no host sync: the form CUDA graphs capture; kept
                 while torch.compile traces, as an opaque call), else the loop `experts_forward`
                 (reads per-expert counts to the host). Both do the same (FP8) math.
+            shared: optional shared-expert weights (gate_up [2*S*I, H], down [H, S*I]) added
+                inside the fused GEMV launches (fused only; `fused_experts(shared_w13=...)`).
         """
         args = self.quant_method.kernel_args(self)
+        if shared is not None:
+            args = dict(args, shared_w13=shared[0], shared_w2=shared[1], path="gemv")
         if fused:
             return _fused_experts_opaque(x, self.w13_weight, self.w2_weight, topk_weights,
                                          topk_ids, **args)

@@ -128,7 +128,8 @@ class UnquantizedLinearMethod:
                 and not torch.compiler.is_compiling()):
             from mla_kernels.gemv import gemv
 
-            return gemv(x, w, bias)
+            # a parameter: nothing writes it during a forward (PDL prefetch, kernels/pdl.py)
+            return gemv(x, w, bias, static_weight=True)
         if w.dtype == torch.float32 and x.dtype != torch.float32:
             x = x.float()
         return F.linear(x, w, bias)

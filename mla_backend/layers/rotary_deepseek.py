@@ -143,6 +143,26 @@ class DeepseekRotaryEmbedding(nn.Module):
                          k_out=k_out)
         return q_out, k_out
 
+    def forward_into(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     table: torch.Tensor | None, q_out: torch.Tensor, k_out: torch.Tensor
+                     ) -> None:
+        """`forward` with the rotated q / k written into q_out / k_out (shapes of q / k, their
+        dtype, last dim contiguous; e.g. the rope columns of the absorbed MLA query and latent
+        row): the triton kernel straight into them on CUDA, else `forward_native` and copies."""
+        if q.is_cuda and not torch.compiler.is_compiling():
+            from mla_kernels.rotary import rotary_embedding
+
+            if table is None:
+                table = self.table(positions)
+            q_in = q if q.numel() == 0 or q.stride(-1) == 1 else q.contiguous()
+            k_in = k if k.numel() == 0 or k.stride(-1) == 1 else k.contiguous()
+            rotary_embedding(None, q_in, k_in, table, False, self.rotary_dim, q_out=q_out,
+                             k_out=k_out)
+            return
+        q_rot, k_rot = self.forward_native(positions, q, k, table)
+        q_out.copy_(q_rot)
+        k_out.copy_(k_rot)
+
     def forward_native(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         table: torch.Tensor | None = None,

@@ -90,6 +90,10 @@ if TYPE_CHECKING:
     from mla_backend.model_executor.forward_batch import ForwardBatch
 
 ABSORBED, DECOMPRESSED, MHA = "absorbed", "decompressed", "mha"
+# Token rows up to which absorbed MLA's w_kc / w_vc products run as `mla_kernels.bmm_gemv`
+# (written straight into the query / o_proj input) instead of torch.bmm plus a copy: decode at
+# batch size 1 (docs/benchmarks.md, "Decode latency").
+BMM_GEMV_MAX_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -206,11 +210,20 @@ class DeepseekV2Attention(nn.Module):
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        if path == ABSORBED:
+            # The absorbed query [T, H, kv_lora + rope] and latent row [T, 1, kv_lora + rope]
+            # are assembled in place: the norm, the rotary and the w_kc product each write
+            # their columns (no concatenation).
+            lora = self.kv_lora_rank
+            q_full = hidden.new_empty(t, heads, lora + self.qk_rope_head_dim)
+            k_full = hidden.new_empty(t, 1, lora + self.qk_rope_head_dim)
+            self.kv_a_layernorm.norm_into(c_kv, k_full[:, 0, :lora])
+            self.rotary_emb.forward_into(positions, q_pe, k_pe.unsqueeze(1), rope_table,
+                                         q_full[..., lora:], k_full[..., lora:])
+            return self._absorbed(q_nope, q_full, k_full, forward_batch)
         c_kv = self.kv_a_layernorm(c_kv)  # [T, kv_lora] (the norm reads the strided view)
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1),  # [T,H,r], [T,1,r]
                                      table=rope_table)
-        if path == ABSORBED:
-            return self._absorbed(q_nope, q_pe, c_kv, k_pe, forward_batch)
 
         kv = self.kv_b_proj(c_kv).view(t, heads, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
@@ -226,20 +239,33 @@ class DeepseekV2Attention(nn.Module):
             o = self.attn_mha(q, k, v.contiguous(), forward_batch)
         return self.o_proj(o)
 
-    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
-                  k_pe: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
-        t, heads = q_nope.shape[0], self.num_heads
-        # [H, T, nope] x [H, nope, kv_lora] -> [T, H, kv_lora]
-        q_latent = self._absorb_bmm(q_nope.transpose(0, 1), self.w_kc,
-                                    self.w_kc_scale).transpose(0, 1)
-        q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, kv_lora + rope]
-        k = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [T, 1, kv_lora + rope]
-        v = k[..., : self.kv_lora_rank]  # [T, 1, kv_lora] (the pool's value view)
-        o = self.attn_mqa(q, k, v, forward_batch)  # [T, H * kv_lora]
-        # [H, T, kv_lora] x [H, kv_lora, v_head] -> [T, H, v_head]
-        o = self._absorb_bmm(o.view(t, heads, self.kv_lora_rank).transpose(0, 1), self.w_vc,
-                             self.w_vc_scale)
-        return self.o_proj(o.transpose(0, 1).reshape(t, heads * self.v_head_dim))
+    def _absorbed(self, q_nope: torch.Tensor, q_full: torch.Tensor, k_full: torch.Tensor,
+                  forward_batch: "ForwardBatch") -> torch.Tensor:
+        """q_nope [T, H, nope] (a view of q); q_full [T, H, kv_lora + rope] and k_full
+        [T, 1, kv_lora + rope] with their rope columns (and k_full's normed latent) filled."""
+        t, heads, lora = q_nope.shape[0], self.num_heads, self.kv_lora_rank
+        # [T, H, nope] x [H, nope, kv_lora] -> q_full[..., :kv_lora]
+        self._absorb_into(q_nope, self.w_kc, self.w_kc_scale, q_full[..., :lora])
+        v = k_full[..., :lora]  # [T, 1, kv_lora] (the pool's value view)
+        o = self.attn_mqa(q_full, k_full, v, forward_batch)  # [T, H * kv_lora]
+        # [T, H, kv_lora] x [H, kv_lora, v_head] -> [T, H, v_head]
+        o_v = o.new_empty(t, heads, self.v_head_dim)
+        self._absorb_into(o.view(t, heads, lora), self.w_vc, self.w_vc_scale, o_v)
+        return self.o_proj(o_v.view(t, heads * self.v_head_dim))
+
+    def _absorb_into(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
+                     out: torch.Tensor) -> None:
+        """out [T, H, N] <- x [T, H, K] x w [H, K, N]: at up to `BMM_GEMV_MAX_ROWS` token rows of
+        a 16-bit CUDA model the triton `bmm_gemv` writes straight into out (a strided view is
+        fine), else `_absorb_bmm` over [H, T, K] and a copy."""
+        if (w_scale is None and x.is_cuda and x.shape[0] <= BMM_GEMV_MAX_ROWS
+                and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
+                and not torch.compiler.is_compiling()):
+            from mla_kernels.bmm_gemv import bmm_gemv
+
+            bmm_gemv(x, w, out=out, static_weight=True)  # w_kc / w_vc: fixed after load
+            return
+        out.copy_(self._absorb_bmm(x.transpose(0, 1), w, w_scale).transpose(0, 1))
 
     @staticmethod
     def _absorb_bmm(x: torch.Tensor, w: torch.Tensor,

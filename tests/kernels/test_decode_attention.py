@@ -365,6 +365,28 @@ BF16_ATOL, BF16_RTOL = 2e-2, 2e-2  # bf16 inputs; p rounded to bf16 before P·V
 
 @gpu
 @needs_cuda
+def test_gpu_mla_large_batch_dispatches_to_ws_kernel(monkeypatch):
+    """MLA bf16 at bs >= WS_MLA_MIN_BS goes to the warp-specialized kernel on sm_90 (one call
+    counted), below it and with the switch off to the triton kernel; all equal the reference."""
+    import mla_kernels.decode_attention as da
+    import mla_kernels.decode_attention_ws as ws
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the ws kernel is sm_90 only")
+    lens = [(37 * i) % 700 for i in range(da.WS_MLA_MIN_BS)]  # includes seq_len 0
+    case = make_case(lens, 16, 1, 576, 512, mla=True, dtype=torch.bfloat16, seed=5)
+    calls = []
+    real = ws.mla_decode_ws_fwd
+    monkeypatch.setattr(ws, "mla_decode_ws_fwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    check(case, num_kv_splits=None, max_kv_splits=16, atol=BF16_ATOL, rtol=BF16_RTOL)
+    assert len(calls) == 1
+    monkeypatch.setattr(da, "WS_MLA_MIN_BS", None)
+    check(case, num_kv_splits=None, max_kv_splits=16, atol=BF16_ATOL, rtol=BF16_RTOL)
+    assert len(calls) == 1
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("num_heads,num_kv_heads,lk,lv,mla", LAYOUTS)
 def test_gpu_bf16_layouts(num_heads, num_kv_heads, lk, lv, mla):
     case = make_case([1, 70, 33, 129, 0, 4000], num_heads, num_kv_heads, lk, lv, mla=mla,

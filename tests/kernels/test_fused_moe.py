@@ -200,6 +200,41 @@ def test_auto_path_threshold(monkeypatch):
         torch.testing.assert_close(out, fused_experts_ref(x, w13, w2, weights, ids), **FP32)
 
 
+def _shared_ref(x: torch.Tensor, sw13: torch.Tensor, sw2: torch.Tensor) -> torch.Tensor:
+    """The shared experts as one SiLU-gated MLP in fp32 (GatedMLP's math)."""
+    gate, up = (x.float() @ sw13.float().T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ sw2.float().T
+
+
+@pytest.mark.parametrize("t,e,k,n_shared", [(1, 8, 6, 2), (1, 4, 1, 1), (3, 8, 2, 2),
+                                            (2, 4, 3, 3)])
+def test_gemv_folds_shared_experts(t, e, k, n_shared):
+    """Shared experts as extra GEMV slots of weight 1 == routed experts + the shared MLP."""
+    x, w13, w2, weights, ids = _problem(t, e, k, seed=t + 10 * n_shared)
+    g = torch.Generator().manual_seed(7)
+    sw13 = (torch.randn(2 * n_shared * I, H, generator=g) / H ** 0.5).to(DEV)
+    sw2 = (torch.randn(H, n_shared * I, generator=g) / (n_shared * I) ** 0.5).to(DEV)
+    out = fused_experts(x, w13, w2, weights, ids, path="gemv", shared_w13=sw13, shared_w2=sw2)
+    want = fused_experts_ref(x, w13, w2, weights, ids) + _shared_ref(x, sw13, sw2)
+    torch.testing.assert_close(out, want, **FP32)
+    assert _shared_ref(x, sw13, sw2).abs().max() > 0.05  # the shared part is not negligible
+
+
+def test_shared_experts_rejected_off_the_gemv_path_and_bad_shapes():
+    x, w13, w2, weights, ids = _problem(2, 4, 2)
+    sw13, sw2 = torch.zeros(4 * I, H, device=DEV), torch.zeros(H, 2 * I, device=DEV)
+    with pytest.raises(ValueError, match="GEMV path only"):
+        fused_experts(x, w13, w2, weights, ids, path="sorted", shared_w13=sw13, shared_w2=sw2)
+    with pytest.raises(ValueError, match="both shared_w13 and shared_w2"):
+        fused_experts(x, w13, w2, weights, ids, shared_w13=sw13)
+    with pytest.raises(ValueError, match="must be"):
+        fused_experts(x, w13, w2, weights, ids, shared_w13=sw13[:-1], shared_w2=sw2)
+    with pytest.raises(ValueError, match="must be"):
+        fused_experts(x, w13, w2, weights, ids, shared_w13=sw13, shared_w2=sw2[:, :-2])
+    with pytest.raises(ValueError, match="unquantized weights of x's dtype"):
+        fused_experts(x, w13, w2, weights, ids, shared_w13=sw13.double(), shared_w2=sw2)
+
+
 def test_fused_experts_empty_and_single_expert():
     """All tokens on one expert (the others get none; several blocks of one expert), int32 ids,
     a strided x, an `out` buffer and a larger block_m (sorted path; T*k = 74 would take the GEMV
@@ -273,6 +308,30 @@ def test_deepseek_moe_fused_equals_loop(kw):
         torch.testing.assert_close(default(x), out_loop, **FP32)
 
 
+def test_deepseek_moe_folds_shared_experts_at_one_row(monkeypatch):
+    """At one token row the fused layer runs its shared experts inside the GEMV launches
+    (`_foldable_shared`); the output equals the loop layer's routed + shared sum. Two rows (or
+    the fold switched off) take the separate shared MLP and agree too."""
+    import mla_backend.layers.moe as moe_mod
+
+    fused_layer, loop_layer = _moe_layer(True), _moe_layer(False)
+    calls = []
+    real = moe_mod._fused_experts_opaque
+    monkeypatch.setattr(moe_mod, "_fused_experts_opaque",
+                        lambda *a, **kw: calls.append("shared_w13" in kw) or real(*a, **kw))
+    g = torch.Generator().manual_seed(3)
+    for t, folded in ((1, True), (2, False)):
+        x = torch.randn(t, H, generator=g).to(DEV)
+        with torch.no_grad():
+            torch.testing.assert_close(fused_layer(x), loop_layer(x), **FP32)
+        assert calls[-1] is folded
+    monkeypatch.setattr(moe_mod, "SHARED_FOLD_MAX_ROWS", 0)
+    with torch.no_grad():
+        x = torch.randn(1, H, generator=g).to(DEV)
+        torch.testing.assert_close(fused_layer(x), loop_layer(x), **FP32)
+    assert calls[-1] is False
+
+
 # ------------------------------------------------------------------ GPU (H200)
 # bf16 kernel vs the fp32 oracle on the same bf16 inputs. The kernel rounds the [T*k, I]
 # intermediate, the per-slot outputs and the result to bf16 (2^-9 relative each); a torch emulation
@@ -301,6 +360,24 @@ def test_gpu_fused_experts_bf16_v2_lite(t, path):
     assert out.dtype == torch.bfloat16
     _assert_close_rel_max(out, ref, 1e-2)
     _assert_close_rel_max(out, experts_forward(x, w13, w2, weights, ids), 2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_gemv_folds_shared_experts_v2_lite():
+    """bf16 at V2-Lite shapes, T = 1: two shared experts (width 2 x 1408) folded into the GEMV
+    launches vs the fp32 routed oracle + shared MLP (tolerance as the routed-only test)."""
+    s = V2_LITE
+    x, w13, w2, weights, ids = _problem(1, s["e"], s["k"], h=s["h"], inter=s["inter"], seed=5,
+                                        dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(9)
+    sw13 = (torch.randn(4 * s["inter"], s["h"], generator=g) / s["h"] ** 0.5).to(
+        "cuda", torch.bfloat16)
+    sw2 = (torch.randn(s["h"], 2 * s["inter"], generator=g) / (2 * s["inter"]) ** 0.5).to(
+        "cuda", torch.bfloat16)
+    out = fused_experts(x, w13, w2, weights, ids, shared_w13=sw13, shared_w2=sw2)
+    ref = fused_experts_ref(x, w13, w2, weights, ids) + _shared_ref(x, sw13, sw2)
+    _assert_close_rel_max(out, ref, 1e-2)
 
 
 @pytest.mark.gpu

@@ -48,6 +48,20 @@ def test_gemv_strided_rows_out_and_config():
     torch.testing.assert_close(out.cpu(), linear_ref(x.cpu(), w.cpu()), **FP32)
 
 
+# PREFETCH_K: the first columns read before the (PDL) grid-dependency wait, the rest in the
+# loop; K below, equal to and above the prefetch width, with and without loop iterations left
+@pytest.mark.parametrize("n,k,prefetch_k,block_k", [(9, 20, 32, 16), (9, 64, 64, 16),
+                                                      (13, 100, 32, 16), (5, 300, 64, 128)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_prefetch_split_vs_ref(n, k, prefetch_k, block_k, with_bias):
+    x, w = _rand(2, k, seed=k), _rand(n, k, seed=n + 3)
+    bias = _rand(n, seed=n) if with_bias else None
+    cfg = dict(BLOCK_N=4, BLOCK_K=block_k, NUM_STAGES=2, num_warps=1, PREFETCH_K=prefetch_k)
+    out = gemv(x, w, bias, config=cfg, static_weight=True)
+    torch.testing.assert_close(out.cpu(), linear_ref(x.cpu(), w.cpu(), None if bias is None
+                                                     else bias.cpu()), **FP32)
+
+
 def test_gemv_16bit_x_fp32_weight_gives_fp32():
     # the router's case: bf16 hidden states, fp32 gate weight, fp32 logits, x never cast
     x = _rand(1, 300, seed=5, dtype=torch.bfloat16)
@@ -91,10 +105,48 @@ def test_gemv_bad_dtype_and_strides():
 @pytest.mark.parametrize("n,k", [(3072, 2048), (576, 2048), (5632, 2048), (2048, 2816),
                                  (102400, 2048), (2048, 10944)])
 @pytest.mark.parametrize("t", [1, 2])
-def test_gemv_bf16_on_gpu(n, k, t):
+@pytest.mark.parametrize("static_weight", [False, True], ids=["plain", "pdl-prefetch"])
+def test_gemv_bf16_on_gpu(n, k, t, static_weight):
     x = _rand(t, k, seed=k, dtype=torch.bfloat16)
     w = (0.02 * _rand(n, k, seed=n, dtype=torch.float32)).to(torch.bfloat16)
-    torch.testing.assert_close(gemv(x, w).float().cpu(), linear_ref(x.cpu(), w.cpu()), **BF16)
+    got = gemv(x, w, static_weight=static_weight)
+    torch.testing.assert_close(got.float().cpu(), linear_ref(x.cpu(), w.cpu()), **BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gemv_pdl_chain_in_a_cuda_graph():
+    """A chain of PDL-launched gemvs, each reading the previous one's output, captured in a
+    CUDA graph: every link must wait for the one in front (a missing wait reads stale x)."""
+    import mla_kernels.pdl as pdl
+
+    if not pdl.use_pdl(torch.zeros(1, device="cuda")):
+        pytest.skip("no PDL on this device")
+    n = 2048
+    ws = [(0.022 * _rand(n, n, seed=i, dtype=torch.float32)).to(torch.bfloat16) for i in range(6)]
+    x0 = _rand(1, n, seed=99, dtype=torch.bfloat16)
+    bufs = [torch.empty(1, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
+
+    def chain():
+        x = x0
+        for w, b in zip(ws, bufs):
+            x = gemv(x, w, out=b, static_weight=True)
+        return x
+
+    want = x0.float().cpu()
+    for w in ws:
+        want = linear_ref(want.to(torch.bfloat16).float(), w.float().cpu()).to(torch.bfloat16)
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(3):
+        for b in bufs:  # an early read would now see zeros, not last replay's values
+            b.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(bufs[-1].float().cpu(), want.float(), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,167 @@
+"""MLA decode on an H200: the Gluon warp-specialized kernel vs the triton kernel, and its sweep.
+
+For MLA absorbed (16 heads, 576 / 512 with V a view of the key pool, bf16, scattered slots: a
+random permutation) over batch sizes x context lengths, each config (`bench_decode_attention.
+Config`): checks `decode_attention_ws.mla_decode_ws_fwd` and the triton `decode_attention_fwd`
+against an fp32 reference on the first requests (max abs error), times both as the engine runs
+them (`bench_decode_attention.graph_time_ms`: CUDA-graph replays after an L2 flush, flush time
+subtracted) and prints a markdown table with µs, GB/s (KV rows + q + o + req_to_token bytes)
+and % of the device-to-device copy bandwidth measured in the same run. The triton kernel runs
+with its engine plan (`splits_per_request`); the ws kernel with its own plan
+(`ws_splits_per_request`, --per-sm programs per SM) or --ws-splits N.
+
+Sweep: --bufs / --load-warps / --load-regs / --maxnreg / --per-sm take several values; every
+combination is one table row per config (the triton row is timed once per config).
+
+    PYTHONPATH=. python3 benchmarks/bench_decode_ws.py
+    PYTHONPATH=. python3 benchmarks/bench_decode_ws.py --batch-sizes 64 256 --contexts 4096 \\
+        --bufs 1 2 --load-warps 1 2 4 --no-triton
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_decode_attention as bda  # noqa: E402
+
+import mla_backend  # noqa: E402,F401  (registers `mla_kernels`)
+import mla_kernels.decode_attention_ws as ws  # noqa: E402
+
+GB = 1e9
+
+
+def fp32_ref(cfg: bda.Config, n_check: int) -> list[torch.Tensor]:
+    """fp32 attention outputs [H, Lv] of the first n_check requests of cfg."""
+    refs = []
+    for i in range(min(n_check, cfg.bs)):
+        row = int(cfg.req_pool_indices[i])
+        slots = cfg.req_to_token[row, :cfg.ctx].long()
+        k = cfg.k_buffer[slots, 0].float()  # [ctx, 576]
+        s = (cfg.q[i].float() @ k.T) * cfg.sm_scale  # [H, ctx]
+        refs.append(torch.softmax(s, dim=-1) @ k[:, :cfg.lv])
+    return refs
+
+
+def max_err(o: torch.Tensor, refs: list[torch.Tensor]) -> float:
+    return max((o[i].float() - r).abs().max().item() for i, r in enumerate(refs))
+
+
+class WsRun:
+    """The ws kernel's plan, workspaces and output for one config and launch setting."""
+
+    def __init__(self, cfg: bda.Config, sm_count: int, max_kv_splits: int, per_sm: int | None,
+                 fixed_splits: int | None, launch: dict):
+        self.cfg, self.launch = cfg, launch
+        if fixed_splits is not None:
+            self.max_splits = fixed_splits
+            self.nks = torch.full((cfg.bs,), fixed_splits, dtype=torch.int32, device="cuda")
+        else:
+            self.max_splits = max(1, min(max_kv_splits,
+                                         ws.ws_splits_per_request(cfg.bs, sm_count, per_sm)))
+            self.nks = ws.ws_num_kv_splits(cfg.seq_lens, self.max_splits, sm_count, per_sm)
+        self.o = torch.empty_like(cfg.o)
+        self.logits = torch.empty(cfg.bs, cfg.h, self.max_splits, cfg.lv, device="cuda")
+        self.lse = torch.empty(cfg.bs, cfg.h, self.max_splits, device="cuda")
+
+    def __call__(self) -> None:
+        c = self.cfg
+        ws.mla_decode_ws_fwd(c.q, c.k_buffer, self.o, c.req_to_token, c.req_pool_indices,
+                             c.seq_lens, self.nks, self.max_splits, self.logits, self.lse,
+                             c.sm_scale, **self.launch)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16, 64, 128, 256])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[512, 4096, 32768])
+    ap.add_argument("--max-kv-splits", type=int, default=64,
+                    help="upper bound of both kernels' split dimension (the engine's cap)")
+    ap.add_argument("--mem-cap-gb", type=float, default=60.0)
+    ap.add_argument("--bufs", nargs="+", type=int, default=[ws.NUM_BUFS],
+                    help="ws: 64-token tiles in the shared-memory ring (1 or 2)")
+    ap.add_argument("--load-warps", nargs="+", type=int, default=[ws.LOAD_WARPS],
+                    help="ws: producer warps")
+    ap.add_argument("--load-regs", nargs="+", type=int, default=[ws.LOAD_REGS],
+                    help="ws: registers per producer thread (setmaxnreg)")
+    ap.add_argument("--maxnreg", nargs="+", type=int, default=[0],
+                    help="ws: launch register cap (0 = default_maxnreg: none for 2 buffers, "
+                         "128 for 1)")
+    ap.add_argument("--per-sm", nargs="+", type=int, default=[0],
+                    help="ws split plan: programs per SM (0 = programs_per_sm(bufs))")
+    ap.add_argument("--ws-splits", type=int, default=None,
+                    help="ws: fixed splits per request instead of its plan")
+    ap.add_argument("--no-triton", action="store_true", help="skip the triton kernel")
+    ap.add_argument("--n-check", type=int, default=4, help="requests checked against fp32")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode_ws: needs a CUDA GPU")
+    props = torch.cuda.get_device_properties(0)
+    sm_count = props.multi_processor_count
+    bw_copy = bda.copy_bandwidth()
+    torch.cuda.empty_cache()
+    print(f"device: {props.name}, {sm_count} SMs; torch {torch.__version__}, triton "
+          f"{triton.__version__}; copy bandwidth {bw_copy:.0f} GB/s; max_kv_splits "
+          f"{args.max_kv_splits}; ws defaults: bufs {ws.NUM_BUFS}, load warps {ws.LOAD_WARPS}, "
+          f"load regs {ws.LOAD_REGS}\n")
+    variants = list(itertools.product(args.bufs, args.load_warps, args.load_regs, args.maxnreg,
+                                      args.per_sm))
+    print("| bufs,lw,lr,maxnreg,per_sm | bs | ctx | triton splits | triton err | triton us "
+          "| triton % | ws splits | ws err | ws us | ws GB/s | ws % copy BW | speedup |")
+    print("|---" * 13 + "|")
+    flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+
+    def flush() -> None:
+        flush_buf.zero_()
+
+    for bs in args.batch_sizes:
+        for ctx in args.contexts:
+            pool = bda.pool_bytes("mla", bs * ctx)
+            if (pool + 2 * bs * 16 * args.max_kv_splits * 512 * 4) / GB > args.mem_cap_gb:
+                print(f"| | {bs} | {ctx} | skipped: pool {pool / GB:.1f} GB over the cap "
+                      + "| " * 10 + "|")
+                continue
+            cfg = bda.Config("mla", bs, ctx, args.max_kv_splits, sm_count)
+            refs = fp32_ref(cfg, args.n_check)
+            bytes_moved = cfg.bytes_moved()
+            if args.no_triton:
+                t_cols, t_us = "- | - | - | -", None
+            else:
+                cfg.run_kernel()
+                t_err = max_err(cfg.o, refs)
+                t_ms = bda.graph_time_ms(cfg.run_kernel, flush)
+                t_us = t_ms * 1e3
+                t_cols = (f"{cfg.num_kv_splits[0].item()} | {t_err:.2e} | {t_us:.1f} | "
+                          f"{bytes_moved / (t_ms * 1e-3) / GB / bw_copy:.0%}")
+            for nb, lw, lr, mnr, pps in variants:
+                launch = dict(num_bufs=nb, load_warps=lw, load_regs=lr, maxnreg=mnr or None)
+                run = WsRun(cfg, sm_count, args.max_kv_splits,
+                            pps or ws.programs_per_sm(nb), args.ws_splits, launch)
+                label = f"{nb},{lw},{lr},{mnr or ws.default_maxnreg(nb) or '-'},{pps or '-'}"
+                try:
+                    run()
+                    torch.cuda.synchronize()
+                except Exception as exc:  # a setting that does not compile / launch: one row
+                    print(f"| {label} | {bs} | {ctx} | {t_cols} | failed: "
+                          f"{type(exc).__name__}: {str(exc)[:80]} | | | | | |", flush=True)
+                    continue
+                err = max_err(run.o, refs)
+                ms = bda.graph_time_ms(run, flush)
+                gbs = bytes_moved / (ms * 1e-3) / GB
+                speed = f"{t_us / (ms * 1e3):.2f}x" if t_us else "-"
+                print(f"| {label} | {bs} | {ctx} | {t_cols} | {run.nks[0].item()} | {err:.2e} "
+                      f"| {ms * 1e3:.1f} | {gbs:.0f} | {gbs / bw_copy:.0%} | {speed} |",
+                      flush=True)
+            del cfg
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

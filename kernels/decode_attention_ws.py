@@ -1,0 +1,369 @@
+"""Warp-specialized MLA absorbed decode attention for Hopper (sm_90), written in Gluon.
+
+Owns `mla_decode_ws_fwd`, a drop-in for `decode_attention.decode_attention_fwd` restricted to
+the MLA absorbed layout in a bf16 pool, `ws_supported` (whether a call can take it) and
+`ws_num_kv_splits` (its split plan). Its float32 twin is `reference.decode_attention_ref`.
+
+Layout: q [bs, H, 576] bf16 (512 latent + 64 rope columns), one latent KV head: k_buffer
+[S, 1, 576] bf16, v = k_buffer[..., :512] (never passed: the value rows are read from the key
+tile), o [bs, H, 512]. Any H >= 1 (programs of 16 heads; a partial group is zero-padded).
+Tokens are addressed through `req_to_token` one slot at a time (token-granular pool).
+
+Algorithm: flash-decoding, stage 1 here and stage 2 = `decode_attention._merge_splits_kernel`.
+Grid (bs, max_kv_splits, cdiv(H, 16)); program (b, split, group) owns the split's contiguous
+token range (the same plan as `decode_attention`: `_split_len` with SPLIT_ALIGN = BLOCK_N, so the
+merge reads exactly the splits written here; programs whose split is empty return at once and
+read nothing) and writes the normalized partial output MidO [bs, H, splits, 512] fp32 and its
+natural-log LSE [bs, H, splits]. Inside a program the warps are specialized
+(`gl.warp_specialize`), as FlashMLA's Hopper kernel splits producer and consumer warps:
+
+- producer (worker partition, LOAD_WARPS warps): prefetches one tile ahead the slot indices of
+  BLOCK_N (64) tokens from req_to_token (int64 before the stride multiply), then gathers the
+  whole 1152-byte rows with `cp.async` (16 bytes per thread and instruction; tokens past the
+  split end are masked, i.e. zero-filled without a read) into a ring of NUM_BUFS shared-memory
+  tiles (kc [64, 512] and kpe [64, 64], NVMMA 128-byte swizzle), and makes each tile's `full`
+  mbarrier complete when its copies land (`cp.async.mbarrier.arrive.noinc`, one arrival per
+  producer thread); it waits on the tile's `empty` mbarrier before refilling it.
+- consumer (default partition, one warpgroup): transposed products as in the triton path
+  (`SWAP_AB`): scores^T [64 tokens, 16 heads] = kc · qc^T + kpe · qpe^T, two async warpgroup
+  MMAs (wgmma, M = 64 tokens, N = 16 heads) reading the tile and q^T (kept in shared memory for
+  the whole program) from shared memory; online softmax over the token axis in fp32 (base-2
+  exponent; the running sum is kept per token row and reduced once at the end); p^T stored to
+  shared memory in bf16; out^T [512, 16] += V^T · p^T as one async wgmma with V^T a transposed
+  view of the same shared kc tile. That P·V MMA is left in flight across the next tile's wait and
+  q·K issue; the consumer releases a tile (arrives on `empty`) as soon as its P·V has completed.
+
+Shared memory: NUM_BUFS x 73.7 KB tiles + q (18.4 KB) + p^T (2 KB): 2 buffers = one program per
+SM, 1 buffer = two. `benchmarks/compile_ws_report.py` compiles this for sm_90 without a GPU.
+
+Needs triton >= 3.6 with Gluon (`triton.experimental.gluon`); imports torch and triton only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from . import decode_attention as _da
+
+LK, LV, D_MAIN, D_ROPE = 576, 512, 512, 64  # MLA absorbed: 512 latent + 64 rope columns
+HEADS_PER_PROG = 16  # wgmma N (query heads of one program; fewer are zero-padded)
+# Launch settings (tuning knobs: `benchmarks/bench_decode_ws.py --bufs --load-warps --load-regs
+# --maxnreg --per-sm`; not yet measured on a device).
+BLOCK_N = 64  # tokens per tile = the wgmma M of q·K (64 per warpgroup)
+# Tiles in the shared-memory ring per program: 1 (92 KB, maxnreg 128: two programs per SM) beat
+# 2 (164 KB, one per SM) on the H200 — bs 64 x 4096: 90.4 vs 111.1 us, bs 256 x 4096: 299.5 vs
+# 406.2 us with 4 producer warps (docs/benchmarks.md, decode attention, third round).
+NUM_BUFS = 1
+# Producer warps: the worker partition is given a whole warpgroup's registers anyway, and 4 warps
+# spread the gather issue over the 4 schedulers (PTX per tile and warp: 174 instructions with 4
+# warps, 609 with 1; `benchmarks/compile_ws_report.py --dump`).
+LOAD_WARPS = 4
+LOAD_REGS = 64  # registers per producer thread (setmaxnreg of the worker partition; no spills)
+# Launch register cap per thread (None: triton's default, 255 = one program per SM). The CTA has
+# 8 warps (the consumer warpgroup + the producer warps rounded up to a warpgroup), so two
+# programs per SM need <= 128 (the consumer then gets 2 x 128 - LOAD_REGS via setmaxnreg).
+MAXNREG: int | None = None
+
+
+def programs_per_sm(num_bufs: int | None = None) -> int:
+    """Resident programs per SM the split plan aims at: 1 with two 73.7 KB buffers (164 KB of
+    shared memory), 2 with one (92 KB, launched with maxnreg 128)."""
+    return 2 if (NUM_BUFS if num_bufs is None else num_bufs) == 1 else 1
+
+
+def default_maxnreg(num_bufs: int | None = None) -> int | None:
+    """MAXNREG if set, else 128 when two programs share an SM (one buffer), else None."""
+    if MAXNREG is not None:
+        return MAXNREG
+    return 128 if programs_per_sm(num_bufs) == 2 else None
+
+
+@gluon.jit
+def _split_len(seq_len, n_splits, ALIGN: gl.constexpr):
+    """Tokens per split: cdiv(seq_len, n_splits) rounded up to ALIGN (at least ALIGN); the
+    same as `decode_attention._split_len`, which the merge kernel uses."""
+    per = (seq_len + n_splits - 1) // n_splits
+    per = (per + ALIGN - 1) // ALIGN * ALIGN
+    return gl.maximum(per, ALIGN)
+
+
+@gluon.jit
+def _producer(K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bars, start, end, n_tiles,
+              BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    D_MAIN: gl.constexpr = kc_bufs.type.shape[2]
+    D_ROPE: gl.constexpr = kpe_bufs.type.shape[2]
+    # [BLOCK_N, 64] pieces: 8 lanes x 8 bf16 = one 128-byte column block of 4 rows per warp
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
+    tok = start + rows
+    valid = tok < end
+    slot = gl.load(r2t + tok, mask=valid, other=0)
+    for t in range(n_tiles):
+        idx = t % NUM_BUFS
+        phase = (t // NUM_BUFS) & 1
+        cur_slot = slot
+        cur_valid = valid
+        # slot indices of the next tile: in flight while this one waits for its buffer
+        tok = tok + BLOCK_N
+        valid = tok < end
+        slot = gl.load(r2t + tok, mask=valid, other=0)
+        mbarrier.wait(empty_bars.index(idx), phase ^ 1)
+        row = K + cur_slot.to(gl.int64) * stride_kn  # [BLOCK_N] row pointers (int64 offsets)
+        ptrs = gl.expand_dims(row, 1) + gl.expand_dims(cols, 0)
+        msk = gl.expand_dims(cur_valid, 1)
+        kc = kc_bufs.index(idx)
+        for cb in gl.static_range(D_MAIN // 64):
+            async_copy.async_copy_global_to_shared(kc.slice(cb * 64, 64, dim=1), ptrs + cb * 64,
+                                                   mask=msk)
+        for cb in gl.static_range(D_ROPE // 64):
+            async_copy.async_copy_global_to_shared(
+                kpe_bufs.index(idx).slice(cb * 64, 64, dim=1), ptrs + (D_MAIN + cb * 64),
+                mask=msk)
+        # completes (one of LOAD_WARPS * 32 arrivals) once this thread's copies have landed
+        async_copy.mbarrier_arrive(full_bars.index(idx), increment_count=False)
+
+
+@gluon.jit
+def _consumer(kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bars,
+              MidO, MidLse, start, end, n_tiles, qk_scale, mid_base, lse_base, head0, num_heads,
+              stride_mh, stride_lh,
+              BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr, HB: gl.constexpr):
+    D_MAIN: gl.constexpr = kc_bufs.type.shape[2]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HB, 16])
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)  # per head
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)  # per token / per value column
+    qc_t = qc_smem.permute((1, 0))  # [512, HB]
+    qpe_t = qpe_smem.permute((1, 0))  # [64, HB]
+    offs_n = gl.arange(0, BLOCK_N, layout=row_l)
+    m_i = gl.full([HB], float("-inf"), gl.float32, layout=col_l)
+    l_rows = gl.zeros([BLOCK_N, HB], gl.float32, layout=mma)  # running sums per token row
+    s_init = gl.zeros([BLOCK_N, HB], gl.float32, layout=mma)
+    acc = warpgroup_mma_init(gl.zeros([D_MAIN, HB], gl.float32, layout=mma))  # out^T
+    for t in range(n_tiles):
+        idx = t % NUM_BUFS
+        mbarrier.wait(full_bars.index(idx), (t // NUM_BUFS) & 1)
+        fence_async_shared()  # the cp.async writes (generic proxy) before wgmma reads (async)
+        kc = kc_bufs.index(idx)
+        s = warpgroup_mma(kc, qc_t, s_init, use_acc=False, is_async=True)
+        s = warpgroup_mma(kpe_bufs.index(idx), qpe_t, s, is_async=True)
+        # the previous tile's P·V (issued before these two) has completed: release its buffer
+        acc = warpgroup_mma_wait(num_outstanding=2, deps=[acc])
+        if NUM_BUFS > 1:
+            mbarrier.arrive(empty_bars.index((t + NUM_BUFS - 1) % NUM_BUFS), pred=t > 0)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        s = s * qk_scale
+        tok = start + t * BLOCK_N + offs_n
+        s = gl.where(gl.expand_dims(tok < end, 1), s, float("-inf"))
+        # every tile has >= 1 valid token and padded heads have q = 0: m_new is finite
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 0))
+        l_rows = l_rows * gl.expand_dims(alpha, 0) + p
+        acc = acc * gl.expand_dims(alpha, 0)
+        m_i = m_new
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        acc = warpgroup_mma(kc.permute((1, 0)), p_smem, acc, is_async=True)
+        if NUM_BUFS == 1:  # the only buffer: release it now (the producer waits on it)
+            acc = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=0, deps=[acc]))
+            mbarrier.arrive(empty_bars.index(0))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    l_i = gl.sum(l_rows, axis=0)
+    offs_h = gl.arange(0, HB, layout=col_l)
+    heads = head0 + offs_h
+    mask_h = heads < num_heads
+    offs_dv = gl.arange(0, D_MAIN, layout=row_l)
+    out = acc / gl.expand_dims(l_i, 0)
+    mid = MidO + mid_base + gl.expand_dims(heads.to(gl.int64) * stride_mh, 0) \
+        + gl.expand_dims(offs_dv, 1)
+    gl.store(mid, out, mask=gl.expand_dims(mask_h, 0))
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log
+    gl.store(MidLse + lse_base + heads.to(gl.int64) * stride_lh, lse, mask=mask_h)
+
+
+@gluon.jit
+def _mla_decode_ws_kernel(
+    Q, K, ReqToToken, ReqPoolIdx, SeqLens, NumKvSplits, MidO, MidLse,
+    qk_scale, num_heads,
+    stride_qb, stride_qh, stride_kn, stride_r2t,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ls,
+    MAX_KV_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr,
+    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, HB: gl.constexpr,
+    D_MAIN: gl.constexpr, D_ROPE: gl.constexpr,
+):
+    gl.static_assert(BLOCK_N == 64, "wgmma M: 64 tokens per consumer warpgroup")
+    gl.static_assert(D_MAIN % 64 == 0 and D_ROPE % 64 == 0, "64-column blocks")
+    b = gl.program_id(0)
+    split = gl.program_id(1)
+    head0 = gl.program_id(2) * HB
+    seq_len = gl.load(SeqLens + b).to(gl.int32)
+    n_splits = gl.minimum(gl.maximum(gl.load(NumKvSplits + b), 1), MAX_KV_SPLITS)
+    per = _split_len(seq_len, n_splits, BLOCK_N)
+    start = split * per
+    end = gl.minimum(start + per, seq_len)
+    if (split < n_splits) & (start < end):
+        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+        # q of this program's heads -> shared memory (zero rows for heads >= num_heads)
+        q_lay: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        offs_h = gl.arange(0, HB, layout=gl.SliceLayout(1, q_lay))
+        heads = head0 + offs_h
+        q_row = b.to(gl.int64) * stride_qb + heads.to(gl.int64) * stride_qh
+        q_mask = gl.expand_dims(heads < num_heads, 1)
+        offs_dc = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, q_lay))
+        offs_dp = D_MAIN + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, q_lay))
+        qc = gl.load(Q + gl.expand_dims(q_row, 1) + gl.expand_dims(offs_dc, 0), mask=q_mask,
+                     other=0.0)
+        qpe = gl.load(Q + gl.expand_dims(q_row, 1) + gl.expand_dims(offs_dp, 0), mask=q_mask,
+                      other=0.0)
+        sw128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                   rank=2)
+        qc_smem = gl.allocate_shared_memory(gl.bfloat16, [HB, D_MAIN], sw128, qc)
+        qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [HB, D_ROPE], sw128, qpe)
+        p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HB], gl.bfloat16)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HB], p_lay)
+        kc_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUFS, BLOCK_N, D_MAIN], sw128)
+        kpe_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUFS, BLOCK_N, D_ROPE], sw128)
+        full_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFS, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFS, 1],
+                                               mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUFS):
+            mbarrier.init(full_bars.index(i), count=LOAD_WARPS * 32)
+            mbarrier.init(empty_bars.index(i), count=1)
+        fence_async_shared()  # q^T stores before the consumer's wgmma reads
+
+        req_row = gl.load(ReqPoolIdx + b).to(gl.int64)
+        r2t = ReqToToken + req_row * stride_r2t
+        mid_base = b.to(gl.int64) * stride_mb + split.to(gl.int64) * stride_ms
+        lse_base = b.to(gl.int64) * stride_lb + split.to(gl.int64) * stride_ls
+        gl.warp_specialize([
+            (_consumer, (kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bars,
+                         MidO, MidLse, start, end, n_tiles, qk_scale, mid_base, lse_base, head0,
+                         num_heads, stride_mh, stride_lh, BLOCK_N, NUM_BUFS, HB)),
+            (_producer, (K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bars, start, end,
+                         n_tiles, BLOCK_N, NUM_BUFS, LOAD_WARPS)),
+        ], [LOAD_WARPS], [LOAD_REGS])
+
+
+def ws_supported(q: torch.Tensor, k_buffer: torch.Tensor) -> bool:
+    """Whether `mla_decode_ws_fwd` can run this call: CUDA tensors on an sm_90 device, bf16 q and
+    pool, q [bs, H, 576], k_buffer [S, 1, 576], last dims contiguous."""
+    if not (q.is_cuda and k_buffer.is_cuda and q.device == k_buffer.device):
+        return False
+    if q.dtype != torch.bfloat16 or k_buffer.dtype != torch.bfloat16:
+        return False
+    if q.dim() != 3 or k_buffer.dim() != 3 or q.shape[-1] != LK or k_buffer.shape[1:] != (1, LK):
+        return False
+    if q.stride(-1) != 1 or k_buffer.stride(-1) != 1:
+        return False
+    return torch.cuda.get_device_capability(q.device) == (9, 0)
+
+
+def ws_splits_per_request(bs: int, device_sm_count: int, per_sm: int | None = None) -> int:
+    """Most KV splits the ws plan gives a request: max(1, (per_sm x SMs) // bs), per_sm =
+    `programs_per_sm()` by default: rounded down so that uniform batches fill whole waves of
+    resident programs (as `decode_attention`'s wide plan). Host int, shapes only."""
+    pps = programs_per_sm() if per_sm is None else per_sm
+    return max(1, pps * device_sm_count // max(bs, 1))
+
+
+def ws_num_kv_splits(seq_lens: torch.Tensor, max_kv_splits: int, device_sm_count: int,
+                     per_sm: int | None = None) -> torch.Tensor:
+    """[bs] int32 splits on seq_lens' device (no host sync): clamp(min(ws_splits_per_request,
+    cdiv(seq_len, MIN_TOKENS_PER_SPLIT)), 1, max_kv_splits)."""
+    per_req = min(max_kv_splits,
+                  ws_splits_per_request(seq_lens.shape[0], device_sm_count, per_sm))
+    m = _da.MIN_TOKENS_PER_SPLIT
+    by_len = torch.div(seq_lens.to(torch.int64) + (m - 1), m, rounding_mode="floor")
+    return by_len.clamp(1, max(per_req, 1)).to(torch.int32)
+
+
+def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
+                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                      seq_lens: torch.Tensor, num_kv_splits: torch.Tensor, max_kv_splits: int,
+                      attn_logits: torch.Tensor, attn_lse: torch.Tensor, sm_scale: float,
+                      *, block_n: int | None = None, num_bufs: int | None = None,
+                      load_warps: int | None = None, load_regs: int | None = None,
+                      maxnreg: int | None = None) -> None:
+    """MLA absorbed decode attention (v = k_buffer[..., :512]); writes `o`.
+
+    Same semantics as `decode_attention_fwd(q, k_buffer, k_buffer[..., :512], o, ...)` with
+    k_scale = v_scale = 1: seq_len 0 rows give zeros, splits are clamped to [1, max_kv_splits],
+    empty splits are neither computed nor merged, no host synchronisation (graph-capturable).
+    Args:
+        q: [bs, H, 576] bf16 (strides along bs and H free, last dim contiguous); any H >= 1.
+        k_buffer: [S, 1, 576] bf16 pool (last dim contiguous); value = its first 512 columns.
+        o: [bs, H, 512] output (any float dtype, last dim contiguous).
+        req_to_token, req_pool_indices, seq_lens, num_kv_splits, max_kv_splits, attn_logits,
+        attn_lse, sm_scale: as for `decode_attention_fwd`.
+        block_n, num_bufs, load_warps, load_regs, maxnreg: launch overrides (default: the
+            module settings BLOCK_N, NUM_BUFS, LOAD_WARPS, LOAD_REGS, `default_maxnreg`).
+    Raises:
+        ValueError: not the MLA bf16 layout, not on an sm_90 CUDA device, inconsistent shapes,
+            or workspaces too small / not fp32.
+    """
+    if not ws_supported(q, k_buffer):
+        raise ValueError(f"mla_decode_ws_fwd: needs bf16 q [bs, H, {LK}] and pool [S, 1, {LK}] "
+                         f"with contiguous last dims on an sm_90 device; got q "
+                         f"{tuple(q.shape)} {q.dtype}, k {tuple(k_buffer.shape)} "
+                         f"{k_buffer.dtype} on {q.device}")
+    bs, num_heads, _ = q.shape
+    if tuple(o.shape) != (bs, num_heads, LV) or o.stride(-1) != 1:
+        raise ValueError(f"mla_decode_ws_fwd: o {tuple(o.shape)} (want {(bs, num_heads, LV)}, "
+                         f"contiguous last dim)")
+    if req_to_token.stride(-1) != 1 or req_to_token.dtype != torch.int32:
+        raise ValueError("mla_decode_ws_fwd: req_to_token must be int32 with a contiguous row")
+    if max_kv_splits < 1 or (attn_logits.dtype != torch.float32
+                             or attn_lse.dtype != torch.float32
+                             or attn_logits.shape[0] < bs or attn_logits.shape[1] != num_heads
+                             or attn_logits.shape[2] < max_kv_splits
+                             or attn_logits.shape[3] < LV or attn_logits.stride(-1) != 1
+                             or attn_lse.shape[0] < bs or attn_lse.shape[1] != num_heads
+                             or attn_lse.shape[2] < max_kv_splits):
+        raise ValueError(f"mla_decode_ws_fwd: workspaces {tuple(attn_logits.shape)} "
+                         f"{attn_logits.dtype}, {tuple(attn_lse.shape)} {attn_lse.dtype} too "
+                         f"small for bs {bs}, H {num_heads}, splits {max_kv_splits}")
+    bn = BLOCK_N if block_n is None else block_n
+    if bn != 64:
+        raise ValueError(f"mla_decode_ws_fwd: block_n must be 64 (wgmma M), got {bn}")
+    nb = NUM_BUFS if num_bufs is None else num_bufs
+    if nb < 1:
+        raise ValueError(f"mla_decode_ws_fwd: num_bufs must be >= 1, got {nb}")
+    if bs == 0:
+        return
+    groups = triton.cdiv(num_heads, HEADS_PER_PROG)
+    opts = {}
+    mnr = maxnreg if maxnreg is not None else default_maxnreg(nb)
+    if mnr is not None:
+        opts["maxnreg"] = mnr
+    _mla_decode_ws_kernel[(bs, max_kv_splits, groups)](
+        q, k_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
+        attn_logits, attn_lse, sm_scale * 1.4426950408889634, num_heads,
+        q.stride(0), q.stride(1), k_buffer.stride(0), req_to_token.stride(0),
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2),
+        MAX_KV_SPLITS=max_kv_splits, BLOCK_N=bn,
+        NUM_BUFS=nb,
+        LOAD_WARPS=LOAD_WARPS if load_warps is None else load_warps,
+        LOAD_REGS=LOAD_REGS if load_regs is None else load_regs,
+        HB=HEADS_PER_PROG, D_MAIN=D_MAIN, D_ROPE=D_ROPE, num_warps=4, **opts,
+    )
+    _da._merge_splits_kernel[(bs, num_heads)](
+        attn_logits, attn_lse, o, seq_lens, num_kv_splits,
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2), o.stride(0), o.stride(1),
+        Lv=LV, MAX_KV_SPLITS=max_kv_splits, BLOCK_DV=LV, SPLIT_ALIGN=bn,
+        num_warps=4, num_stages=2,
+    )

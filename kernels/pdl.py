@@ -1,0 +1,78 @@
+"""Programmatic dependent launch (PDL) for the decode-path kernels: when to use it and how.
+
+Owns the switch (`ENABLED`, environment variable `MLA_PDL`, default on), the per-device check
+`use_pdl` and the two in-kernel helpers `pdl_trigger` / `pdl_wait` that the kernels of this
+package call. Nothing here touches data; the kernels own their buffers.
+
+What PDL is (CUDA programming guide, "Programmatic Dependent Launch and Synchronization";
+PTX ISA `griddepcontrol`; Hopper, sm_90, and later): a kernel launched with the
+programmatic-stream-serialization attribute (triton's `launch_pdl=True` launch option) may start
+before the kernel in front of it on the stream has finished — as soon as every program of that
+kernel has executed `griddepcontrol.launch_dependents` (`pdl_trigger`) or exited. It must then
+execute `griddepcontrol.wait` (`pdl_wait`) before it reads anything an earlier kernel wrote and
+before it writes anything an earlier kernel may still read; the wait returns once the kernel in
+front has completed and its memory is visible. CUDA-graph capture keeps these as programmatic
+edges, so replays overlap the same way.
+
+At batch size 1 a decode step is ~630 dependent kernels of 1-20 us; each boundary costs the
+drain of one grid plus the launch and memory-latency ramp of the next. With PDL a kernel's
+programs become resident during its predecessor's tail, and a kernel whose main input is static
+(a linear layer's weight: `mla_kernels.gemv`) streams it before the wait, overlapping the
+predecessor (docs/benchmarks.md, "Decode latency").
+
+The contract every kernel here follows when launched with PDL: `pdl_trigger` first (so the next
+kernel can launch), then only reads of buffers that no kernel writes during a forward (weights),
+then `pdl_wait` on *every* path through the program (also early-return paths: a kernel that
+never waits would let its successor run ahead of its predecessor), and only then other loads and
+any store. Kernels that are not launched with PDL skip both helpers (USE_PDL=False), as do the
+interpreter (TRITON_INTERPRET) and pre-Hopper devices.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+# `MLA_PDL=0` turns PDL off for every kernel (A/B runs, debugging).
+ENABLED = os.environ.get("MLA_PDL", "1").strip().lower() not in ("0", "false", "no", "off")
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_CAPABLE: dict[int, bool] = {}
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Whether kernels launched on t's device use PDL: `ENABLED`, a CUDA tensor, compute
+    capability >= 9.0 and not the triton interpreter. Cached per device index."""
+    if not ENABLED or _INTERPRET or t.device.type != "cuda":
+        return False
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    ok = _CAPABLE.get(idx)
+    if ok is None:
+        ok = _CAPABLE[idx] = torch.cuda.get_device_capability(idx) >= (9, 0)
+    return ok
+
+
+def launch_options(enabled: bool) -> dict:
+    """Extra triton launch keyword arguments for a kernel launched with/without PDL."""
+    return {"launch_pdl": True} if enabled else {}
+
+
+@triton.jit
+def pdl_trigger(USE_PDL: tl.constexpr):
+    """Let the next kernel on the stream launch (no effect when USE_PDL is False)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait until the kernel in front has completed and its writes are visible (no effect when
+    USE_PDL is False)."""
+    if USE_PDL:
+        gdc_wait()
+
+
+__all__ = ["ENABLED", "launch_options", "pdl_trigger", "pdl_wait", "use_pdl"]
