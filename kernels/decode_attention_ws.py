@@ -34,7 +34,7 @@ natural-log LSE [bs, H, splits]. Inside a program the warps are specialized
   q·K issue; the consumer releases a tile (arrives on `empty`) as soon as its P·V has completed.
 
 Shared memory: NUM_BUFS x 73.7 KB tiles + q (18.4 KB) + p^T (2 KB): 2 buffers = one program per
-SM, 1 buffer = two. `benchmarks/compile_ws_report.py` compiles this for sm_90 without a GPU.
+SM, 1 buffer (the default) = two. `benchmarks/compile_ws_report.py` compiles this for sm_90 without a GPU.
 
 Needs triton >= 3.6 with Gluon (`triton.experimental.gluon`); imports torch and triton only.
 """
@@ -59,7 +59,7 @@ from . import decode_attention as _da
 LK, LV, D_MAIN, D_ROPE = 576, 512, 512, 64  # MLA absorbed: 512 latent + 64 rope columns
 HEADS_PER_PROG = 16  # wgmma N (query heads of one program; fewer are zero-padded)
 # Launch settings (tuning knobs: `benchmarks/bench_decode_ws.py --bufs --load-warps --load-regs
-# --maxnreg --per-sm`; not yet measured on a device).
+# --maxnreg --per-sm`; the H200 sweep of 2026-12-01 is in docs/benchmarks.md).
 BLOCK_N = 64  # tokens per tile = the wgmma M of q·K (64 per warpgroup)
 # Tiles in the shared-memory ring per program: 1 (92 KB, maxnreg 128: two programs per SM) beat
 # 2 (164 KB, one per SM) on the H200 — bs 64 x 4096: 90.4 vs 111.1 us, bs 256 x 4096: 299.5 vs
