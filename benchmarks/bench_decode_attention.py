@@ -160,9 +160,12 @@ class Config:
         p = torch.softmax(s, dim=-1).to(v.dtype)
         return torch.einsum("bhgl,blhd->bhgd", p, v).reshape(self.bs, self.h, self.lv)
 
-    def max_abs_err(self, n_check: int = 4) -> float:
-        """Kernel vs an fp32 reference on the first n_check requests."""
-        self.run_kernel()
+    def max_abs_err(self, n_check: int = 4, o: torch.Tensor | None = None) -> float:
+        """Kernel vs an fp32 reference on the first n_check requests: `run_kernel`'s output, or
+        `o` [bs, H, Lv] computed elsewhere on this config's inputs."""
+        if o is None:
+            self.run_kernel()
+            o = self.o
         err = 0.0
         for i in range(min(n_check, self.bs)):
             row = int(self.req_pool_indices[i])
@@ -174,7 +177,7 @@ class Config:
             v = v.repeat_interleave(group, dim=1)
             s = torch.einsum("hd,khd->hk", self.q[i].float(), k) * self.sm_scale
             ref = torch.einsum("hk,khd->hd", torch.softmax(s, dim=-1), v)
-            err = max(err, (self.o[i].float() - ref).abs().max().item())
+            err = max(err, (o[i].float() - ref).abs().max().item())
         return err
 
 
@@ -204,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--swap-ab", action="store_true",
                     help="MLA: transposed products (tokens as the MMA's M dimension) at every "
                          "batch size (tuning; default: up to SWAP_AB_MAX_BS)")
+    ap.add_argument("--no-ws", action="store_true",
+                    help="MLA: time the triton kernel where the engine would hand the batch to "
+                         "the warp-specialized kernel (decode_attention.WS_MLA_MIN_BS)")
     ap.add_argument("--splits", type=int, default=None,
                     help="fixed KV splits per request instead of get_num_kv_splits (tuning)")
     ap.add_argument("--variants", nargs="+", default=None, metavar="KEY=V,...",
@@ -232,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
         da.REUSE_K_TILE_AS_V = True
     if args.swap_ab:
         da.SWAP_AB_WIDE, da.SWAP_AB_MAX_BS = True, 1 << 30
+    if args.no_ws:
+        da.WS_MLA_MIN_BS = None
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_attention: needs a CUDA GPU")
     if args.quick:

@@ -305,23 +305,25 @@ def section_latency(args, model_dir: str, vocab: int, bw: float, res: dict) -> N
     import mla_kernels.pdl as pdl
 
     pdl_default = pdl.ENABLED
-    for mode in args.latency_modes:
-        pdl.ENABLED = mode != "graphs-nopdl" and pdl_default
-        eng = make_engine(model_dir, cuda_graph_max_bs=max(args.latency_bs),
-                          max_running_requests=max(args.latency_bs), **modes[mode])
-        if roof_tok_s is None:
-            roof_tok_s = bw / step_bytes_bs1(eng)
-        cgr = eng.runner.cuda_graph_runner
-        info[mode] = {"capture_s": cgr.capture_seconds if cgr else 0.0,
-                      "compile_s": cgr.compile_seconds if cgr else 0.0}
-        del cgr  # holds the runner (and its pools) alive otherwise
-        decode_step_ms(eng, 1, 16, 8, vocab)  # warm-up
-        ms[mode] = {bs: decode_step_ms(eng, bs, 128, args.latency_new_tokens, vocab)
-                    for bs in args.latency_bs}
-        log(f"latency {mode}: " + ", ".join(f"bs{b} {v:.2f} ms" for b, v in ms[mode].items()))
-        del eng
-        release()
-    pdl.ENABLED = pdl_default
+    try:
+        for mode in args.latency_modes:
+            pdl.ENABLED = mode != "graphs-nopdl" and pdl_default
+            eng = make_engine(model_dir, cuda_graph_max_bs=max(args.latency_bs),
+                              max_running_requests=max(args.latency_bs), **modes[mode])
+            if roof_tok_s is None:
+                roof_tok_s = bw / step_bytes_bs1(eng)
+            cgr = eng.runner.cuda_graph_runner
+            info[mode] = {"capture_s": cgr.capture_seconds if cgr else 0.0,
+                          "compile_s": cgr.compile_seconds if cgr else 0.0}
+            del cgr  # holds the runner (and its pools) alive otherwise
+            decode_step_ms(eng, 1, 16, 8, vocab)  # warm-up
+            ms[mode] = {bs: decode_step_ms(eng, bs, 128, args.latency_new_tokens, vocab)
+                        for bs in args.latency_bs}
+            log(f"latency {mode}: " + ", ".join(f"bs{b} {v:.2f} ms" for b, v in ms[mode].items()))
+            del eng
+            release()
+    finally:
+        pdl.ENABLED = pdl_default
     rows = []
     for bs in args.latency_bs:
         row: list[Any] = [bs]

@@ -38,27 +38,36 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "ReqToToken": "*i32", "Req
             "SeqLens": "*i32", "NumKvSplits": "*i32", "MidO": "*fp32", "MidLse": "*fp32"}
 
 
-def compile_setting(swap: bool, block_n: int, warps: int, stages: int):
-    """The compiled kernel (triton CompiledKernel) for MLA 16 heads, Lk 576 / Lv 512, bf16."""
-    fn = da._decode_split_kernel
-    constexprs = dict(Lk=576, Lv=512, GROUP=16, HEADS_PER_PROG=16, BLOCKS_PER_KV=1,
-                      MAX_KV_SPLITS=64, BLOCK_D=512, BLOCK_DPE=64, BLOCK_DV=512, BLOCK_N=block_n,
-                      BLOCK_H=16, DOT_PRECISION="tf32", V_IS_K_PREFIX=swap, SWAP_AB=swap)
+def jit_signature(fn, pointers: dict, constexprs: dict, floats: tuple, unaligned: tuple):
+    """(signature, constants, attrs) for `triton.compile` of a jitted kernel `fn`, as the JIT
+    would specialize a launch: the named pointers with their types, the constexprs, fp32
+    scalars `floats`, every other argument i32; pointers and integers get the 16-divisibility
+    hint except those in `unaligned`."""
     signature, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
-        if name in POINTERS:
-            signature[name] = POINTERS[name]
-        elif name in constexprs:
+        if name in constexprs:
             signature[name] = "constexpr"
             consts[(i,)] = constexprs[name]
             continue
-        elif name in ("sm_scale", "v_scale"):
+        if name in floats:
             signature[name] = "fp32"
             continue
-        else:
-            signature[name] = "i32"
-        if name != "stride_ls":  # every other pointer and stride is a multiple of 16 here
+        signature[name] = pointers.get(name, "i32")
+        if name not in unaligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, consts, attrs
+
+
+def compile_setting(swap: bool, block_n: int, warps: int, stages: int):
+    """The compiled kernel (triton CompiledKernel) for MLA 16 heads, Lk 576 / Lv 512, bf16,
+    launched with PDL as the engine does on Hopper."""
+    fn = da._decode_split_kernel
+    constexprs = dict(Lk=576, Lv=512, GROUP=16, HEADS_PER_PROG=16, BLOCKS_PER_KV=1,
+                      MAX_KV_SPLITS=64, BLOCK_D=512, BLOCK_DPE=64, BLOCK_DV=512, BLOCK_N=block_n,
+                      BLOCK_H=16, DOT_PRECISION="tf32", V_IS_K_PREFIX=swap, SWAP_AB=swap,
+                      USE_PDL=True)
+    signature, consts, attrs = jit_signature(fn, POINTERS, constexprs, ("sm_scale", "v_scale"),
+                                             ("stride_ls",))
     src = ASTSource(fn, signature, consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, num_stages=stages))

@@ -38,7 +38,7 @@ import mla_backend  # noqa: E402,F401  (registers `mla_kernels`)
 import mla_kernels.decode_attention_ws as ws  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compile_report import ptxas_stats  # noqa: E402  (benchmarks/compile_report.py)
+from compile_report import jit_signature, ptxas_stats  # noqa: E402  (benchmarks/compile_report.py)
 
 POINTERS = {"Q": "*bf16", "K": "*bf16", "ReqToToken": "*i32", "ReqPoolIdx": "*i64",
             "SeqLens": "*i32", "NumKvSplits": "*i32", "MidO": "*fp32", "MidLse": "*fp32"}
@@ -51,21 +51,8 @@ def compile_setting(num_bufs: int, load_warps: int, load_regs: int, maxnreg: int
     constexprs = dict(MAX_KV_SPLITS=max_kv_splits, BLOCK_N=ws.BLOCK_N, NUM_BUFS=num_bufs,
                       LOAD_WARPS=load_warps, LOAD_REGS=load_regs, HB=ws.HEADS_PER_PROG,
                       D_MAIN=ws.D_MAIN, D_ROPE=ws.D_ROPE)
-    signature, consts, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in POINTERS:
-            signature[name] = POINTERS[name]
-        elif name in constexprs:
-            signature[name] = "constexpr"
-            consts[(i,)] = constexprs[name]
-            continue
-        elif name == "qk_scale":
-            signature[name] = "fp32"
-            continue
-        else:
-            signature[name] = "i32"
-        if name not in ("stride_ls", "num_heads"):  # the rest are multiples of 16 here
-            attrs[(i,)] = [["tt.divisibility", 16]]
+    signature, consts, attrs = jit_signature(fn, POINTERS, constexprs, ("qk_scale",),
+                                             ("stride_ls", "num_heads"))
     src = GluonASTSource(fn, signature, consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, maxnreg=maxnreg))

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, pdl_trigger, pdl_wait, use_pdl
+from .pdl import launch_options, pdl_enter, use_pdl
 
 _BLOCK_N = 1024
 
@@ -20,8 +20,7 @@ _BLOCK_N = 1024
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, N, BLOCK_N: tl.constexpr,
                          USE_PDL: tl.constexpr):
-    pdl_trigger(USE_PDL)
-    pdl_wait(USE_PDL)
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -58,7 +57,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     grid = (t, triton.cdiv(n, block))
     pdl = use_pdl(x)
     _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), n, BLOCK_N=block,
-                               USE_PDL=pdl, num_warps=4 if block >= 512 else 1,
+                               num_warps=4 if block >= 512 else 1,
                                **launch_options(pdl))
     return out
 

@@ -112,7 +112,7 @@ def bmm_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     grid = (h, triton.cdiv(n, cfg["BLOCK_N"]), t)
     _bmm_gemv_kernel[grid](x, w, out, k, n, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                            out.stride(0), out.stride(1), BLOCK_N=cfg["BLOCK_N"],
-                           BLOCK_K=cfg["BLOCK_K"], USE_PDL=pdl,
+                           BLOCK_K=cfg["BLOCK_K"],
                            PREFETCH=cfg.get("PREFETCH", static_weight),
                            num_warps=cfg["num_warps"], **launch_options(pdl))
     return out

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, pdl_trigger, pdl_wait, use_pdl
+from .pdl import launch_options, pdl_enter, use_pdl
 
 # Smallest number of tokens a split is given by `get_num_kv_splits` (short sequences get fewer
 # splits so that each program still has at least this much work).
@@ -235,8 +235,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
     V_IS_K_PREFIX: tl.constexpr, SWAP_AB: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    pdl_trigger(USE_PDL)
-    pdl_wait(USE_PDL)  # before any load: q, the slot map and the pool come from earlier kernels
+    pdl_enter(USE_PDL)  # before any load: q, the slot map and the pool come from earlier kernels
     b = tl.program_id(0)
     hp = tl.program_id(1)
     split = tl.program_id(2)
@@ -360,8 +359,7 @@ def _merge_splits_kernel(
     Lv: tl.constexpr, MAX_KV_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    pdl_trigger(USE_PDL)
-    pdl_wait(USE_PDL)
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
@@ -481,12 +479,12 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         SWAP_AB=swap, num_warps=STAGE1_NUM_WARPS,
         num_stages=(STAGE1_NUM_STAGES_SWAP if swap
                     else STAGE1_NUM_STAGES_WIDE if wide else STAGE1_NUM_STAGES),
-        USE_PDL=pdl, **launch_options(pdl),
+        **launch_options(pdl),
     )
     _merge_splits_kernel[(bs, num_heads)](
         attn_logits, attn_lse, o, seq_lens, num_kv_splits,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2), o.stride(0), o.stride(1),
         Lv=lv, MAX_KV_SPLITS=max_kv_splits, BLOCK_DV=block_dv, SPLIT_ALIGN=block_n,
-        num_warps=4 if block_dv >= 256 else 2, num_stages=2, USE_PDL=pdl, **launch_options(pdl),
+        num_warps=4 if block_dv >= 256 else 2, num_stages=2, **launch_options(pdl),
     )

@@ -509,7 +509,6 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         h_act.stride(0), h_act.stride(1), topk_ids.stride(0), topk_ids.stride(1),
         *xs[1:], *s13[1:], sw13.stride(-2), sw13.stride(-1),
         TOP_K=top_k, N_SHARED=n_shared, BLOCK_N=config.block_n, BLOCK_K=block_k, QUANT=quant,
-        USE_PDL=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     a2, a2_scale = _quantize(h_act, fp8, group, activation_quant)
@@ -522,8 +521,7 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         topk_ids.stride(0), topk_ids.stride(1), *as2[1:], *s2[1:], sw2.stride(-2),
         sw2.stride(-1),
         TOP_K=top_k, N_SHARED=n_shared, K_PAD=triton.next_power_of_2(slots),
-        BLOCK_N=config.down_block_n,
-        BLOCK_K=down_block_k, QUANT=quant, USE_PDL=pdl,
+        BLOCK_N=config.down_block_n, BLOCK_K=down_block_k, QUANT=quant,
         num_warps=config.down_num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return out

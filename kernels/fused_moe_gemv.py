@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .pdl import pdl_trigger, pdl_wait
+from .pdl import pdl_enter
 
 
 @triton.jit
@@ -29,8 +29,7 @@ def _gemv_gate_up_kernel(
     TOP_K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_trigger(USE_PDL)
-    pdl_wait(USE_PDL)
+    pdl_enter(USE_PDL)
     # inter[row, n-block] = silu(x[t] . gate rows) * (x[t] . up rows), e = topk_ids[t, j]; the
     # slots j >= TOP_K are the N_SHARED shared experts (s = j - TOP_K: gate rows s*I.. of SW13).
     row = tl.program_id(0)
@@ -42,16 +41,16 @@ def _gemv_gate_up_kernel(
     mask_n = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = X + t * stride_xt + offs_k[None, :].to(tl.int64) * stride_xh  # [1, BLOCK_K]
-    if j < TOP_K:
-        g_ptrs = (W13 + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-                  + offs_k[None, :].to(tl.int64) * stride_wh)  # [BLOCK_N, BLOCK_K] gate rows
-        u_ptrs = g_ptrs + up_offset  # the up rows follow the I gate rows
-        w_step = BLOCK_K * stride_wh
-    else:
-        g_ptrs = (SW13 + ((j - TOP_K) * I + offs_n[:, None].to(tl.int64)) * stride_swn
-                  + offs_k[None, :].to(tl.int64) * stride_swh)
-        u_ptrs = g_ptrs + shared_up_offset  # the up rows follow all N_SHARED * I gate rows
-        w_step = BLOCK_K * stride_swh
+    g_ptrs = (W13 + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+              + offs_k[None, :].to(tl.int64) * stride_wh)  # [BLOCK_N, BLOCK_K] gate rows
+    u_ptrs = g_ptrs + up_offset  # the up rows follow the I gate rows
+    w_step = BLOCK_K * stride_wh
+    if N_SHARED > 0:
+        if j >= TOP_K:
+            g_ptrs = (SW13 + ((j - TOP_K) * I + offs_n[:, None].to(tl.int64)) * stride_swn
+                      + offs_k[None, :].to(tl.int64) * stride_swh)
+            u_ptrs = g_ptrs + shared_up_offset  # the up rows follow all N_SHARED * I gate rows
+            w_step = BLOCK_K * stride_swh
     gs_ptrs = WScale + e * stride_wse + (offs_n // group_n).to(tl.int64) * stride_wsn  # QUANT 2
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -93,8 +92,7 @@ def _gemv_down_kernel(
     TOP_K: tl.constexpr, N_SHARED: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, QUANT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_trigger(USE_PDL)
-    pdl_wait(USE_PDL)
+    pdl_enter(USE_PDL)
     # out[t, n-block] = sum_j topk_weights[t, j] * inter[t*k + j] . w2[e_j, n-block rows]; the
     # slots j >= TOP_K are the N_SHARED shared experts (weight 1, columns (j - TOP_K)*I.. of SW2).
     t = tl.program_id(0).to(tl.int64)

@@ -131,7 +131,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[grid](x, weight, bias if bias is not None else weight, out, n, k,
                        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                       NUM_STAGES=cfg["NUM_STAGES"], USE_PDL=pdl, PREFETCH_K=prefetch_k,
+                       NUM_STAGES=cfg["NUM_STAGES"], PREFETCH_K=prefetch_k,
                        num_warps=cfg["num_warps"], **launch_options(pdl))
     return out
 

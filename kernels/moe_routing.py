@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, pdl_trigger, pdl_wait, use_pdl
+from .pdl import launch_options, pdl_enter, use_pdl
 
 _MAX_EXPERTS = 1024
 
@@ -29,8 +29,7 @@ def _softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, stride_l, stride_w, s
                          scale, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                          USE_PDL: tl.constexpr):
-    pdl_trigger(USE_PDL)
-    pdl_wait(USE_PDL)
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     valid = cols < E
@@ -91,7 +90,7 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = False,
     _softmax_topk_kernel[(t,)](logits, weights, ids, logits.stride(0), weights.stride(0),
                                ids.stride(0), e, float(scale), TOP_K=top_k,
                                RENORMALIZE=bool(renormalize and top_k > 1), BLOCK_E=block_e,
-                               BLOCK_K=triton.next_power_of_2(top_k), USE_PDL=pdl,
+                               BLOCK_K=triton.next_power_of_2(top_k),
                                num_warps=1 if block_e <= 256 else 4, **launch_options(pdl))
     return weights, ids
 

@@ -56,8 +56,9 @@ def use_pdl(t: torch.Tensor) -> bool:
 
 
 def launch_options(enabled: bool) -> dict:
-    """Extra triton launch keyword arguments for a kernel launched with/without PDL."""
-    return {"launch_pdl": True} if enabled else {}
+    """The keyword arguments of a launch with (or without) PDL: the kernel's `USE_PDL`
+    constexpr and, when enabled, triton's `launch_pdl` launch option."""
+    return {"USE_PDL": True, "launch_pdl": True} if enabled else {"USE_PDL": False}
 
 
 @triton.jit
@@ -68,6 +69,13 @@ def pdl_trigger(USE_PDL: tl.constexpr):
 
 
 @triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """`pdl_trigger` then `pdl_wait`: the start of a kernel that reads nothing before the wait."""
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)
+
+
+@triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
     """Wait until the kernel in front has completed and its writes are visible (no effect when
     USE_PDL is False)."""
@@ -75,4 +83,4 @@ def pdl_wait(USE_PDL: tl.constexpr):
         gdc_wait()
 
 
-__all__ = ["ENABLED", "launch_options", "pdl_trigger", "pdl_wait", "use_pdl"]
+__all__ = ["ENABLED", "launch_options", "pdl_enter", "pdl_trigger", "pdl_wait", "use_pdl"]

@@ -18,14 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, pdl_trigger, pdl_wait, use_pdl
+from .pdl import launch_options, pdl_enter, use_pdl
 
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, D, eps,
                     BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_trigger(USE_PDL)
-    pdl_wait(USE_PDL)
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -40,8 +39,7 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, D, eps,
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res,
                         stride_out, stride_res_out, D, eps, BLOCK_D: tl.constexpr,
                         USE_PDL: tl.constexpr):
-    pdl_trigger(USE_PDL)
-    pdl_wait(USE_PDL)
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -94,7 +92,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block, warps = _launch_cfg(d)
     pdl = use_pdl(x)
     _rmsnorm_kernel[(x.shape[0],)](x, weight.contiguous(), out, x.stride(0), out.stride(0), d,
-                                   float(eps), BLOCK_D=block, USE_PDL=pdl, num_warps=warps,
+                                   float(eps), BLOCK_D=block, num_warps=warps,
                                    **launch_options(pdl))
     return out
 
@@ -132,7 +130,7 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     pdl = use_pdl(x)
     _add_rmsnorm_kernel[(x.shape[0],)](
         x, residual, weight.contiguous(), out, residual_out, x.stride(0), residual.stride(0),
-        out.stride(0), residual_out.stride(0), d, float(eps), BLOCK_D=block, USE_PDL=pdl,
+        out.stride(0), residual_out.stride(0), d, float(eps), BLOCK_D=block,
         num_warps=warps, **launch_options(pdl))
 
 

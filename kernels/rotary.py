@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, pdl_trigger, pdl_wait, use_pdl
+from .pdl import launch_options, pdl_enter, use_pdl
 
 
 @triton.jit
@@ -66,8 +66,7 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cache_ptr,
                    HAS_POS: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_HALF: tl.constexpr, COPY_PASS: tl.constexpr,
                    BLOCK_PASS: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_trigger(USE_PDL)
-    pdl_wait(USE_PDL)
+    pdl_enter(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     if HAS_POS:
@@ -160,7 +159,7 @@ def rotary_embedding(positions: torch.Tensor | None, q: torch.Tensor, k: torch.T
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos_sin_cache.stride(0), hq, hk, half, n_pass,
         HAS_POS=positions is not None, IS_NEOX=bool(is_neox), BLOCK_H=block_h,
-        BLOCK_HALF=block_half, COPY_PASS=copy_pass, BLOCK_PASS=block_pass, USE_PDL=pdl,
+        BLOCK_HALF=block_half, COPY_PASS=copy_pass, BLOCK_PASS=block_pass,
         num_warps=4 if block_h * block_half >= 512 else 1, **launch_options(pdl))
 
 

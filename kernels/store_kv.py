@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, pdl_trigger, pdl_wait, use_pdl
+from .pdl import launch_options, pdl_enter, use_pdl
 
 
 @triton.jit
@@ -26,8 +26,7 @@ def _store_kv_kernel(K_buf, V_buf, Loc, K, V,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      LK: tl.constexpr, LV: tl.constexpr, BLOCK: tl.constexpr,
                      HAS_V: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_trigger(USE_PDL)
-    pdl_wait(USE_PDL)
+    pdl_enter(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     col = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -92,7 +91,7 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor | None, loc: torch.T
         k_buffer, vb, loc, k, vv,
         k_buffer.stride(0), k_buffer.stride(1), vb.stride(0), vb.stride(1),
         k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
-        LK=lk, LV=lv, BLOCK=block, HAS_V=v is not None, USE_PDL=pdl, num_warps=4,
+        LK=lk, LV=lv, BLOCK=block, HAS_V=v is not None, num_warps=4,
         **launch_options(pdl),
     )
 

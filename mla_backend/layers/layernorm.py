@@ -36,12 +36,16 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * xf.to(dtype)
 
+    def _use_kernel(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+        """Whether the triton kernels run (CUDA, not tracing, one dtype throughout)."""
+        return (x.is_cuda and not torch.compiler.is_compiling() and x.dtype == self.weight.dtype
+                and (residual is None or residual.dtype == x.dtype))
+
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Triton kernels on CUDA, else `forward_native` (same args and results)."""
-        if (x.is_cuda and not torch.compiler.is_compiling() and x.dtype == self.weight.dtype
-                and (residual is None or residual.dtype == x.dtype)):
+        if self._use_kernel(x, residual):
             return self.forward_cuda(x, residual)
         return self.forward_native(x, residual)
 
@@ -86,8 +90,8 @@ class RMSNorm(nn.Module):
         """Normed x written into `out` (same shape, x's dtype; e.g. a column slice of a wider
         buffer, last dim contiguous): the triton kernel straight into it on CUDA (as `forward`
         dispatches), else `forward_native` and a copy. Returns out."""
-        if (x.is_cuda and not torch.compiler.is_compiling() and x.dtype == self.weight.dtype
-                and out.dtype == x.dtype and out.dim() == 2 and out.stride(-1) == 1):
+        if self._use_kernel(x) and out.dtype == x.dtype and out.dim() == 2 \
+                and out.stride(-1) == 1:
             from mla_kernels.rmsnorm import rmsnorm
 
             rmsnorm(_rows(x, self.weight.shape[0]), self.weight, self.variance_epsilon, out=out)

@@ -414,7 +414,6 @@ class DeepseekV2MoE(nn.Module):
         # and shared outputs are partial sums; one all-reduce (a no-op at TP 1).
         return tensor_model_parallel_all_reduce(out)
 
-
     def _foldable_shared(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(gate_up weight [2*S*I, H], down weight [H, S*I]) of the shared experts when they run
         inside the routed experts' GEMV launches (`fused_experts(shared_w13=, shared_w2=)`):
@@ -601,13 +600,17 @@ class StackedExperts(nn.Module):
                 (reads per-expert counts to the host). Both do the same (FP8) math.
             shared: optional shared-expert weights (gate_up [2*S*I, H], down [H, S*I]) added
                 inside the fused GEMV launches (fused only; `fused_experts(shared_w13=...)`).
+        Raises:
+            ValueError: shared weights with fused False.
         """
         args = self.quant_method.kernel_args(self)
-        if shared is not None:
-            args = dict(args, shared_w13=shared[0], shared_w2=shared[1], path="gemv")
         if fused:
+            if shared is not None:
+                args = dict(args, shared_w13=shared[0], shared_w2=shared[1], path="gemv")
             return _fused_experts_opaque(x, self.w13_weight, self.w2_weight, topk_weights,
                                          topk_ids, **args)
+        if shared is not None:
+            raise ValueError("StackedExperts: shared experts are folded on the fused path only")
         return experts_forward(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                **args)
 

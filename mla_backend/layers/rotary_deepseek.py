@@ -124,9 +124,12 @@ class DeepseekRotaryEmbedding(nn.Module):
 
     def forward_cuda(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-        table: torch.Tensor | None = None,
+        table: torch.Tensor | None = None, q_out: torch.Tensor | None = None,
+        k_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward_native` through the triton kernel: new contiguous tensors, inputs unchanged.
+        """`forward_native` through the triton kernel, inputs unchanged: into q_out / k_out
+        when given (shapes of q / k, their dtype, last dim contiguous; e.g. the rope columns of
+        the absorbed MLA query), else into new contiguous tensors. Returns (q_out, k_out).
 
         q/k may be strided views (e.g. the rope slice of q) as long as the last dim is
         contiguous; otherwise they are copied first.
@@ -137,8 +140,10 @@ class DeepseekRotaryEmbedding(nn.Module):
             table = self.table(positions)  # [T, rotary_dim] fp32, row t for token t
         q_in = q if q.numel() == 0 or q.stride(-1) == 1 else q.contiguous()
         k_in = k if k.numel() == 0 or k.stride(-1) == 1 else k.contiguous()
-        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        if q_out is None:
+            q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if k_out is None:
+            k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         rotary_embedding(None, q_in, k_in, table, False, self.rotary_dim, q_out=q_out,
                          k_out=k_out)
         return q_out, k_out
@@ -146,18 +151,10 @@ class DeepseekRotaryEmbedding(nn.Module):
     def forward_into(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      table: torch.Tensor | None, q_out: torch.Tensor, k_out: torch.Tensor
                      ) -> None:
-        """`forward` with the rotated q / k written into q_out / k_out (shapes of q / k, their
-        dtype, last dim contiguous; e.g. the rope columns of the absorbed MLA query and latent
-        row): the triton kernel straight into them on CUDA, else `forward_native` and copies."""
+        """`forward` with the rotated q / k written into q_out / k_out (see `forward_cuda`):
+        the kernel straight into them on CUDA, else `forward_native` and copies."""
         if q.is_cuda and not torch.compiler.is_compiling():
-            from mla_kernels.rotary import rotary_embedding
-
-            if table is None:
-                table = self.table(positions)
-            q_in = q if q.numel() == 0 or q.stride(-1) == 1 else q.contiguous()
-            k_in = k if k.numel() == 0 or k.stride(-1) == 1 else k.contiguous()
-            rotary_embedding(None, q_in, k_in, table, False, self.rotary_dim, q_out=q_out,
-                             k_out=k_out)
+            self.forward_cuda(positions, q, k, table, q_out, k_out)
             return
         q_rot, k_rot = self.forward_native(positions, q, k, table)
         q_out.copy_(q_rot)

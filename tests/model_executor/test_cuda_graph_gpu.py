@@ -105,6 +105,9 @@ def test_bs1_decode_fast_paths_equal_generic(model_dirs, dtype, monkeypatch):
     monkeypatch.setattr(ds_mod, "BMM_GEMV_MAX_ROWS", 0)
     monkeypatch.setattr(pdl, "ENABLED", False)
     generic = runner.forward(fb)
+    # bf16: the paths round differently (the generic one rounds the routed and the shared
+    # output to bf16 and again after adding them in every MoE layer; the fold sums both in fp32
+    # and rounds once), hence above the 2e-2 of graph-vs-eager on the same kernels below.
     tol = 1e-4 if dtype == "float32" else 3e-2
     torch.testing.assert_close(fast, generic, atol=tol, rtol=tol)
     torch.testing.assert_close(fast_eager, generic, atol=tol, rtol=tol)
