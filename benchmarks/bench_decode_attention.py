@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="fixed KV splits per request instead of get_num_kv_splits (tuning)")
     ap.add_argument("--variants", nargs="+", default=None, metavar="KEY=V,...",
                     help="sweep in one process: each variant sets some of swap, swapmax, ss "
-                         "(transposed path), reuse, s (untransposed wide path), bn, w, ppsm, "
+                         "(transposed path), sbs, sbn, sss (its small-batch tiles), reuse, s "
+                         "(untransposed wide path), bn, w, ppsm, "
                          "wppsm, splits, fp8wide (FP8 pools on the wide plan) (e.g. "
                          "swap=1,swapmax=1024,bn=32,ss=5,splits=4) on top of "
                          "the defaults and the other flags; one table row per variant and config")
@@ -274,7 +275,8 @@ _KV_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.f
 _VARIANT_KEYS = {"swap": "SWAP_AB_WIDE", "reuse": "REUSE_K_TILE_AS_V", "bn": "BLOCK_N_WIDE",
                  "w": "STAGE1_NUM_WARPS", "s": "STAGE1_NUM_STAGES_WIDE", "ppsm": "PROGRAMS_PER_SM",
                  "wppsm": "WIDE_PROGRAMS_PER_SM", "swapmax": "SWAP_AB_MAX_BS",
-                 "ss": "STAGE1_NUM_STAGES_SWAP"}
+                 "ss": "STAGE1_NUM_STAGES_SWAP", "sbn": "SMALL_BS_BLOCK_N_WIDE",
+                 "sss": "SMALL_BS_NUM_STAGES", "sbs": "SMALL_BS_MAX"}
 
 
 def _apply_variant(spec: str) -> int | None:

@@ -29,6 +29,16 @@ pointless at prefill sizes).
 With --fp8 the loop reference runs on the dequantized weights, so "max abs diff" is the FP8
 activation-quantization error (random O(1) outputs), not a kernel error.
 
+The model's batch-size-1 decode form (GEMV path only): `--shared S` folds S shared experts of
+width I into the launches (`fused_experts(shared_w13=, shared_w2=)`), `--route kernel` launches
+the routing kernel `softmax_topk` before each call (as the model does; `none`: precomputed),
+and `--cold` times what a decode step sees: a CUDA graph of one call per disjoint group of k
+experts (and per copy of the shared weights), so no call finds its weights in L2; the time is
+per call and "weight GB/s" counts the routed and shared bytes of one call.
+
+    PYTHONPATH=. python3 benchmarks/bench_fused_moe.py --tokens 1 --paths gemv --no-loop \
+        --shared 2 --route kernel --cold --gemv-block-n 8 16 --gemv-block-k 256 512
+
 Needs a CUDA device (exits with a message otherwise). Imports torch, triton, mla_backend.
 """
 
@@ -93,8 +103,8 @@ def bench(fn, warmup: int, rep: int) -> float:
 
 def gemv_configs(args: argparse.Namespace, top_k: int) -> list[GemvConfig]:
     """The GEMV tile configs to time: the cartesian product of the --gemv-* values given, each
-    field not given at `get_default_gemv_config`'s value."""
-    base = get_default_gemv_config(top_k, "cuda")
+    field not given at `get_default_gemv_config`'s value (for k + --shared slots)."""
+    base = get_default_gemv_config(top_k + args.shared, "cuda")
     choices = {name: getattr(args, "gemv_" + name) or [getattr(base, name)]
                for name in GemvConfig._fields}
     return [GemvConfig(*vals) for vals in itertools.product(*choices.values())]
@@ -159,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="FP8 experts, per-expert per-tensor scales (dynamic activations)")
     ap.add_argument("--no-loop", action="store_true", help="skip timing the per-expert loop")
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay timing")
+    ap.add_argument("--shared", type=int, default=0,
+                    help="GEMV path: fold this many shared experts of width I into the calls")
+    ap.add_argument("--route", choices=["none", "kernel"], default="none",
+                    help="GEMV path: routing in each call: none (precomputed) or kernel (the "
+                         "softmax_topk launch before the call)")
+    ap.add_argument("--cold", action="store_true",
+                    help="GEMV path: time a graph of calls over disjoint experts (no L2 reuse)")
     ap.add_argument("--tol", type=float, default=5e-2,
                     help="max abs difference fused vs loop before failing (bf16 outputs ~0.3)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
@@ -208,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
             runs += [("sorted", cfg) for cfg in sorted_configs(args, t, k, e)]
         if "gemv" in args.paths and t * k <= args.gemv_max_rows:
             runs += [("gemv", cfg) for cfg in gemv_configs(args, k)]
+        decode_form = args.shared or args.route != "none" or args.cold
+        if decode_form:
+            if args.paths != ["gemv"] or args.fp8 or t != 1:
+                ap.error("--shared / --route / --cold: --paths gemv, T = 1, bf16 only")
+            for _, cfg in runs:
+                _bench_decode_form(args, cfg, x, w13, w2, k)
+            continue
         for path, cfg in runs:
             kw = {"config": cfg} if path == "sorted" else {"gemv_config": cfg}
             kw.update(fp8_kw)
@@ -235,6 +259,57 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: fused vs loop differ by more than --tol {args.tol}", file=sys.stderr)
         return 1
     return 0
+
+
+def _bench_decode_form(args: argparse.Namespace, cfg: GemvConfig, x: torch.Tensor,
+                       w13: torch.Tensor, w2: torch.Tensor, k: int) -> None:
+    """One table row for the batch-size-1 decode form (--shared / --route / --cold): checks the
+    call against fused_experts without them plus the shared MLP, then times it."""
+    from mla_kernels.moe_routing import softmax_topk
+
+    e, inter, h = w13.shape[0], w2.shape[2], x.shape[1]
+    n_calls = max(1, e // k) if args.cold else 1
+    g = torch.Generator(device="cuda").manual_seed(1)
+    shared = []
+    for _ in range(n_calls if args.shared else 0):
+        sw13 = (torch.randn(2 * args.shared * inter, h, generator=g, device="cuda")
+                / h ** 0.5).to(x.dtype)
+        sw2 = (torch.randn(h, args.shared * inter, generator=g, device="cuda")
+               / (args.shared * inter) ** 0.5).to(x.dtype)
+        shared.append({"shared_w13": sw13, "shared_w2": sw2})
+    # call i uses experts [i*k, (i+1)*k): disjoint groups, so consecutive calls share nothing
+    logits, call_ids = [], []
+    for i in range(n_calls):
+        lg = torch.randn(1, e, generator=g, device="cuda")
+        group = torch.arange(i * k, (i + 1) * k, device="cuda") % e
+        lg[0, group] += 50.0  # these k experts win the softmax top-k
+        logits.append(lg)
+        call_ids.append(select_experts(lg, k))
+    outs = [torch.empty_like(x) for _ in range(n_calls)]
+
+    def calls() -> None:
+        for i in range(n_calls):
+            kw = dict(shared[i]) if shared else {}
+            if args.route == "kernel":
+                wts, idx = softmax_topk(logits[i], k)
+            else:
+                wts, idx = call_ids[i]
+            fused_experts(x, w13, w2, wts, idx, out=outs[i], path="gemv", gemv_config=cfg, **kw)
+
+    calls()
+    want_w, want_ids = call_ids[0]
+    want = fused_experts(x, w13, w2, want_w, want_ids, path="gemv", gemv_config=cfg)
+    if shared:
+        sw13, sw2 = shared[0]["shared_w13"], shared[0]["shared_w2"]
+        gate, up = (x.float() @ sw13.float().T).chunk(2, dim=-1)
+        want = want.float() + (torch.nn.functional.silu(gate) * up) @ sw2.float().T
+    diff = (outs[0].float() - want.float()).abs().max().item()
+    graph = graph_of(calls)
+    ms = bench(graph.replay, args.warmup, args.rep) / n_calls
+    nbytes = (3 * h * inter * k + (3 * h * inter * args.shared)) * x.element_size()
+    form = f"S{args.shared} route {args.route}{' cold' if args.cold else ''}"
+    print(f"| 1 | gemv {form} | {describe('gemv', cfg)} | {k} | {diff:.2e} | | {ms * 1e3:.1f} "
+          f"| | | {nbytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -444,6 +444,10 @@ def get_default_gemv_config(top_k: int, device: torch.device | str) -> GemvConfi
     8): 8 for k 6 or 8 (256 programs at T=1 with H 2048); it is the more sensitive one (4 warps,
     or a 256 step with 4 warps, ran up to 1.8x slower). At T=1 the two kernels take 19 + 12 us
     of GPU time (104 MB of weights, 3.3 TB/s). Other devices (the interpreter): small tiles.
+    With the two shared experts folded in (batch-size-1 decode) a 512-column first step timed
+    faster in isolation (`bench_fused_moe.py --tokens 1 --shared 2 --route kernel --cold`:
+    40.8 vs 44.7 us per call) but made the model's bs-1 step slower (2.43 vs 2.17 ms, H200
+    2026-12-01; not profiled), so 256 stays.
     Args:
         top_k: k. device: where the tensors live.
     Returns:

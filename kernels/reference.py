@@ -167,6 +167,21 @@ def store_kv_ref(k_buffer: torch.Tensor, v_buffer: torch.Tensor | None, loc: tor
         v_buffer[loc] = v.to(v_buffer.dtype)
 
 
+def mla_norm_rope_store_ref(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            q_pe: torch.Tensor, table: torch.Tensor, k_buffer: torch.Tensor,
+                            loc: torch.Tensor, q_out: torch.Tensor) -> None:
+    """Absorbed-MLA decode prologue in place (`mla_rope_store.mla_norm_rope_store`): with
+    L = norm_weight.numel(), R = q_pe.shape[-1], cos ‖ sin = table [T, R]:
+    k_buffer[loc, 0] = rmsnorm(kv_a[:, :L]) ‖ rope(kv_a[:, L:]) and q_out = rope(q_pe)
+    (interleaved rope). kv_a [T, L + R], q_pe / q_out [T, H, R], k_buffer [S, 1, L + R]."""
+    lora, half = norm_weight.shape[0], q_pe.shape[-1] // 2
+    cos, sin = table[:, :half], table[:, half:]
+    latent = rmsnorm_ref(kv_a[:, :lora], norm_weight, eps)
+    k_pe = rotary_ref(kv_a[:, None, lora:], cos, sin, is_neox=False)[:, 0]
+    store_kv_ref(k_buffer, None, loc, torch.cat([latent, k_pe], dim=-1)[:, None], None)
+    q_out.copy_(rotary_ref(q_pe, cos, sin, is_neox=False))
+
+
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """Routed SiLU-gated experts, one expert at a time, in float32 (float64 if x is float64).

@@ -18,6 +18,10 @@ Attention paths (REFERENCE §1.2), chosen once per batch by `DeepseekV2Model.att
 | mha          | `ModelConfig.disable_mla` (every batch)   | per-head K/V (MHA) | pool (MHA)   |
 
 Absorbed MQA: H query heads, 1 KV head of kv_lora + rope dims, V = the first kv_lora columns.
+In decode one triton kernel (`mla_kernels.mla_rope_store`) normalizes and rotates each new latent
+row straight into its pool slot and rotates the query's rope part. The first query projection
+(q_proj or q_a_proj) and kv_a_proj_with_mqa, which both read the layer input, are stored as one
+matrix after load (`w_input_proj`, unquantized weights) and run as one GEMM / GEMV.
 Softmax scale in every path: qk_head_dim^-0.5 x mscale(factor, mscale_all_dim)^2 (never
 (kv_lora+rope)^-0.5). RoPE: interleaved pairs with DeepSeek YaRN (`layers.rotary_deepseek`).
 
@@ -74,6 +78,7 @@ from mla_backend.layers.quantization import (
     BlockFP8Config,
     Fp8Config,
     Fp8LinearMethod,
+    UnquantizedLinearMethod,
     fp8_per_tensor_bmm,
     quant_config_from_hf,
     quantize_fp8_bmm_weight,
@@ -175,6 +180,9 @@ class DeepseekV2Attention(nn.Module):
         self.register_buffer("w_vc", None, persistent=False)
         self.register_buffer("w_kc_scale", None, persistent=False)
         self.register_buffer("w_vc_scale", None, persistent=False)
+        # [nq + kv_lora + rope, hidden]: the first query projection's and kv_a_proj_with_mqa's
+        # weights as one matrix (their parameters are row views of it), or None.
+        self.register_buffer("w_input_proj", None, persistent=False)
 
     def post_load_weights(self) -> None:
         """Split kv_b_proj.weight [H*(nope+v), kv_lora] into w_kc and w_vc (once, after load).
@@ -183,6 +191,7 @@ class DeepseekV2Attention(nn.Module):
         (`Fp8LinearMethod`) gives FP8 w_kc/w_vc requantized per tensor from its dequantized
         weight (`quantize_fp8_bmm_weight`); otherwise they are cast to the model dtype."""
         dtype = self.kv_a_layernorm.weight.dtype
+        self._fuse_input_projections()
         kv_b = self.kv_b_proj
         w = kv_b.quant_method.dequantized_weight(kv_b).view(
             self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
@@ -196,26 +205,82 @@ class DeepseekV2Attention(nn.Module):
         self.w_kc = w[:, : self.qk_nope_head_dim].contiguous()  # [H, nope, kv_lora]
         self.w_vc = w[:, self.qk_nope_head_dim:].transpose(1, 2).contiguous()  # [H, kv_lora, v]
 
+    def _fuse_input_projections(self) -> None:
+        """Store the first query projection (q_proj, or q_a_proj with a q LoRA) and
+        kv_a_proj_with_mqa, which both read the layer input, as one matrix `w_input_proj`
+        [nq + kv_lora + rope, hidden] whose row blocks become the two parameters (views: no
+        extra memory; in-place weight loads still reach it), so one GEMM or GEMV serves both.
+        Only for unquantized weights of one dtype and device without biases; otherwise the
+        two projections stay separate."""
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        kv = self.kv_a_proj_with_mqa
+        if (type(first.quant_method) is not UnquantizedLinearMethod
+                or type(kv.quant_method) is not UnquantizedLinearMethod
+                or first.bias is not None or kv.bias is not None
+                or getattr(first, "gather_output", False)
+                or first.weight.dtype != kv.weight.dtype
+                or first.weight.device != kv.weight.device):
+            return
+        n = first.weight.shape[0]
+        fused = torch.cat([first.weight.data, kv.weight.data], dim=0)
+        first.weight.data = fused[:n]
+        kv.weight.data = fused[n:]
+        self.w_input_proj = fused
+
+    def _input_projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] -> (q [T, H * qk_head], kv_a [T, kv_lora + rope]); one product
+        over `w_input_proj` when the weights are fused (the results are column views)."""
+        w = self.w_input_proj
+        if w is None:
+            first = self.q_proj(hidden) if self.q_lora_rank is None else self.q_a_proj(hidden)
+            kv_a = self.kv_a_proj_with_mqa(hidden)
+        else:
+            first, kv_a = self.kv_a_proj_with_mqa.quant_method.apply(
+                _FusedWeight(w), hidden, None).split(
+                [w.shape[0] - self.kv_a_proj_with_mqa.weight.shape[0],
+                 self.kv_a_proj_with_mqa.weight.shape[0]], dim=-1)
+        if self.q_lora_rank is not None:
+            first = self.q_b_proj(self.q_a_layernorm(first))
+        return first, kv_a
+
+    def _fused_prologue(self, hidden: torch.Tensor, forward_batch: "ForwardBatch",
+                        rope_table: torch.Tensor | None) -> torch.Tensor | None:
+        """The layer's latent pool buffer when absorbed decode may run the one-kernel prologue
+        (`mla_kernels.mla_rope_store`: norm, rope and pool store): a decode batch on CUDA, not
+        traced by torch.compile, the model's rope table at hand, a pool (and norm weight) in
+        the activations' dtype (FP8 pools quantize through their own store). Else None."""
+        if (not hidden.is_cuda or rope_table is None or torch.compiler.is_compiling()
+                or not forward_batch.forward_mode.is_decode()
+                or self.kv_a_layernorm.weight.dtype != hidden.dtype):
+            return None
+        k_buf = forward_batch.token_to_kv_pool.get_kv_buffer(self.layer_id)[0]
+        return k_buf if k_buf.dtype == hidden.dtype else None
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 forward_batch: "ForwardBatch", path: str,
                 rope_table: torch.Tensor | None = None) -> torch.Tensor:
         """positions [T] int64, hidden [T, hidden] -> [T, hidden]. `rope_table`: [T, rope dim]
         fp32, `rotary_emb.table(positions)` when the model has built it for all layers."""
         t, heads = hidden.shape[0], self.num_heads
-        if self.q_lora_rank is None:
-            q = self.q_proj(hidden)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q, kv_a = self._input_projections(hidden)
         q_nope, q_pe = q.view(t, heads, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split(
-            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         if path == ABSORBED:
             # The absorbed query [T, H, kv_lora + rope] and latent row [T, 1, kv_lora + rope]
             # are assembled in place: the norm, the rotary and the w_kc product each write
-            # their columns (no concatenation).
+            # their columns (no concatenation). In decode one kernel normalizes and rotates the
+            # latent row straight into its pool slot and rotates the query's rope part.
             lora = self.kv_lora_rank
             q_full = hidden.new_empty(t, heads, lora + self.qk_rope_head_dim)
+            k_buf = self._fused_prologue(hidden, forward_batch, rope_table)
+            if k_buf is not None:
+                from mla_kernels.mla_rope_store import mla_norm_rope_store
+
+                mla_norm_rope_store(kv_a, self.kv_a_layernorm.weight,
+                                    self.kv_a_layernorm.variance_epsilon, q_pe, rope_table,
+                                    k_buf, forward_batch.out_cache_loc, q_full[..., lora:])
+                return self._absorbed(q_nope, q_full, None, forward_batch)
             k_full = hidden.new_empty(t, 1, lora + self.qk_rope_head_dim)
             self.kv_a_layernorm.norm_into(c_kv, k_full[:, 0, :lora])
             self.rotary_emb.forward_into(positions, q_pe, k_pe.unsqueeze(1), rope_table,
@@ -239,15 +304,17 @@ class DeepseekV2Attention(nn.Module):
             o = self.attn_mha(q, k, v.contiguous(), forward_batch)
         return self.o_proj(o)
 
-    def _absorbed(self, q_nope: torch.Tensor, q_full: torch.Tensor, k_full: torch.Tensor,
+    def _absorbed(self, q_nope: torch.Tensor, q_full: torch.Tensor, k_full: torch.Tensor | None,
                   forward_batch: "ForwardBatch") -> torch.Tensor:
-        """q_nope [T, H, nope] (a view of q); q_full [T, H, kv_lora + rope] and k_full
-        [T, 1, kv_lora + rope] with their rope columns (and k_full's normed latent) filled."""
+        """q_nope [T, H, nope] (a view of q); q_full [T, H, kv_lora + rope] with its rope
+        columns filled; k_full [T, 1, kv_lora + rope] the new latent rows to store, or None when
+        they are already in the pool."""
         t, heads, lora = q_nope.shape[0], self.num_heads, self.kv_lora_rank
         # [T, H, nope] x [H, nope, kv_lora] -> q_full[..., :kv_lora]
         self._absorb_into(q_nope, self.w_kc, self.w_kc_scale, q_full[..., :lora])
-        v = k_full[..., :lora]  # [T, 1, kv_lora] (the pool's value view)
-        o = self.attn_mqa(q_full, k_full, v, forward_batch)  # [T, H * kv_lora]
+        v = None if k_full is None else k_full[..., :lora]  # [T, 1, kv_lora] (the value view)
+        o = self.attn_mqa(q_full, k_full, v, forward_batch,  # [T, H * kv_lora]
+                          save_kv_cache=k_full is not None)
         # [T, H, kv_lora] x [H, kv_lora, v_head] -> [T, H, v_head]
         o_v = o.new_empty(t, heads, self.v_head_dim)
         self._absorb_into(o.view(t, heads, lora), self.w_vc, self.w_vc_scale, o_v)
@@ -274,6 +341,14 @@ class DeepseekV2Attention(nn.Module):
         if w_scale is None:
             return torch.bmm(x, w)
         return fp8_per_tensor_bmm(x, w, w_scale)
+
+
+class _FusedWeight:
+    """What a linear method reads of a layer (`weight`, no bias) for the fused input
+    projection of `DeepseekV2Attention`."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
 
 
 class DeepseekV2DecoderLayer(nn.Module):

@@ -219,6 +219,19 @@ def test_block_and_split_boundaries(lk, lv, mla):
     check(case, num_kv_splits=splits, max_kv_splits=3)
 
 
+def test_small_batch_wide_tile_boundaries():
+    """Up to SMALL_BS_MAX MLA requests take 64-token tiles on the transposed path (more take
+    BLOCK_N_WIDE): lengths around the tile and split boundaries of that tile."""
+    import mla_kernels.decode_attention as da
+
+    bn = block_n_for(576, da.SMALL_BS_MAX)
+    assert bn == da.SMALL_BS_BLOCK_N_WIDE != da.BLOCK_N_WIDE
+    assert block_n_for(576, da.SMALL_BS_MAX + 1) == da.BLOCK_N_WIDE
+    for lens, splits in (([1, bn - 1, bn + 1, 3 * bn + 1], [1, 2, 2, 3]), ([2 * bn], [3])):
+        check(make_case(lens, 16, 1, 576, 512, mla=True, seed=len(lens)),
+              num_kv_splits=splits, max_kv_splits=3)
+
+
 def test_empty_splits_short_seqs_many_splits():
     """seq_len < splits * BLOCK_N: most splits are empty and are neither computed nor merged
     (their workspace entries stay NaN, which would poison the output if read)."""

@@ -71,20 +71,27 @@ def _decode_batch(runner: ModelRunner, rows, lens, next_ids):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bs1_decode_fast_paths_equal_generic(model_dirs, dtype, monkeypatch):
     """Decode at one token row takes the batch-size-1 paths — the shared experts folded into the
-    routed GEMV launches, w_kc / w_vc as `bmm_gemv` (16-bit only) and PDL launches — and its
-    logits equal the generic paths' (shared MLP apart, torch.bmm plus copies, plain launches)
-    within bf16 rounding, replayed from a CUDA graph."""
+    routed GEMV launches, w_kc / w_vc as `bmm_gemv` (16-bit only), the one-kernel MLA prologue
+    (norm, rope, pool store; any decode batch) and PDL launches — and its logits equal the
+    generic paths' (shared MLP apart, torch.bmm plus copies, norm / rotary / store kernels,
+    plain launches) within bf16 rounding, replayed from a CUDA graph."""
     import mla_backend.layers.moe as moe_mod
     import mla_backend.models.deepseek_v2 as ds_mod
     import mla_kernels.bmm_gemv as bmm_mod
     import mla_kernels.pdl as pdl
 
-    calls = {"fold": 0, "bmm_gemv": 0}
+    calls = {"fold": 0, "bmm_gemv": 0, "prologue": 0}
     real_fold, real_bmm = moe_mod.DeepseekV2MoE._foldable_shared, bmm_mod.bmm_gemv
+    real_prologue = ds_mod.DeepseekV2Attention._fused_prologue
 
     def fold(self, x):
         got = real_fold(self, x)
         calls["fold"] += got is not None
+        return got
+
+    def prologue(self, *a):
+        got = real_prologue(self, *a)
+        calls["prologue"] += got is not None
         return got
 
     def bmm(*a, **kw):
@@ -92,19 +99,25 @@ def test_bs1_decode_fast_paths_equal_generic(model_dirs, dtype, monkeypatch):
         return real_bmm(*a, **kw)
 
     monkeypatch.setattr(moe_mod.DeepseekV2MoE, "_foldable_shared", fold)
+    monkeypatch.setattr(ds_mod.DeepseekV2Attention, "_fused_prologue", prologue)
     monkeypatch.setattr(bmm_mod, "bmm_gemv", bmm)
     runner = _runner(model_dirs["deepseek"], dtype=dtype)
+    assert runner.model.model.layers[0].self_attn.w_input_proj is not None
     prompts = [[5, 17, 99, 3, 250, 7, 12]]
     rows, lens = _prefill(runner, prompts)
     fb = _decode_batch(runner, rows, lens, [prompts[0][-1]])
     fast = runner.forward(fb)  # graph replay (bs 1 bucket)
-    assert calls["fold"] > 0 and (calls["bmm_gemv"] > 0) == (dtype == "bfloat16")
+    assert calls["fold"] > 0 and calls["prologue"] > 0
+    assert (calls["bmm_gemv"] > 0) == (dtype == "bfloat16")
     runner.cuda_graph_runner = None
     fast_eager = runner.forward(fb)
     monkeypatch.setattr(moe_mod, "SHARED_FOLD_MAX_ROWS", 0)
+    monkeypatch.setattr(ds_mod.DeepseekV2Attention, "_fused_prologue", lambda self, *a: None)
     monkeypatch.setattr(ds_mod, "BMM_GEMV_MAX_ROWS", 0)
     monkeypatch.setattr(pdl, "ENABLED", False)
+    calls.update(prologue=0)
     generic = runner.forward(fb)
+    assert calls["prologue"] == 0
     # bf16: the paths round differently (the generic one rounds the routed and the shared
     # output to bf16 and again after adding them in every MoE layer; the fold sums both in fp32
     # and rounds once), hence above the 2e-2 of graph-vs-eager on the same kernels below.

@@ -179,3 +179,61 @@ def test_load_weights_rejects_unknown_and_missing(tmp_path):
         20, 16, 1)
     hf_like = SimpleNamespace(rope_parameters=None, rope_scaling=None, rope_theta=500.0)
     assert deepseek_rope_config(hf_like) == (500.0, None)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+def test_input_projections_fused_into_one_matrix(tmp_path, q_lora_rank):
+    """After post_load_weights the first query projection and kv_a_proj_with_mqa are row views
+    of one matrix (no extra memory), their product equals the two separate products, and an
+    in-place weight load reaches the fused matrix."""
+    from transformers import AutoConfig
+
+    from mla_backend.model_executor.model_loader import iterate_weights
+
+    path = make_tiny_deepseek_v2(str(tmp_path / "m"), hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                                 qk_rope_head_dim=4, v_head_dim=8, vocab_size=300,
+                                 q_lora_rank=q_lora_rank)
+    hf_config = AutoConfig.from_pretrained(path)
+    weights = dict(iterate_weights(path))
+    model = DeepseekV2ForCausalLM(hf_config)
+    model.load_weights(weights.items())
+    model.post_load_weights()
+    attn = model.model.layers[0].self_attn
+    first_name = "q_proj" if q_lora_rank is None else "q_a_proj"
+    first = getattr(attn, first_name)
+    w = attn.w_input_proj
+    n = first.weight.shape[0]
+    assert w is not None and w.shape == (n + 20, 32)
+    assert first.weight.data_ptr() == w.data_ptr()
+    assert attn.kv_a_proj_with_mqa.weight.data_ptr() == w[n:].data_ptr()
+    ckpt = weights[f"model.layers.0.self_attn.{first_name}.weight"]
+    assert torch.equal(w[:n], ckpt)
+    x = torch.randn(3, 32)
+    q, kv_a = attn._input_projections(x)
+    q_sep = x @ ckpt.T
+    if q_lora_rank is not None:
+        q_sep = attn.q_b_proj(attn.q_a_layernorm(q_sep))
+    torch.testing.assert_close(q, q_sep)
+    torch.testing.assert_close(
+        kv_a, x @ weights["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].T)
+    # a later in-place load of one projection (its weight loader) updates the fused matrix
+    first.weight_loader(first.weight, ckpt * 2)
+    assert torch.equal(w[:n], ckpt * 2)
+
+
+def test_input_projections_not_fused_for_fp8(tmp_path):
+    """Online FP8 linears keep their own quantized weights: nothing is fused."""
+    from mla_backend.config import ModelConfig
+    from transformers import AutoConfig
+
+    from mla_backend.model_executor.model_loader import iterate_weights
+
+    path = make_tiny_deepseek_v2(str(tmp_path / "m"), hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                                 qk_rope_head_dim=4, v_head_dim=8, vocab_size=300)
+    model = DeepseekV2ForCausalLM(AutoConfig.from_pretrained(path),
+                                  ModelConfig(model_path=path, quantization="fp8"))
+    model.load_weights(iterate_weights(path))
+    model.post_load_weights()
+    assert model.model.layers[0].self_attn.w_input_proj is None
