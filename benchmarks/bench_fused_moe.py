@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.paths != ["gemv"] or args.fp8 or t != 1:
                 ap.error("--shared / --route / --cold: --paths gemv, T = 1, bf16 only")
             for _, cfg in runs:
-                _bench_decode_form(args, cfg, x, w13, w2, k)
+                failed |= not _bench_decode_form(args, cfg, x, w13, w2, k)
             continue
         for path, cfg in runs:
             kw = {"config": cfg} if path == "sorted" else {"gemv_config": cfg}
@@ -264,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
 def _bench_decode_form(args: argparse.Namespace, cfg: GemvConfig, x: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor, k: int) -> None:
     """One table row for the batch-size-1 decode form (--shared / --route / --cold): checks the
-    call against fused_experts without them plus the shared MLP, then times it."""
+    call against fused_experts without them plus the shared MLP, then times it. Returns whether
+    the check is within --tol."""
     from mla_kernels.moe_routing import softmax_topk
 
     e, inter, h = w13.shape[0], w2.shape[2], x.shape[1]
@@ -310,6 +311,7 @@ def _bench_decode_form(args: argparse.Namespace, cfg: GemvConfig, x: torch.Tenso
     form = f"S{args.shared} route {args.route}{' cold' if args.cold else ''}"
     print(f"| 1 | gemv {form} | {describe('gemv', cfg)} | {k} | {diff:.2e} | | {ms * 1e3:.1f} "
           f"| | | {nbytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
+    return diff <= args.tol
 
 
 if __name__ == "__main__":

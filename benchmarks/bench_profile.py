@@ -7,7 +7,11 @@ Sections (`--sections`):
   tokens) under `torch.profiler` with CUDA activity, CUDA graphs on (the kernels inside graph
   replays are recorded by CUPTI; if none are, the engine is rebuilt eager). Prints, per decode
   step: wall time, summed kernel time, kernel count, then time by category (MoE, attention,
-  GEMM, quantization, norms/rotary, elementwise, ...) and the top kernels by time.
+  GEMM, quantization, norms/rotary, elementwise, ...) and the top kernels by time. Programmatic
+  dependent launch (kernels/pdl.py) is off here unless `--pdl`: under PDL a kernel's programs
+  start early and wait at `griddepcontrol.wait`, and CUPTI counts that wait in its duration
+  (on an H200 at bs 1: 8.45 ms of "kernel time" in a 2.96 ms step), so the durations only mean
+  something without it; the step wall time printed is then the PDL-off step.
 - prefill: the kernels of an eager prefill of `--prefill-requests` x `--prompt` tokens, then a
   cProfile (host side, Python functions by own and cumulative time) of a small prefill
   (`--small-prefill REQUESTS TOKENS`, default 4 x 94: the common case under load).
@@ -193,8 +197,28 @@ class StepWindow:
 
 
 def section_kernels(args, model_dir: str, vocab: int, res: dict) -> None:
+    import mla_kernels.pdl as pdl
+
     out = res.setdefault("kernels", {})
     max_bs = max(args.bs)
+    pdl_before, pdl.ENABLED = pdl.ENABLED, pdl.ENABLED and args.pdl
+    try:
+        results, graphs = _profile_kernels(args, model_dir, vocab, max_bs)
+    finally:
+        pdl.ENABLED = pdl_before
+    mode = "CUDA graphs" if graphs and bs_.DEVICE == "cuda" else "eager"
+    mode += ", PDL" if pdl_before and args.pdl else ", PDL off"
+    for r in results:
+        r["mode"] = mode
+        out[str(r["bs"])] = r
+        print_kernel_tables(
+            f"Decode step, {args.model}{args.tag}, bs {r['bs']}, prompt {args.prompt} ({mode}): "
+            f"wall {r['wall_ms']:.2f} ms, kernels {r['kernel_ms']:.2f} ms, "
+            f"{r['kernels_per_step']:.0f} kernels/step (per step below)", r, args.top)
+
+
+def _profile_kernels(args, model_dir: str, vocab: int, max_bs: int) -> tuple[list, bool]:
+    """(profile_decode results per --bs, whether they ran as graph replays)."""
     for graphs in (True, False):
         eng = make_engine(model_dir, cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
                           disable_cuda_graph=not graphs)
@@ -206,14 +230,7 @@ def section_kernels(args, model_dir: str, vocab: int, res: dict) -> None:
             log("no kernels recorded inside graph replays: profiling eager instead")
             continue
         break
-    mode = "CUDA graphs" if graphs and bs_.DEVICE == "cuda" else "eager"
-    for r in results:
-        r["mode"] = mode
-        out[str(r["bs"])] = r
-        print_kernel_tables(
-            f"Decode step, {args.model}{args.tag}, bs {r['bs']}, prompt {args.prompt} ({mode}): "
-            f"wall {r['wall_ms']:.2f} ms, kernels {r['kernel_ms']:.2f} ms, "
-            f"{r['kernels_per_step']:.0f} kernels/step (per step below)", r, args.top)
+    return results, graphs
 
 
 def print_kernel_tables(title: str, r: dict, top: int) -> None:
@@ -352,6 +369,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--pdl", action="store_true",
+                    help="kernels: keep programmatic dependent launch on (durations then "
+                         "include each kernel's wait for the one in front)")
     ap.add_argument("--num-requests", type=int, default=800)
     ap.add_argument("--graph-max-bs", type=int, default=256)
     ap.add_argument("--max-running", type=int, default=None,

@@ -80,14 +80,18 @@ REUSE_K_TILE_AS_V = False
 SWAP_AB_WIDE = True
 SWAP_AB_MAX_BS = 64
 STAGE1_NUM_STAGES_SWAP = 5
-# Batches of at most SMALL_BS_MAX requests on the transposed path take 64-token tiles with
-# SMALL_BS_NUM_STAGES stages (one K buffer): fewer, longer tile steps where each program walks
-# only a few tiles and the op is latency-bound. H200, 2026-12-01 (docs/benchmarks.md, decode
-# latency), graph-timed with the merge: bs 1 context 128 11.0 -> 9.5 us, 512 12.9 -> 11.1,
-# bs 4 x 2048 21.3 -> 19.4; not at bs 8 (context 2048: 26.8 -> 30.8).
+# Batches of at most SMALL_BS_MAX requests on the transposed path in a 16-bit pool take
+# 64-token tiles with SMALL_BS_NUM_STAGES stages (`small_batch_tiles`; two 64-token K buffers,
+# 164.5 KB of shared memory in bf16, one program per SM): fewer, longer tile steps where each
+# program walks only a few tiles and the op is latency-bound. H200, 2026-12-01
+# (docs/benchmarks.md, "Profiled, then two fusions and a small-batch tile"), graph-timed with
+# the merge: bs 1 context 128 11.0 -> 9.5 us, 512 12.9 -> 11.1, bs 4 x 2048 21.3 -> 19.4; not
+# at bs 8 (context 2048: 26.8 -> 30.8). fp32 pools keep BLOCK_N_WIDE (their 64-token buffers
+# would not fit).
 SMALL_BS_MAX = 4
 SMALL_BS_BLOCK_N_WIDE = 64
 SMALL_BS_NUM_STAGES = 4
+SMALL_BS_DTYPES = (torch.bfloat16, torch.float16)
 # MLA (one latent KV head, 576 / 512, a bf16 pool with v a view of k) at batches of at least this
 # many requests on sm_90 runs the warp-specialized Gluon kernel (`decode_attention_ws`) instead:
 # H200, bs 16 x 4096 37.1 vs 41.4 us, bs 16 x 32768 158.6 vs 214.9, bs 64 x 4096 90.4 vs 114.4,
@@ -144,14 +148,23 @@ BLOCK_N_WIDE = 32  # KV tokens per tile when the QK head dim is > 256 (MLA 576)
 BLOCK_N_NARROW = 64  # KV tokens per tile otherwise
 
 
+def small_batch_tiles(bs: int, lk: int, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether decode of a `bs`-request batch over a pool of QK head dim `lk` and dtype
+    `kv_dtype` (None = 16-bit) takes the small-batch tiles (SMALL_BS_BLOCK_N_WIDE tokens,
+    SMALL_BS_NUM_STAGES stages): the transposed path, at most SMALL_BS_MAX requests, a pool
+    dtype in SMALL_BS_DTYPES (bf16, fp16)."""
+    return (bs <= SMALL_BS_MAX and (kv_dtype is None or kv_dtype in SMALL_BS_DTYPES)
+            and transposed_path(bs, lk, kv_dtype))
+
+
 def block_n_for(lk: int, bs: int | None = None, kv_dtype: torch.dtype | None = None) -> int:
     """KV tokens per stage-1 tile for a QK head dim Lk; splits are aligned to this many tokens.
     With `bs` (and the pool dtype, None = 16-bit): the tile `decode_attention_fwd` uses for a
-    batch of bs requests (SMALL_BS_BLOCK_N_WIDE on the transposed path up to SMALL_BS_MAX)."""
+    batch of bs requests (SMALL_BS_BLOCK_N_WIDE under `small_batch_tiles`)."""
     d, dpe = _split_head_dim(lk)
     if d + dpe <= 256:
         return BLOCK_N_NARROW
-    if bs is not None and bs <= SMALL_BS_MAX and transposed_path(bs, lk, kv_dtype):
+    if bs is not None and small_batch_tiles(bs, lk, kv_dtype):
         return SMALL_BS_BLOCK_N_WIDE
     return BLOCK_N_WIDE
 
@@ -474,7 +487,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     v_is_k_prefix = ((swap or REUSE_K_TILE_AS_V) and v_buffer.data_ptr() == k_buffer.data_ptr()
                      and v_buffer.stride()[:2] == k_buffer.stride()[:2]
                      and v_buffer.dtype == k_buffer.dtype and lv == block_d and lv < lk)
-    block_n = block_n_for(lk, bs, k_buffer.dtype)
+    small = small_batch_tiles(bs, lk, k_buffer.dtype)
+    block_n = SMALL_BS_BLOCK_N_WIDE if small else block_n_for(lk)
     block_h = max(16, triton.next_power_of_2(hpp))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
 
@@ -491,8 +505,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         MAX_KV_SPLITS=max_kv_splits, BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv,
         BLOCK_N=block_n, BLOCK_H=block_h, DOT_PRECISION=precision, V_IS_K_PREFIX=v_is_k_prefix,
         SWAP_AB=swap, num_warps=STAGE1_NUM_WARPS,
-        num_stages=(SMALL_BS_NUM_STAGES if swap and bs <= SMALL_BS_MAX
-                    else STAGE1_NUM_STAGES_SWAP if swap
+        num_stages=(SMALL_BS_NUM_STAGES if small else STAGE1_NUM_STAGES_SWAP if swap
                     else STAGE1_NUM_STAGES_WIDE if wide else STAGE1_NUM_STAGES),
         **launch_options(pdl),
     )

@@ -211,7 +211,9 @@ class DeepseekV2Attention(nn.Module):
         [nq + kv_lora + rope, hidden] whose row blocks become the two parameters (views: no
         extra memory; in-place weight loads still reach it), so one GEMM or GEMV serves both.
         Only for unquantized weights of one dtype and device without biases; otherwise the
-        two projections stay separate."""
+        two projections stay separate. Invariant: after this, the parameters' storage is only
+        written in place (`copy_`, the weight loaders); assigning a new `.data` or moving the
+        module (`.to()`) would leave the forward reading the old `w_input_proj`."""
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         kv = self.kv_a_proj_with_mqa
         if (type(first.quant_method) is not UnquantizedLinearMethod
@@ -247,9 +249,12 @@ class DeepseekV2Attention(nn.Module):
                         rope_table: torch.Tensor | None) -> torch.Tensor | None:
         """The layer's latent pool buffer when absorbed decode may run the one-kernel prologue
         (`mla_kernels.mla_rope_store`: norm, rope and pool store): a decode batch on CUDA, not
-        traced by torch.compile, the model's rope table at hand, a pool (and norm weight) in
-        the activations' dtype (FP8 pools quantize through their own store). Else None."""
+        traced by torch.compile, a backend that takes it (`AttentionBackend.fused_mla_prologue`:
+        triton, not the torch_native reference), the model's rope table at hand, a pool (and
+        norm weight) in the activations' dtype (FP8 pools quantize through their own store).
+        Else None."""
         if (not hidden.is_cuda or rope_table is None or torch.compiler.is_compiling()
+                or not getattr(forward_batch.attn_backend, "fused_mla_prologue", False)
                 or not forward_batch.forward_mode.is_decode()
                 or self.kv_a_layernorm.weight.dtype != hidden.dtype):
             return None

@@ -219,14 +219,19 @@ def test_block_and_split_boundaries(lk, lv, mla):
     check(case, num_kv_splits=splits, max_kv_splits=3)
 
 
-def test_small_batch_wide_tile_boundaries():
-    """Up to SMALL_BS_MAX MLA requests take 64-token tiles on the transposed path (more take
-    BLOCK_N_WIDE): lengths around the tile and split boundaries of that tile."""
+def test_small_batch_wide_tile_boundaries(monkeypatch):
+    """Up to SMALL_BS_MAX MLA requests in a 16-bit pool take 64-token tiles on the transposed
+    path (more requests, or an fp32 pool, take BLOCK_N_WIDE): lengths around the tile and split
+    boundaries of that tile. The interpreter runs them in fp32 (its bf16 dot is wrong), so
+    fp32 is admitted to the small-batch tiles here (on a GPU they would not fit)."""
     import mla_kernels.decode_attention as da
 
-    bn = block_n_for(576, da.SMALL_BS_MAX)
+    bn = block_n_for(576, da.SMALL_BS_MAX, torch.bfloat16)
     assert bn == da.SMALL_BS_BLOCK_N_WIDE != da.BLOCK_N_WIDE
-    assert block_n_for(576, da.SMALL_BS_MAX + 1) == da.BLOCK_N_WIDE
+    assert block_n_for(576, da.SMALL_BS_MAX + 1, torch.bfloat16) == da.BLOCK_N_WIDE
+    assert block_n_for(576, 1, torch.float32) == da.BLOCK_N_WIDE
+    monkeypatch.setattr(da, "SMALL_BS_DTYPES", (torch.float32,))
+    assert block_n_for(576, 1, torch.float32) == bn
     for lens, splits in (([1, bn - 1, bn + 1, 3 * bn + 1], [1, 2, 2, 3]), ([2 * bn], [3])):
         check(make_case(lens, 16, 1, 576, 512, mla=True, seed=len(lens)),
               num_kv_splits=splits, max_kv_splits=3)

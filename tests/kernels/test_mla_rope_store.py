@@ -3,8 +3,9 @@
 CPU (CI): the triton interpreter in fp32 — V2 shapes (512 + 64, 16 heads) and odd ones (latent
 not a power of two, 3 heads, rope 32), strided inputs (column slices of a fused projection, the
 rope columns of the absorbed query), the padding sink, rows outside `loc` left untouched.
-GPU (`gpu` marker, H200): bf16 against the fp32 twin and bit-equal to rmsnorm + rotary +
-store_kv, at 1 and 64 tokens and a slot near the end of a large pool.
+GPU (`gpu` marker, H200): bf16 against the fp32 twin and against rmsnorm + rotary + store_kv
+(the rotated query bit-equal, the stored rows within the norm's reduction order), at 1 and 64
+tokens, and a slot near the end of a large pool.
 """
 
 from __future__ import annotations
@@ -121,9 +122,12 @@ def test_gpu_bf16_equals_separate_kernels(t):
     torch.testing.assert_close(pool.float(), pool_ref, rtol=8e-3, atol=8e-3)
     torch.testing.assert_close(q_full.float(), q_ref, rtol=8e-3, atol=8e-3)
     assert torch.equal(q_full, q_sep)
-    diff = (pool.float() - pool_sep.float()).abs()
-    assert diff.max().item() <= 2 ** -7 * pool_sep.float().abs().max().item()
-    assert (diff > 0).float().mean().item() < 0.01
+    diff = (pool[loc].float() - pool_sep[loc].float()).abs()  # the written rows only
+    assert diff.max().item() <= 2 ** -7 * pool_sep[loc].float().abs().max().item()
+    assert (diff > 0).float().mean().item() < 0.05
+    others = torch.ones(pool.shape[0], dtype=torch.bool, device="cuda")
+    others[loc] = False
+    assert torch.equal(pool[others], pool_sep[others])
 
 
 @pytest.mark.gpu

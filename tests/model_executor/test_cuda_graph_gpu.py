@@ -115,9 +115,7 @@ def test_bs1_decode_fast_paths_equal_generic(model_dirs, dtype, monkeypatch):
     monkeypatch.setattr(ds_mod.DeepseekV2Attention, "_fused_prologue", lambda self, *a: None)
     monkeypatch.setattr(ds_mod, "BMM_GEMV_MAX_ROWS", 0)
     monkeypatch.setattr(pdl, "ENABLED", False)
-    calls.update(prologue=0)
     generic = runner.forward(fb)
-    assert calls["prologue"] == 0
     # bf16: the paths round differently (the generic one rounds the routed and the shared
     # output to bf16 and again after adding them in every MoE layer; the fold sums both in fp32
     # and rounds once), hence above the 2e-2 of graph-vs-eager on the same kernels below.

@@ -19,6 +19,12 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend(ABC):
+    # Whether models may store absorbed-MLA decode's new latent rows in the pool themselves
+    # (`mla_kernels.mla_rope_store`, fused with the latent norm and rope) and then call
+    # `forward_decode` with k = v = None and save_kv_cache=False. The triton backend says yes;
+    # the reference backend keeps the separate torch ops, so it stays an independent oracle.
+    fused_mla_prologue: bool = False
+
     @abstractmethod
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Prepare per-step metadata (index tensors, split plans). Called once per forward."""

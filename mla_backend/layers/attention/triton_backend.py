@@ -52,6 +52,8 @@ class TritonAttnBackend(AttentionBackend):
         max_kv_splits: most KV splits one decoding request is cut into (flash-decoding).
     """
 
+    fused_mla_prologue = True  # see AttentionBackend
+
     def __init__(self, device: torch.device, max_kv_splits: int = DEFAULT_MAX_KV_SPLITS) -> None:
         self.device = device
         self.max_kv_splits = max_kv_splits
