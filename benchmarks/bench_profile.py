@@ -201,13 +201,11 @@ def section_kernels(args, model_dir: str, vocab: int, res: dict) -> None:
 
     out = res.setdefault("kernels", {})
     max_bs = max(args.bs)
-    pdl_before, pdl.ENABLED = pdl.ENABLED, pdl.ENABLED and args.pdl
-    try:
+    with pdl.override(args.pdl):
+        on = pdl.ENABLED
         results, graphs = _profile_kernels(args, model_dir, vocab, max_bs)
-    finally:
-        pdl.ENABLED = pdl_before
     mode = "CUDA graphs" if graphs and bs_.DEVICE == "cuda" else "eager"
-    mode += ", PDL" if pdl_before and args.pdl else ", PDL off"
+    mode += ", PDL" if on else ", PDL off"
     for r in results:
         r["mode"] = mode
         out[str(r["bs"])] = r

@@ -304,10 +304,8 @@ def section_latency(args, model_dir: str, vocab: int, bw: float, res: dict) -> N
     roof_tok_s = None
     import mla_kernels.pdl as pdl
 
-    pdl_default = pdl.ENABLED
-    try:
-        for mode in args.latency_modes:
-            pdl.ENABLED = mode != "graphs-nopdl" and pdl_default
+    for mode in args.latency_modes:
+        with pdl.override(mode != "graphs-nopdl"):
             eng = make_engine(model_dir, cuda_graph_max_bs=max(args.latency_bs),
                               max_running_requests=max(args.latency_bs), **modes[mode])
             if roof_tok_s is None:
@@ -322,8 +320,6 @@ def section_latency(args, model_dir: str, vocab: int, bw: float, res: dict) -> N
             log(f"latency {mode}: " + ", ".join(f"bs{b} {v:.2f} ms" for b, v in ms[mode].items()))
             del eng
             release()
-    finally:
-        pdl.ENABLED = pdl_default
     rows = []
     for bs in args.latency_bs:
         row: list[Any] = [bs]

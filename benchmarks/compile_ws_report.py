@@ -21,12 +21,9 @@ is used.
 
 from __future__ import annotations
 
-import glob
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real, even under the test settings
 

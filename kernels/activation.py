@@ -55,10 +55,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     block = min(_BLOCK_N, triton.next_power_of_2(n))
     grid = (t, triton.cdiv(n, block))
-    pdl = use_pdl(x)
     _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), n, BLOCK_N=block,
                                num_warps=4 if block >= 512 else 1,
-                               **launch_options(pdl))
+                               **launch_options(use_pdl(x)))
     return out
 
 

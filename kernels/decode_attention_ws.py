@@ -34,7 +34,8 @@ natural-log LSE [bs, H, splits]. Inside a program the warps are specialized
   q·K issue; the consumer releases a tile (arrives on `empty`) as soon as its P·V has completed.
 
 Shared memory: NUM_BUFS x 73.7 KB tiles + q (18.4 KB) + p^T (2 KB): 2 buffers = one program per
-SM, 1 buffer (the default) = two. `benchmarks/compile_ws_report.py` compiles this for sm_90 without a GPU.
+SM, 1 buffer (the default) = two. `benchmarks/compile_ws_report.py` compiles this for sm_90
+without a GPU.
 
 Needs triton >= 3.6 with Gluon (`triton.experimental.gluon`); imports torch and triton only.
 """
@@ -92,7 +93,8 @@ def default_maxnreg(num_bufs: int | None = None) -> int | None:
 @gluon.jit
 def _split_len(seq_len, n_splits, ALIGN: gl.constexpr):
     """Tokens per split: cdiv(seq_len, n_splits) rounded up to ALIGN (at least ALIGN); the
-    same as `decode_attention._split_len`, which the merge kernel uses."""
+    same as `decode_attention._split_len`, which the merge kernel uses (written again: a Gluon
+    kernel cannot call a triton-language function)."""
     per = (seq_len + n_splits - 1) // n_splits
     per = (per + ALIGN - 1) // ALIGN * ALIGN
     return gl.maximum(per, ALIGN)

@@ -126,14 +126,13 @@ def mla_norm_rope_store(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     if t == 0:
         return
     block_l = triton.next_power_of_2(lora)
-    pdl = use_pdl(kv_a)
     _mla_norm_rope_store_kernel[(t,)](
         kv_a, norm_weight, q_pe, table, loc, k_buffer, q_out,
         kv_a.stride(0), q_pe.stride(0), q_pe.stride(1), table.stride(0), k_buffer.stride(0),
         q_out.stride(0), q_out.stride(1), lora, rope // 2, heads, float(eps),
         BLOCK_L=block_l, BLOCK_HALF=triton.next_power_of_2(rope // 2),
         BLOCK_H=triton.next_power_of_2(heads), num_warps=4 if block_l >= 512 else 1,
-        **launch_options(pdl))
+        **launch_options(use_pdl(kv_a)))
 
 
 __all__ = ["mla_norm_rope_store"]

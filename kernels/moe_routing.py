@@ -86,12 +86,12 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = False,
     if t == 0:
         return weights, ids
     block_e = triton.next_power_of_2(e)
-    pdl = use_pdl(logits)
     _softmax_topk_kernel[(t,)](logits, weights, ids, logits.stride(0), weights.stride(0),
                                ids.stride(0), e, float(scale), TOP_K=top_k,
                                RENORMALIZE=bool(renormalize and top_k > 1), BLOCK_E=block_e,
                                BLOCK_K=triton.next_power_of_2(top_k),
-                               num_warps=1 if block_e <= 256 else 4, **launch_options(pdl))
+                               num_warps=1 if block_e <= 256 else 4,
+                               **launch_options(use_pdl(logits)))
     return weights, ids
 
 

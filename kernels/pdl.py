@@ -31,6 +31,7 @@ interpreter (TRITON_INTERPRET) and pre-Hopper devices.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -53,6 +54,19 @@ def use_pdl(t: torch.Tensor) -> bool:
     if ok is None:
         ok = _CAPABLE[idx] = torch.cuda.get_device_capability(idx) >= (9, 0)
     return ok
+
+
+@contextmanager
+def override(on: bool):
+    """Within the block PDL is on only if `on` and `ENABLED` was (A/B runs: benchmarks turn it
+    off for kernels launched and graphs captured inside); `ENABLED` is restored after."""
+    global ENABLED
+    before = ENABLED
+    ENABLED = before and on
+    try:
+        yield
+    finally:
+        ENABLED = before
 
 
 def launch_options(enabled: bool) -> dict:
@@ -83,4 +97,5 @@ def pdl_wait(USE_PDL: tl.constexpr):
         gdc_wait()
 
 
-__all__ = ["ENABLED", "launch_options", "pdl_enter", "pdl_trigger", "pdl_wait", "use_pdl"]
+__all__ = ["ENABLED", "launch_options", "override", "pdl_enter", "pdl_trigger", "pdl_wait",
+           "use_pdl"]

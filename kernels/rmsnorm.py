@@ -90,10 +90,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x.shape[0] == 0:
         return out
     block, warps = _launch_cfg(d)
-    pdl = use_pdl(x)
     _rmsnorm_kernel[(x.shape[0],)](x, weight.contiguous(), out, x.stride(0), out.stride(0), d,
                                    float(eps), BLOCK_D=block, num_warps=warps,
-                                   **launch_options(pdl))
+                                   **launch_options(use_pdl(x)))
     return out
 
 
@@ -127,11 +126,10 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     if x.shape[0] == 0:
         return
     block, warps = _launch_cfg(d)
-    pdl = use_pdl(x)
     _add_rmsnorm_kernel[(x.shape[0],)](
         x, residual, weight.contiguous(), out, residual_out, x.stride(0), residual.stride(0),
         out.stride(0), residual_out.stride(0), d, float(eps), BLOCK_D=block,
-        num_warps=warps, **launch_options(pdl))
+        num_warps=warps, **launch_options(use_pdl(x)))
 
 
 __all__ = ["fused_add_rmsnorm", "rmsnorm"]

@@ -152,7 +152,6 @@ def rotary_embedding(positions: torch.Tensor | None, q: torch.Tensor, k: torch.T
     block_pass = triton.next_power_of_2(n_pass) if copy_pass else 1
     grid = (n_tok, triton.cdiv(hq, block_h) + triton.cdiv(hk, block_h))
     pos = positions if positions is not None else cos_sin_cache  # dummy pointer when unused
-    pdl = use_pdl(q)
     _rotary_kernel[grid](
         pos, q, k, q_out, k_out, cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -160,7 +159,7 @@ def rotary_embedding(positions: torch.Tensor | None, q: torch.Tensor, k: torch.T
         cos_sin_cache.stride(0), hq, hk, half, n_pass,
         HAS_POS=positions is not None, IS_NEOX=bool(is_neox), BLOCK_H=block_h,
         BLOCK_HALF=block_half, COPY_PASS=copy_pass, BLOCK_PASS=block_pass,
-        num_warps=4 if block_h * block_half >= 512 else 1, **launch_options(pdl))
+        num_warps=4 if block_h * block_half >= 512 else 1, **launch_options(use_pdl(q)))
 
 
 __all__ = ["rotary_embedding"]

@@ -86,13 +86,12 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor | None, loc: torch.T
     grid = (t, hkv, triton.cdiv(max(lk, lv), block))
     vb = v_buffer if v is not None else k_buffer
     vv = v if v is not None else k
-    pdl = use_pdl(k)
     _store_kv_kernel[grid](
         k_buffer, vb, loc, k, vv,
         k_buffer.stride(0), k_buffer.stride(1), vb.stride(0), vb.stride(1),
         k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
         LK=lk, LV=lv, BLOCK=block, HAS_V=v is not None, num_warps=4,
-        **launch_options(pdl),
+        **launch_options(use_pdl(k)),
     )
 
 

@@ -112,27 +112,34 @@ class BlockFP8Config:
 GEMV_MAX_ROWS = 1
 
 
+def unquantized_linear(x: torch.Tensor, w: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) for a weight w [N, K] in the model dtype, or fp32 (then y is fp32), that
+    no kernel writes during a forward (a model weight). A bf16/fp16 CUDA x [T, K] of at most
+    `GEMV_MAX_ROWS` rows (not while torch.compile traces) goes through the triton `gemv` (which
+    takes a 16-bit x with an fp32 weight as it is), anything else through `F.linear` (x cast to
+    an fp32 weight's dtype)."""
+    if (x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype in (x.dtype, torch.float32)
+            and x.stride(1) == 1 and w.stride(1) == 1
+            and not torch.compiler.is_compiling()):
+        from mla_kernels.gemv import gemv
+
+        # a model weight: nothing writes it during a forward (PDL prefetch, kernels/pdl.py)
+        return gemv(x, w, bias, static_weight=True)
+    if w.dtype == torch.float32 and x.dtype != torch.float32:
+        x = x.float()
+    return F.linear(x, w, bias)
+
+
 class UnquantizedLinearMethod:
     """weight in the model dtype, or fp32 (the MoE router, `layers.moe.RouterGate`: then the
-    result is fp32); y = x W^T (+ b). A bf16/fp16 CUDA x of at most `GEMV_MAX_ROWS` rows (not
-    while torch.compile traces) goes through the triton `gemv` (which takes a 16-bit x with an
-    fp32 weight as it is), anything else through `F.linear` (x cast to an fp32 weight's dtype)."""
+    result is fp32); y = x W^T (+ b) by `unquantized_linear`."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-        w = layer.weight
-        if (x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
-                and x.dtype in (torch.bfloat16, torch.float16)
-                and w.dtype in (x.dtype, torch.float32)
-                and x.stride(1) == 1 and w.stride(1) == 1
-                and not torch.compiler.is_compiling()):
-            from mla_kernels.gemv import gemv
-
-            # a parameter: nothing writes it during a forward (PDL prefetch, kernels/pdl.py)
-            return gemv(x, w, bias, static_weight=True)
-        if w.dtype == torch.float32 and x.dtype != torch.float32:
-            x = x.float()
-        return F.linear(x, w, bias)
+        return unquantized_linear(x, layer.weight, bias)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass

@@ -82,6 +82,7 @@ from mla_backend.layers.quantization import (
     fp8_per_tensor_bmm,
     quant_config_from_hf,
     quantize_fp8_bmm_weight,
+    unquantized_linear,
 )
 from mla_backend.layers.radix_attention import RadixAttention, load_kv_scale
 from mla_backend.layers.rotary_deepseek import (
@@ -237,10 +238,8 @@ class DeepseekV2Attention(nn.Module):
             first = self.q_proj(hidden) if self.q_lora_rank is None else self.q_a_proj(hidden)
             kv_a = self.kv_a_proj_with_mqa(hidden)
         else:
-            first, kv_a = self.kv_a_proj_with_mqa.quant_method.apply(
-                _FusedWeight(w), hidden, None).split(
-                [w.shape[0] - self.kv_a_proj_with_mqa.weight.shape[0],
-                 self.kv_a_proj_with_mqa.weight.shape[0]], dim=-1)
+            n_kv = self.kv_lora_rank + self.qk_rope_head_dim
+            first, kv_a = unquantized_linear(hidden, w).split([w.shape[0] - n_kv, n_kv], -1)
         if self.q_lora_rank is not None:
             first = self.q_b_proj(self.q_a_layernorm(first))
         return first, kv_a
@@ -254,7 +253,7 @@ class DeepseekV2Attention(nn.Module):
         norm weight) in the activations' dtype (FP8 pools quantize through their own store).
         Else None."""
         if (not hidden.is_cuda or rope_table is None or torch.compiler.is_compiling()
-                or not getattr(forward_batch.attn_backend, "fused_mla_prologue", False)
+                or not forward_batch.attn_backend.fused_mla_prologue
                 or not forward_batch.forward_mode.is_decode()
                 or self.kv_a_layernorm.weight.dtype != hidden.dtype):
             return None
@@ -346,14 +345,6 @@ class DeepseekV2Attention(nn.Module):
         if w_scale is None:
             return torch.bmm(x, w)
         return fp8_per_tensor_bmm(x, w, w_scale)
-
-
-class _FusedWeight:
-    """What a linear method reads of a layer (`weight`, no bias) for the fused input
-    projection of `DeepseekV2Attention`."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight
 
 
 class DeepseekV2DecoderLayer(nn.Module):

@@ -162,3 +162,18 @@ def test_linear_layer_dispatch_on_gpu():
         x = _rand(t, 2048, seed=t, dtype=torch.bfloat16)
         want = linear_ref(x.cpu(), layer.weight.detach().cpu(), layer.bias.detach().cpu())
         torch.testing.assert_close(layer(x).float().cpu(), want, **BF16)
+
+
+def test_pdl_override_restores_the_switch():
+    """`pdl.override(on)` (benchmarks' A/B runs): off inside when asked, never on when the
+    switch was off, and the switch restored after the block, also when it raises."""
+    import mla_kernels.pdl as pdl
+
+    before = pdl.ENABLED
+    with pdl.override(False):
+        assert pdl.ENABLED is False
+    with pytest.raises(RuntimeError):
+        with pdl.override(True):
+            assert pdl.ENABLED == before
+            raise RuntimeError("inside")
+    assert pdl.ENABLED == before
