@@ -40,11 +40,13 @@ experts (the weight reads then repeat, L2 saves only part of it): see `GEMV_MAX_
 
 FP8 weights (W8A8, both paths; `fused_experts` documents the layouts): w13/w2
 float8_e4m3fn with per-expert per-tensor scales [E] or DeepSeek-V3 block scales
-[E, nb, kb]; each GEMM's activations are quantized in torch (`quantize_activations_fp8`: one
-scale per tensor, or per token per 128 columns), since the interpreter's in-kernel float -> fp8
-rounding is wrong for a few percent of values (its fp8 loads are exact). `_grouped_gemm_kernel`
+[E, nb, kb]; each GEMM's activations are quantized before it (`quantize_activations_fp8`: one
+scale per token, or per token per 128 columns; on CUDA the per-token case is one launch of
+`fp8_quant.quantize_fp8_per_token`, elsewhere torch), never inside the GEMM, since the
+interpreter's in-kernel float -> fp8 rounding is wrong for a few percent of values (its fp8
+loads are exact). `_grouped_gemm_kernel`
 (QUANT 1 / 2) accumulates fp8 x fp8 tl.dots in fp32 (tiles upcast to fp32 off sm89+ GPUs and in
-the interpreter) and applies the scales: per tensor once after the K loop, per block on each
+the interpreter) and applies the scales: per expert and row once after the K loop, per block on each
 BLOCK_K step (BLOCK_K divides the 128-column scale group). The GEMV kernels (in
 `fused_moe_gemv`) do the same with fp32 multiply + tl.sum. Twin: `reference.fused_experts_fp8_ref`.
 
@@ -210,7 +212,8 @@ def _grouped_gemm_kernel(
     DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
     # QUANT: 0 = a, B in one float dtype; 1 = FP8 B with one scale per expert (BScale[e]) and
-    # one activation scale (AScale[0]), applied after the K loop; 2 = FP8 B with block scales
+    # one activation scale per a row (AScale[a_row * stride_asm]; stride 0: one for all),
+    # applied after the K loop; 2 = FP8 B with block scales
     # BScale[e, n // group_n, k // group_k] and per-(row, K group) activation scales
     # AScale[a_row, k // group_k], applied per K step (BLOCK_K divides group_k).
     # Program -> (row block, column block), GROUP_M row blocks at a time so consecutive programs
@@ -271,8 +274,9 @@ def _grouped_gemm_kernel(
                     acc_up = _tile_dot(a, bu, acc_up, DOT_PRECISION, QUANT == 1, FP8_DOT)
                 up_ptrs += BLOCK_K * stride_bk
 
-        if QUANT == 1:  # one scale for the expert's whole matrix and one for all of A
-            s = tl.load(AScale).to(tl.float32) * tl.load(BScale + expert * stride_bse)
+        if QUANT == 1:  # one scale for the expert's whole matrix, one per row of A
+            a_s = tl.load(as_ptrs, mask=mask_m, other=0.0).to(tl.float32)
+            s = a_s[:, None] * tl.load(BScale + expert * stride_bse)
             acc = acc * s
             if FUSE_SILU_MUL:
                 acc_up = acc_up * s
@@ -319,7 +323,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
         topk_weights: optional [num_rows] contiguous fp32 routing weights multiplied into row r.
         a_scale, w_scale, block_shape: required with FP8 w (float8_e4m3fn), refused without;
             the real operands are a * a_scale and w * w_scale. Per tensor (block_shape None):
-            w_scale [E], a_scale [1]. Blocks (bn, bk), bk a multiple of 16: w_scale
+            w_scale [E], a_scale [1] (one for all of a) or [Ta, 1] (one per row of a).
+            Blocks (bn, bk), bk a multiple of 16: w_scale
             [E, ceil(N/bn) (x2 with fuse_silu_mul: gate's rows, then up's), ceil(K/bk)],
             a_scale [Ta, ceil(K/bk)]. a: float8_e4m3fn, or a float dtype with scales of 1.
     Returns:
@@ -341,10 +346,11 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
         a_scale, w_scale = a_scale.float(), w_scale.float()
         if block_shape is None:
             quant = 1
-            if tuple(w_scale.shape) != (e,) or a_scale.numel() != 1:
-                raise ValueError(f"grouped_gemm: per-tensor scales must be w_scale [{e}] and "
-                                 f"a_scale [1], got {tuple(w_scale.shape)}, "
-                                 f"{tuple(a_scale.shape)}")
+            if tuple(w_scale.shape) != (e,) or tuple(a_scale.shape) not in ((1,),
+                                                                          (a.shape[0], 1)):
+                raise ValueError(f"grouped_gemm: per-tensor weight scales must be w_scale [{e}] "
+                                 f"and a_scale [1] or [{a.shape[0]}, 1], got "
+                                 f"{tuple(w_scale.shape)}, {tuple(a_scale.shape)}")
         else:
             quant = 2
             group_n, group_k = int(block_shape[0]), int(block_shape[1])
@@ -370,7 +376,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     weights = topk_weights if topk_weights is not None else c  # unused pointer when not weighted
     if quant:
-        a_strides = (a_scale.stride(0), a_scale.stride(1)) if quant == 2 else (0, 0)
+        a_strides = _a_scale_strides(a_scale, quant)
         w_strides = (w_scale.stride(0),) + ((w_scale.stride(1), w_scale.stride(2))
                                             if quant == 2 else (0, 0))
     else:  # unused pointers
@@ -571,7 +577,15 @@ def _scale_args(w_scale: torch.Tensor | None, a_scale: torch.Tensor | None, quan
     w_scale, a_scale = w_scale.float(), a_scale.float()
     ws = (w_scale, w_scale.stride(0)) + ((w_scale.stride(1), w_scale.stride(2)) if quant == 2
                                          else (0, 0))
-    return ws, (a_scale,) + ((a_scale.stride(0), a_scale.stride(1)) if quant == 2 else (0, 0))
+    return ws, (a_scale,) + _a_scale_strides(a_scale, quant)
+
+
+def _a_scale_strides(a_scale: torch.Tensor, quant: int) -> tuple[int, int]:
+    """(row stride, group stride) of the activation scales: blocks [Ta, kb] (QUANT 2), per row
+    [Ta, 1] or one for all [1] (QUANT 1: row stride 0)."""
+    if quant == 2:
+        return a_scale.stride(0), a_scale.stride(1)
+    return (a_scale.stride(0) if a_scale.dim() == 2 else 0), 0
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -584,26 +598,27 @@ def quantize_activations_fp8(x: torch.Tensor, group_size: int | None
 
     Args:
         x: [M, K] float.
-        group_size: None = one scale for the whole tensor; else per row per group_size columns
+        group_size: None = one scale per row (token); else per row per group_size columns
             (DeepSeek-V3's per-token-group quantization: `per_token_group_quant_fp8`).
     Returns:
-        (q float8_e4m3fn [M, K], scale float32 [1] or [M, ceil(K/group_size)]) with
+        (q float8_e4m3fn [M, K], scale float32 [M, 1] or [M, ceil(K/group_size)]) with
         q * scale ~ x; scale = max(amax, 1e-10) / 448 (saturating: |x / scale| <= 448). Device
-        ops only (no host read). On CUDA the per-tensor case is `fp8_quant.quantize_fp8` (two
-        launches instead of six torch ops; its floor, max(amax / 448, 1e-12), differs from the
-        one above only for amax < 4.5e-10).
+        ops only (no host read). On CUDA the per-row case is one launch of
+        `fp8_quant.quantize_fp8_per_token` (instead of six torch ops; its floor,
+        max(amax / 448, 1e-12), differs from the one above only for amax < 4.5e-10).
     """
     if group_size is not None:
         from .block_fp8_gemm import per_token_group_quant_fp8
 
         return per_token_group_quant_fp8(x, group_size)
     if x.is_cuda and x.dtype in _DTYPES and not torch.compiler.is_compiling():
-        from .fp8_quant import quantize_fp8
+        from .fp8_quant import quantize_fp8_per_token
 
-        q, scale = quantize_fp8(x)
-        return q, scale.reshape(1)
+        return quantize_fp8_per_token(x)
     xf = x.float()
-    scale = (xf.abs().amax().clamp(min=_SCALE_FLOOR) / FP8_MAX).reshape(1)
+    if xf.shape[1] == 0:
+        return xf.to(FP8_DTYPE), xf.new_full((xf.shape[0], 1), _SCALE_FLOOR / FP8_MAX)
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=_SCALE_FLOOR) / FP8_MAX  # [M, 1]
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
@@ -615,7 +630,7 @@ def _quantize(a: torch.Tensor, fp8: bool, group: int | None, activation_quant: b
         return a, None
     if activation_quant:
         return quantize_activations_fp8(a, group)
-    shape = (1,) if group is None else (a.shape[0], triton.cdiv(a.shape[1], group))
+    shape = (a.shape[0], 1 if group is None else triton.cdiv(a.shape[1], group))
     return a, torch.ones(shape, dtype=torch.float32, device=a.device)
 
 
@@ -671,9 +686,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
     FP8 weights (w13, w2 float8_e4m3fn, W8A8): the real weights are w * scale, in one of two
     forms, and each GEMM's activations (x, then the intermediate after rounding to x's dtype)
-    are quantized dynamically in torch (`quantize_activations_fp8`) to match:
-    - per expert per tensor: w13_scale, w2_scale [E] float32; one activation scale for the
-      whole x (resp. intermediate), amax / 448 (vLLM's Fp8MoEMethod with dynamic activations);
+    are quantized dynamically (`quantize_activations_fp8`) to match:
+    - per expert per tensor: w13_scale, w2_scale [E] float32; one activation scale per row of x
+      (resp. of the intermediate), amax / 448 (per-token dynamic activations; vLLM's
+      Fp8MoEMethod uses one per tensor);
     - DeepSeek-V3 block scales (`weight_scale_inv`, multiplied): block_shape (bn, bk) (default
       (128, 128)), w13_scale [E, 2*ceil(I/bn), ceil(H/bk)] (gate's block rows, then up's: gate
       and up are blocked separately, as in the checkpoint; = ceil(2I/bn) rows when bn divides

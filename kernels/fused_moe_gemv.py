@@ -4,7 +4,8 @@ tile configs and path choice live in `fused_moe`: `gemv_experts`, `GemvConfig`,
 
 QUANT (constexpr) picks the weight format, as in `fused_moe._grouped_gemm_kernel`:
 0 = weights in the activations' float dtype; 1 = float8_e4m3fn weights with one scale per
-expert (WScale[e]) and one activation scale (XScale[0]), applied after the reduction;
+expert (WScale[e]) and one activation scale per row (row stride 0: one for all), applied after
+the reduction;
 2 = float8_e4m3fn weights with block scales WScale[e, n // group_n, k // group_k] and
 per-(row, K group) activation scales, applied per BLOCK_K step (BLOCK_K divides group_k).
 FP8 tiles are upcast to fp32 (a GEMV has no tl.dot); activations arrive already quantized
@@ -74,7 +75,7 @@ def _gemv_gate_up_kernel(
         g_ptrs += w_step
         u_ptrs += w_step
     if QUANT == 1:
-        s = tl.load(XScale) * tl.load(WScale + e * stride_wse)
+        s = tl.load(XScale + t * stride_xst) * tl.load(WScale + e * stride_wse)
         acc_g = acc_g * s
         acc_u = acc_u * s
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -140,7 +141,8 @@ def _gemv_down_kernel(
         w_ptrs += w_step[:, None, None]
     if QUANT == 1:
         ws = tl.load(WScale + e * stride_wse, mask=routed, other=0.0)  # [K_PAD]
-        acc = acc * (ws * tl.load(AScale))[:, None]
+        a_s = tl.load(AScale + rows * stride_asr, mask=mask_s, other=0.0)  # [K_PAD]
+        acc = acc * (ws * a_s)[:, None]
     y = tl.sum(acc * rw[:, None], axis=0)  # [BLOCK_N]
     o_ptrs = Out + t * stride_ot + offs_n.to(tl.int64) * stride_on
     tl.store(o_ptrs, y.to(Out.dtype.element_ty), mask=mask_n)

@@ -231,17 +231,14 @@ def block_fp8_matmul_ref(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor
 
 def _quant_act_ref(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
     """Dynamic e4m3 activation quantization then dequantization, float32 [M, K]: one scale
-    max(amax, 1e-10) / 448 for the whole x (group_size None) or per row per group_size columns;
+    max(amax, 1e-10) / 448 per row (group_size None) or per row per group_size columns;
     values saturate at +-448 * scale."""
     xf = x.float()
     m, k = xf.shape
     g = k if group_size is None else group_size
     groups = -(-k // g)
     xp = torch.nn.functional.pad(xf, (0, groups * g - k)).view(m, groups, g)
-    if group_size is None:
-        amax = xp.abs().amax().expand(m, groups)
-    else:
-        amax = xp.abs().amax(dim=-1)
+    amax = xp.abs().amax(dim=-1)
     scale = (amax.clamp(min=1e-10) / 448.0).unsqueeze(-1)  # [m, groups, 1]
     q = (xp / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
     return (q * scale).view(m, groups * g)[:, :k]
@@ -273,8 +270,8 @@ def fused_experts_fp8_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           activation_quant: bool = True) -> torch.Tensor:
     """Twin of `fused_moe.fused_experts` with FP8 weights: dequantize the weights
     (`dequant_experts_ref`), quantize-dequantize each GEMM's activations as the kernel path does
-    (x, then the whole [T*k, I] intermediate: one scale per tensor, or per row per bk columns
-    with block scales; skipped when activation_quant is False), compute in float32.
+    (x, then the [T*k, I] intermediate: one scale per row, or per row per bk columns with
+    block scales; skipped when activation_quant is False), compute in float32.
 
     Args:
         x: [T, H]; w13: [E, 2I, H] fp8; w2: [E, H, I] fp8; topk_weights, topk_ids: [T, k].
@@ -314,6 +311,21 @@ def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor | None = None
     if scale is None:
         scale = (xf.abs().amax() / 448.0).clamp(min=1e-12)
     scale = scale.float().reshape(())
+    return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def quantize_fp8_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of `fp8_quant.quantize_fp8_per_token`: saturating e4m3 quantization, one dynamic
+    scale per row, in torch.
+
+    Args:
+        x: [M, K] float.
+    Returns:
+        (q float8_e4m3fn [M, K] = (x.float() / scale).clamp(-448, 448) cast (round to nearest
+        even); scale float32 [M, 1] = max(amax(|x[m]|) / 448, 1e-12)).
+    """
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
     return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 

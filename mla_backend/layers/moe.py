@@ -224,8 +224,8 @@ def experts_forward(
     FP8 weights (w13, w2 float8_e4m3fn with scales, as `mla_kernels.fused_moe.fused_experts`
     takes them): the same math as the fused kernels, in torch: each used expert's weights are
     dequantized on the fly (float32), each GEMM's activations quantized dynamically
-    (`quantize_activations_fp8`: x, then the whole [T*k, I] intermediate rounded to x's dtype;
-    per tensor, or per token per bk columns with block scales) unless `activation_quant` is off.
+    (`quantize_activations_fp8`: x, then the [T*k, I] intermediate rounded to x's dtype; per
+    row, or per row per bk columns with block scales) unless `activation_quant` is off.
     Args:
         x: [T, H]. w13: [E, 2I, H] (gate rows then up rows). w2: [E, H, I].
         topk_weights: [T, k] fp32. topk_ids: [T, k] int64.
@@ -264,7 +264,7 @@ def experts_forward(
     xq = act(x)
     h_act = torch.zeros(x.shape[0] * top_k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
     used = [e for e, n in enumerate(counts) if n]
-    for e in used:  # GEMM1 for every expert, then one activation scale over all rows
+    for e in used:  # GEMM1 for every expert, then the intermediate quantized per row
         token_idx, slot = torch.where(topk_ids == e)
         h = F.linear(xq[token_idx], dequantize_expert(w13, w13_scale, e, block_shape, True))
         h_act[token_idx * top_k + slot] = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)

@@ -12,9 +12,11 @@ row while loading (so every TP / merged-shard slicing rule of the weight applies
 Also the absorbed-MLA FP8 batched matmul: `quantize_fp8_bmm_weight` (per-tensor FP8 weight,
 column-major per batch entry) and `fp8_per_tensor_bmm` (dynamic per-tensor activations; on
 CUDA the triton `mla_kernels.bmm_fp8` quantizing x on load, one GEMM launch for all heads; on CPU
-a loop of `torch._scaled_mm`), with its float32 twin `mla_kernels.reference.bmm_fp8_ref`. Per-tensor
-activation quantization (`quantize_fp8_per_tensor`) runs on CUDA as the two-launch triton
-kernel `mla_kernels.fp8_quant`, on CPU in torch.
+a loop of `torch._scaled_mm`), with its float32 twin `mla_kernels.reference.bmm_fp8_ref`.
+Activation quantization runs on CUDA as the triton kernels of `mla_kernels.fp8_quant`, on CPU in
+torch: per token (`quantize_fp8_per_token`, one launch) for every dynamic FP8 linear, whose
+GEMM is then rowwise-scaled (`fp8_per_token_mm`); per tensor (`quantize_fp8_per_tensor`, two
+launches, one with a static scale) for static activation scales and for weights.
 """
 
 from __future__ import annotations
@@ -232,8 +234,9 @@ class Fp8Config:
 
     Fields:
         is_checkpoint_fp8: the checkpoint holds FP8 weights + scales (else: quantize at load).
-        activation_scheme: "dynamic" (x scale = amax(|x|) / 448 per call, whole tensor) or
-            "static" (the checkpoint's `input_scale`; merged layers take the max of their
+        activation_scheme: "dynamic" (x scales = amax(|x[m]|) / 448 per call, one per token:
+            vLLM's per-token dynamic FP8 with rowwise-scaled GEMMs) or "static" (the
+            checkpoint's `input_scale`, one for the tensor; merged layers take the max of their
             shards', as vLLM does).
         modules_to_not_convert: module-name substrings left unquantized (optional HF field).
             The models never pass a quant config to the embedding, LM head or MoE router.
@@ -322,6 +325,61 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_E4M3), scale
 
 
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Saturating dynamic e4m3 quantization with one scale per row: on CUDA (float32/bf16/fp16
+    x, outside torch.compile) the one-launch triton `mla_kernels.fp8_quant.quantize_fp8_per_token`
+    (scales and q equal to the torch path's bit for bit), else torch.
+
+    Args:
+        x: [M, K] float (any strides).
+    Returns:
+        (q float8_e4m3fn [M, K], q[m] * scale[m] ~ x[m], values saturate at +-448 * scale[m];
+         scale float32 [M, 1] = max(amax(|x[m]|) / 448, 1e-12)).
+    """
+    if x.is_cuda and x.dtype in _KERNEL_DTYPES and not torch.compiler.is_compiling():
+        from mla_kernels.fp8_quant import quantize_fp8_per_token as per_token_kernel
+
+        return per_token_kernel(x)
+    xf = x.float()
+    if xf.shape[1] == 0:
+        return xf.to(FP8_E4M3), xf.new_full((xf.shape[0], 1), _MIN_SCALE)
+    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_E4M3), scale
+
+
+def fp8_per_token_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale_row: torch.Tensor,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = (x quantized per token) @ w_t * x_scale[m] * w_scale_row[n]: the dynamic FP8 linear.
+
+    Args:
+        x: [M, K] float. w_t: [K, N] float8_e4m3fn, column-major (`weight.t()` of a row-major
+            [N, K] weight). w_scale_row: float32 [1, N] contiguous, one weight scale per output
+            column (a per-tensor scale repeated; a fused matrix's parts may differ).
+            out_dtype: default x's dtype.
+    Returns:
+        [M, N] in out_dtype, fp32 accumulation. On CUDA with bf16 output one rowwise-scaled
+        `torch._scaled_mm`; other output dtypes run the FP8 GEMM into float32 and scale after.
+    """
+    q, xs = quantize_fp8_per_token(x)
+    return _fp8_rowwise_scaled_mm(q, xs, w_t, w_scale_row, out_dtype or x.dtype)
+
+
+def _fp8_rowwise_scaled_mm(q: torch.Tensor, q_scale: torch.Tensor, w_t: torch.Tensor,
+                           w_scale_row: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """q [M, K] float8_e4m3fn @ w_t [K, N] float8_e4m3fn (column-major) * q_scale [M, 1] *
+    w_scale_row [1, N] -> [M, N] out_dtype (fp32 accumulation)."""
+    k, n = w_t.shape
+    if q.is_cuda and not (k % 16 or n % 16):  # cuBLASLt / CUTLASS FP8 need K, N % 16 == 0
+        if out_dtype == torch.bfloat16:  # rowwise scaling: bf16 output only
+            return torch._scaled_mm(q, w_t, scale_a=q_scale, scale_b=w_scale_row,
+                                    out_dtype=out_dtype)
+        one = torch.ones((), dtype=torch.float32, device=q.device)
+        y = torch._scaled_mm(q, w_t, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    else:
+        y = q.float() @ w_t.float()
+    return (y * q_scale * w_scale_row).to(out_dtype)
+
+
 def fp8_per_tensor_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale: torch.Tensor,
                       x_scale: torch.Tensor | None = None,
                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -402,7 +460,11 @@ class Fp8LinearMethod:
       `requantize_with_max_scale`); "static": `input_scale` float32 [n] likewise, then its max.
     - online: `weight` in the model dtype [n, k] while loading, quantized by
       `process_weights_after_loading` (scale = amax / 448).
-    apply: x [..., k] -> [..., n] in x's dtype via `fp8_per_tensor_mm` (`torch._scaled_mm`).
+    After processing also `weight_scale_row` float32 [1, n] (the scale repeated: the rowwise
+    GEMM's column scales).
+    apply: x [..., k] -> [..., n] in x's dtype: dynamic activations quantized per token and a
+    rowwise-scaled GEMM (`fp8_per_token_mm`); a static `input_scale` quantizes per tensor
+    (`fp8_per_tensor_mm`). Both `torch._scaled_mm`.
     """
 
     def __init__(self, config: Fp8Config) -> None:
@@ -427,7 +489,7 @@ class Fp8LinearMethod:
         if layer.weight.dtype != FP8_E4M3:
             q, s = quantize_fp8_per_tensor(layer.weight.data)
         elif layer.weight_scale.dim() == 0:
-            return  # already processed
+            return  # already processed (weight_scale_row too)
         else:
             rows = layer.weight_scale.data  # [n]
             s = rows.max()
@@ -439,6 +501,8 @@ class Fp8LinearMethod:
                                                  requires_grad=False)
         layer.weight = nn.Parameter(q.contiguous(), requires_grad=False)  # [n, k] row-major
         layer.weight_scale = nn.Parameter(s.reshape(()), requires_grad=False)
+        layer.weight_scale_row = nn.Parameter(
+            s.float().reshape(1, 1).expand(1, q.shape[0]).contiguous(), requires_grad=False)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """weight * weight_scale -> [n, k] float32 (after processing)."""
@@ -448,8 +512,11 @@ class Fp8LinearMethod:
               bias: torch.Tensor | None) -> torch.Tensor:
         k = x.shape[-1]
         x_scale = getattr(layer, "input_scale", None)
-        y = fp8_per_tensor_mm(x.reshape(-1, k), layer.weight.t(), layer.weight_scale,
-                              None if x_scale is None else x_scale.data)
+        if x_scale is None:
+            y = fp8_per_token_mm(x.reshape(-1, k), layer.weight.t(), layer.weight_scale_row)
+        else:
+            y = fp8_per_tensor_mm(x.reshape(-1, k), layer.weight.t(), layer.weight_scale,
+                                  x_scale.data)
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -21,7 +21,8 @@ Absorbed MQA: H query heads, 1 KV head of kv_lora + rope dims, V = the first kv_
 In decode one triton kernel (`mla_kernels.mla_rope_store`) normalizes and rotates each new latent
 row straight into its pool slot and rotates the query's rope part. The first query projection
 (q_proj or q_a_proj) and kv_a_proj_with_mqa, which both read the layer input, are stored as one
-matrix after load (`w_input_proj`, unquantized weights) and run as one GEMM / GEMV.
+matrix after load (`w_input_proj`: unquantized weights, or dynamic per-tensor FP8 with each
+part's scale per column in `w_input_proj_scale`) and run as one GEMM / GEMV.
 Softmax scale in every path: qk_head_dim^-0.5 x mscale(factor, mscale_all_dim)^2 (never
 (kv_lora+rope)^-0.5). RoPE: interleaved pairs with DeepSeek YaRN (`layers.rotary_deepseek`).
 
@@ -80,6 +81,7 @@ from mla_backend.layers.quantization import (
     Fp8LinearMethod,
     UnquantizedLinearMethod,
     fp8_per_tensor_bmm,
+    fp8_per_token_mm,
     quant_config_from_hf,
     quantize_fp8_bmm_weight,
     unquantized_linear,
@@ -184,6 +186,8 @@ class DeepseekV2Attention(nn.Module):
         # [nq + kv_lora + rope, hidden]: the first query projection's and kv_a_proj_with_mqa's
         # weights as one matrix (their parameters are row views of it), or None.
         self.register_buffer("w_input_proj", None, persistent=False)
+        # [1, nq + kv_lora + rope] float32 column scales when w_input_proj is FP8, else None.
+        self.register_buffer("w_input_proj_scale", None, persistent=False)
 
     def post_load_weights(self) -> None:
         """Split kv_b_proj.weight [H*(nope+v), kv_lora] into w_kc and w_vc (once, after load).
@@ -211,14 +215,21 @@ class DeepseekV2Attention(nn.Module):
         kv_a_proj_with_mqa, which both read the layer input, as one matrix `w_input_proj`
         [nq + kv_lora + rope, hidden] whose row blocks become the two parameters (views: no
         extra memory; in-place weight loads still reach it), so one GEMM or GEMV serves both.
-        Only for unquantized weights of one dtype and device without biases; otherwise the
-        two projections stay separate. Invariant: after this, the parameters' storage is only
-        written in place (`copy_`, the weight loaders); assigning a new `.data` or moving the
-        module (`.to()`) would leave the forward reading the old `w_input_proj`."""
+        For unquantized weights of one dtype and device without biases, and for per-tensor FP8
+        (`Fp8LinearMethod`) with dynamic activations: the FP8 rows are concatenated likewise and
+        each part's `weight_scale_row` becomes a column view of `w_input_proj_scale` [1, N]
+        (one per-token quantization of the input and one rowwise-scaled GEMM instead of two
+        each). Otherwise (block FP8, static input scales, biases, mixed methods) the two stay
+        separate. Invariant: after this, the parameters' storage is only written in place
+        (`copy_`, the weight loaders); assigning a new `.data` or moving the module (`.to()`)
+        would leave the forward reading the old `w_input_proj`."""
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         kv = self.kv_a_proj_with_mqa
-        if (type(first.quant_method) is not UnquantizedLinearMethod
-                or type(kv.quant_method) is not UnquantizedLinearMethod
+        method = type(first.quant_method)
+        fp8 = (method is Fp8LinearMethod and not hasattr(first, "input_scale")
+               and not hasattr(kv, "input_scale"))
+        if (method is not type(kv.quant_method)
+                or not (method is UnquantizedLinearMethod or fp8)
                 or first.bias is not None or kv.bias is not None
                 or getattr(first, "gather_output", False)
                 or first.weight.dtype != kv.weight.dtype
@@ -229,6 +240,11 @@ class DeepseekV2Attention(nn.Module):
         first.weight.data = fused[:n]
         kv.weight.data = fused[n:]
         self.w_input_proj = fused
+        if fp8:
+            scale = torch.cat([first.weight_scale_row.data, kv.weight_scale_row.data], dim=1)
+            first.weight_scale_row.data = scale[:, :n]
+            kv.weight_scale_row.data = scale[:, n:]
+            self.w_input_proj_scale = scale
 
     def _input_projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden] -> (q [T, H * qk_head], kv_a [T, kv_lora + rope]); one product
@@ -239,7 +255,11 @@ class DeepseekV2Attention(nn.Module):
             kv_a = self.kv_a_proj_with_mqa(hidden)
         else:
             n_kv = self.kv_lora_rank + self.qk_rope_head_dim
-            first, kv_a = unquantized_linear(hidden, w).split([w.shape[0] - n_kv, n_kv], -1)
+            if self.w_input_proj_scale is None:
+                both = unquantized_linear(hidden, w)
+            else:
+                both = fp8_per_token_mm(hidden, w.t(), self.w_input_proj_scale)
+            first, kv_a = both.split([w.shape[0] - n_kv, n_kv], -1)
         if self.q_lora_rank is not None:
             first = self.q_b_proj(self.q_a_layernorm(first))
         return first, kv_a

@@ -1,4 +1,5 @@
-"""`fp8_quant.quantize_fp8` (two-launch per-tensor e4m3 quantization) and `bmm_fp8.bmm_fp8`
+"""`fp8_quant.quantize_fp8` (two-launch per-tensor e4m3 quantization),
+`fp8_quant.quantize_fp8_per_token` (one launch, one scale per row) and `bmm_fp8.bmm_fp8`
 (batched FP8 GEMM quantizing x on load) against their float32 twins in `reference`.
 
 Tolerances:
@@ -24,8 +25,8 @@ import torch
 from mla_backend.layers import quantization as Q
 from mla_kernels import fp8_quant
 from mla_kernels.bmm_fp8 import bmm_fp8
-from mla_kernels.fp8_quant import FP8_DTYPE, quantize_fp8
-from mla_kernels.reference import bmm_fp8_ref, quantize_fp8_ref
+from mla_kernels.fp8_quant import FP8_DTYPE, quantize_fp8, quantize_fp8_per_token
+from mla_kernels.reference import bmm_fp8_ref, quantize_fp8_per_token_ref, quantize_fp8_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: kernels in the interpreter
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -121,6 +122,72 @@ def test_quantize_errors():
         quantize_fp8(torch.zeros(4, dtype=torch.float64))
     with pytest.raises(ValueError):
         quantize_fp8(torch.zeros(4), torch.ones(2))
+
+
+# ---------------------------------------------------------------------------- per token
+def _rows(g: torch.Generator):
+    yield "2d", torch.randn(37, 53, generator=g)
+    yield "2d-T", torch.randn(53, 37, generator=g).t()
+    yield "col-slice", torch.randn(9, 70, generator=g)[:, 3:67]
+    yield "bf16", torch.randn(9, 130, generator=g).bfloat16()
+    yield "fp16", torch.randn(4, 16, generator=g).half()
+    yield "one-row", torch.randn(1, 2048, generator=g)
+
+
+def test_per_token_matches_twin_and_engine_path():
+    g = torch.Generator().manual_seed(5)
+    for name, x in _rows(g):
+        # rows of very different magnitude, and one all-zero row (floor scale)
+        x = x * torch.logspace(-6, 3, x.shape[0]).to(x.dtype)[:, None]
+        if x.shape[0] > 2:
+            x[2] = 0
+        x = x.to(DEVICE)
+        q, s = quantize_fp8_per_token(x)
+        qr, sr = quantize_fp8_per_token_ref(x)
+        assert q.dtype == FP8_DTYPE and q.shape == x.shape and q.is_contiguous(), name
+        assert s.dtype == torch.float32 and s.shape == (x.shape[0], 1), name
+        assert torch.equal(s, sr) and torch.equal(_bytes(q), _bytes(qr)), name
+        qe, se = Q.quantize_fp8_per_token(x.cpu())  # the engine's torch path
+        assert torch.equal(se, sr.cpu()) and torch.equal(_bytes(qe), _bytes(qr)), name
+
+
+def test_per_token_ties_subnormals_saturation():
+    """A row whose amax is 448 has scale 1: every e4m3 value, tie and neighbour quantizes as the
+    twin's cast does (round to nearest even); a second row saturates nothing (its own scale)."""
+    vals = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    vals = vals[vals.isfinite()].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    row = torch.cat([vals, mids, mids.nextafter(torch.tensor(0.0)),
+                     torch.tensor([2.0**-10, -2.0**-10, 2.0**-11, -0.0])])
+    x = torch.stack([row, row * 1e6]).to(DEVICE)
+    q, s = quantize_fp8_per_token(x)
+    qr, sr = quantize_fp8_per_token_ref(x)
+    assert float(s[0]) == 1.0 and torch.equal(s, sr)
+    assert torch.equal(_bytes(q), _bytes(qr))
+
+
+def test_per_token_long_rows_two_passes(monkeypatch):
+    """Rows longer than a program's block: the amax pass and the quantize pass both loop."""
+    monkeypatch.setattr(fp8_quant, "PER_TOKEN_MAX_BLOCK", 32)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 101, generator=g)
+    x[1, 100] = -37.0  # the amax in the last (partial) block
+    x = x.to(DEVICE)
+    q, s = quantize_fp8_per_token(x)
+    qr, sr = quantize_fp8_per_token_ref(x)
+    assert float(s[1]) == pytest.approx(37.0 / 448)
+    assert torch.equal(s, sr) and torch.equal(_bytes(q), _bytes(qr))
+
+
+def test_per_token_empty_and_errors():
+    q, s = quantize_fp8_per_token(torch.zeros(0, 8, device=DEVICE))
+    assert q.shape == (0, 8) and s.shape == (0, 1)
+    q, s = quantize_fp8_per_token(torch.zeros(3, 0, device=DEVICE))
+    assert q.shape == (3, 0) and (s == fp8_quant.MIN_SCALE).all()
+    with pytest.raises(TypeError):
+        quantize_fp8_per_token(torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError):
+        quantize_fp8_per_token(torch.zeros(2, 3, 4))
 
 
 # ---------------------------------------------------------------------------- bmm_fp8

@@ -4,7 +4,8 @@ paths (sorted grouped GEMM, sort-free GEMV) against the float32 twin
 the same way, compute in fp32) and the torch loop `layers.moe.experts_forward` (same FP8 math,
 dequantizing per expert), for both scale kinds:
 
-- per expert per tensor: w13_scale / w2_scale [E], one dynamic activation scale per GEMM;
+- per expert per tensor: w13_scale / w2_scale [E], one dynamic activation scale per row (token,
+  resp. intermediate row) of each GEMM;
 - DeepSeek-V3 block scales (`weight_scale_inv`) with per-token-group activations; the grid uses
   32x32 blocks (the kernel takes any (bn, bk) with bk a multiple of 16) so H 72 / I 40 have
   ragged blocks in every direction at interpreter cost, plus one case at the real 128x128 with
@@ -106,6 +107,22 @@ def test_fp8_kernel_vs_reference_and_loop(t, e, k, block, path):
     torch.testing.assert_close(
         out, experts_forward(x, q13, q2, topw, ids, s13, s2, block), **FP32)
     assert out.abs().max() > 0.05  # not trivially zero
+
+
+@pytest.mark.parametrize("path", ["gemv", "sorted"])
+def test_fp8_per_tensor_weights_scale_activations_per_row(path):
+    """Tokens 1e-4 and 1e3 times the others: each row's output keeps the relative error of the
+    unscaled rows (one activation scale for the tensor would flush the small tokens to zero),
+    and the kernel still equals the twin."""
+    x, q13, q2, topw, ids, s13, s2 = problem(6, 4, 2, None, seed=3)
+    x = x * torch.tensor([1.0, 1e-4, 1.0, 1e3, 1e-4, 1.0], device=x.device)[:, None]
+    out = run(x, q13, q2, topw, ids, s13, s2, None, path=path)
+    twin = fused_experts_fp8_ref(x, q13, q2, topw, ids, s13, s2, None)
+    assert float(((out - twin).norm(dim=1) / twin.norm(dim=1)).max()) <= 1e-5  # fp32 order
+    w13f, w2f = q13.float() * s13[:, None, None], q2.float() * s2[:, None, None]
+    exact = fused_experts_ref(x, w13f, w2f, topw, ids)  # no activation quantization
+    rel = (out - exact).norm(dim=1) / exact.norm(dim=1)
+    assert float(rel.max()) <= 0.08, rel
 
 
 @pytest.mark.parametrize("path", ["gemv", "sorted"])

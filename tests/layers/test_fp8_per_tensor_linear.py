@@ -45,12 +45,26 @@ def test_merged_shards_requantized_to_max_scale(scheme):
     assert float((y - ref).norm() / ref.norm()) <= 0.06
 
 
-def test_ignoring_weight_scale_is_caught():
-    layer, w = _merged("dynamic")
+@pytest.mark.parametrize("scheme", ["static", "dynamic"])
+def test_ignoring_weight_scale_is_caught(scheme):
+    layer, w = _merged(scheme)
     x = torch.randn(5, 64)
     ref = x @ w.t()
+    # the rowwise GEMM's column scales are the scalar repeated (the dynamic path reads them)
+    assert torch.equal(layer.weight_scale_row, layer.weight_scale.expand(1, 80))
     layer.weight_scale.data.fill_(1.0)
+    layer.weight_scale_row.data.fill_(1.0)
     assert float((layer(x) - ref).norm() / ref.norm()) > 1.0
+
+
+def test_dynamic_activations_scaled_per_token():
+    """Rows 1e-4 and 1e4 times the others: one scale per tensor would flush the small rows to
+    zero (their values far below 2^-9 of the tensor's scale); per token each row keeps ~2^-4."""
+    layer, w = _merged("dynamic")
+    x = torch.randn(6, 64) * torch.tensor([1.0, 1e-4, 1.0, 1e4, 1e-4, 1.0])[:, None]
+    ref = x @ w.t()
+    rel = (layer(x) - ref).norm(dim=1) / ref.norm(dim=1)
+    assert float(rel.max()) <= 0.06, rel
 
 
 def test_saturates_without_nan():

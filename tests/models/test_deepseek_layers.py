@@ -222,8 +222,11 @@ def test_input_projections_fused_into_one_matrix(tmp_path, q_lora_rank):
     assert torch.equal(w[:n], ckpt * 2)
 
 
-def test_input_projections_not_fused_for_fp8(tmp_path):
-    """Online FP8 linears keep their own quantized weights: nothing is fused."""
+def test_input_projections_fused_for_dynamic_fp8(tmp_path):
+    """Online FP8 (dynamic activations): the two FP8 weights become row views of one FP8
+    matrix and their column scales views of one [1, N] row (each part keeps its own per-tensor
+    scale); the fused product equals each linear's own FP8 product bit for bit (the same
+    per-token quantization of the same input, the same fp8 products and scales)."""
     from mla_backend.config import ModelConfig
     from transformers import AutoConfig
 
@@ -236,4 +239,39 @@ def test_input_projections_not_fused_for_fp8(tmp_path):
                                   ModelConfig(model_path=path, quantization="fp8"))
     model.load_weights(iterate_weights(path))
     model.post_load_weights()
-    assert model.model.layers[0].self_attn.w_input_proj is None
+    attn = model.model.layers[0].self_attn
+    w, scale = attn.w_input_proj, attn.w_input_proj_scale
+    q_proj, kv = attn.q_proj, attn.kv_a_proj_with_mqa
+    n = q_proj.weight.shape[0]
+    assert w.dtype == torch.float8_e4m3fn and w.shape == (n + 20, 32)
+    assert scale.shape == (1, n + 20) and scale.dtype == torch.float32
+    assert q_proj.weight.data_ptr() == w.data_ptr()
+    assert kv.weight.data_ptr() == w[n:].data_ptr()
+    assert kv.weight_scale_row.data_ptr() == scale[:, n:].data_ptr()
+    assert torch.equal(scale[0, :n], q_proj.weight_scale.expand(n))
+    assert torch.equal(scale[0, n:], kv.weight_scale.expand(20))
+    assert float(q_proj.weight_scale) != float(kv.weight_scale)  # two scales in one GEMM
+    x = torch.randn(3, 32)
+    q, kv_a = attn._input_projections(x)
+    assert torch.equal(q, q_proj(x)) and torch.equal(kv_a, kv(x))
+
+
+def test_input_projections_not_fused_for_static_fp8(tmp_path):
+    """A per-tensor FP8 checkpoint with static input scales keeps the two linears apart (each
+    quantizes its input with its own static scale)."""
+    from fp8_per_tensor_ckpt import write_fp8_per_tensor_copy
+    from mla_backend.config import ModelConfig
+    from transformers import AutoConfig
+
+    from mla_backend.model_executor.model_loader import iterate_weights
+
+    path = make_tiny_deepseek_v2(str(tmp_path / "m"), hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                                 qk_rope_head_dim=4, v_head_dim=8, vocab_size=300)
+    ckpt = write_fp8_per_tensor_copy(path, str(tmp_path / "fp8"), activation_scheme="static")
+    model = DeepseekV2ForCausalLM(AutoConfig.from_pretrained(ckpt), ModelConfig(model_path=ckpt))
+    model.load_weights(iterate_weights(ckpt))
+    model.post_load_weights()
+    attn = model.model.layers[0].self_attn
+    assert hasattr(attn.q_proj, "input_scale")
+    assert attn.w_input_proj is None and attn.w_input_proj_scale is None
