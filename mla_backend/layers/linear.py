@@ -23,7 +23,9 @@ Quantization (`layers.quantization`) is chosen per linear by the model from the 
 `quantization_config` and the engine setting `quantization` (`quant_config_from_hf`, then
 `for_module(prefix)`). An `Fp8Config` (per-tensor FP8) gives `Fp8LinearMethod`: `weight`
 float8_e4m3fn + a 0-dim `weight_scale` (loaded row-expanded like the block scales below, one
-value per shard, then requantized to their max), `torch._scaled_mm`. A layer built with `quant_config=None`
+value per shard, then requantized to their max; repeated per output column in
+`weight_scale_row` for the rowwise-scaled GEMM of dynamic activations), `torch._scaled_mm`.
+A layer built with `quant_config=None`
 holds its weight in the model dtype and runs `F.linear` (`UnquantizedLinearMethod`); with a
 `BlockFP8Config` (DeepSeek-V3's block-wise FP8) it holds `weight` float8_e4m3fn plus
 `weight_scale_inv` float32 and runs `BlockFP8LinearMethod` (per-token-group FP8 activations, the

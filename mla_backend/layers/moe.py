@@ -33,7 +33,7 @@ Routed-expert storage is `StackedExperts.quant_method`, chosen from the model's 
   logged, `StackedExperts.fp8_fallback_reason`);
 - `Fp8MoEMethod` (`Fp8Config`: online `quantization="fp8"`, or a per-tensor FP8 checkpoint whose
   expert weights the loader dequantizes): each expert's stacked w13 and w2 quantized per tensor
-  after load (amax / 448), per-tensor dynamic activations.
+  after load (amax / 448), dynamic activations per token.
 Both FP8 forms run through the same two functions (`fused_experts` with scales; the loop
 dequantizes each used expert on the fly and quantizes activations the same way).
 """
@@ -480,7 +480,7 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
     stacked w13 and w2 per tensor (scale = amax(|W_e|) / 448, one for gate and up together, as
     vLLM's Fp8MoEMethod after `requantize_with_max_scale`): `w13_weight` float8_e4m3fn
     [E, 2I, H] + `w13_weight_scale` float32 [E], `w2_weight` [E, H, I] + `w2_weight_scale` [E].
-    Activations are quantized dynamically per tensor (one scale per GEMM call).
+    Activations are quantized dynamically per token (one scale per row of each GEMM's input).
     """
 
     def __init__(self, config: Fp8Config) -> None:

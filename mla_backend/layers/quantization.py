@@ -222,7 +222,8 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the FP8 
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """Per-tensor FP8 (e4m3): one float32 scale per weight tensor, per-tensor activations.
+    """Per-tensor FP8 (e4m3): one float32 scale per weight tensor; activations per token
+    (dynamic) or per tensor (static).
 
     Sources: the vLLM / ModelOpt per-tensor checkpoint format (`quantization_config`
     {"quant_method": "fp8", "activation_scheme": "static" | "dynamic"}, no weight_block_size;
@@ -328,7 +329,8 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Saturating dynamic e4m3 quantization with one scale per row: on CUDA (float32/bf16/fp16
     x, outside torch.compile) the one-launch triton `mla_kernels.fp8_quant.quantize_fp8_per_token`
-    (scales and q equal to the torch path's bit for bit), else torch.
+    (IEEE division: scales and q equal the torch path's on the CPU bit for bit; torch on CUDA
+    multiplies by 1/448, which can differ in the last bit), else torch.
 
     Args:
         x: [M, K] float (any strides).
@@ -370,14 +372,25 @@ def _fp8_rowwise_scaled_mm(q: torch.Tensor, q_scale: torch.Tensor, w_t: torch.Te
     w_scale_row [1, N] -> [M, N] out_dtype (fp32 accumulation)."""
     k, n = w_t.shape
     if q.is_cuda and not (k % 16 or n % 16):  # cuBLASLt / CUTLASS FP8 need K, N % 16 == 0
-        if out_dtype == torch.bfloat16:  # rowwise scaling: bf16 output only
+        if out_dtype == torch.bfloat16:  # rowwise scaling: bf16 output on every torch build
             return torch._scaled_mm(q, w_t, scale_a=q_scale, scale_b=w_scale_row,
                                     out_dtype=out_dtype)
-        one = torch.ones((), dtype=torch.float32, device=q.device)
+        one = _unit_scale(q.device)
         y = torch._scaled_mm(q, w_t, scale_a=one, scale_b=one, out_dtype=torch.float32)
     else:
         y = q.float() @ w_t.float()
     return (y * q_scale * w_scale_row).to(out_dtype)
+
+
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 0-dim 1.0 on `device`, made once (no fill kernel per call)."""
+    one = _UNIT_SCALES.get(device)
+    if one is None:
+        one = _UNIT_SCALES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
 
 
 def fp8_per_tensor_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale: torch.Tensor,
@@ -461,7 +474,9 @@ class Fp8LinearMethod:
     - online: `weight` in the model dtype [n, k] while loading, quantized by
       `process_weights_after_loading` (scale = amax / 448).
     After processing also `weight_scale_row` float32 [1, n] (the scale repeated: the rowwise
-    GEMM's column scales).
+    GEMM's column scales, which the dynamic path reads). It is derived once from
+    `weight_scale` by `process_weights_after_loading`: whoever changes a processed layer's
+    scale in place must write both.
     apply: x [..., k] -> [..., n] in x's dtype: dynamic activations quantized per token and a
     rowwise-scaled GEMM (`fp8_per_token_mm`); a static `input_scale` quantizes per tensor
     (`fp8_per_tensor_mm`). Both `torch._scaled_mm`.

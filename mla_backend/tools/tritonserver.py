@@ -435,7 +435,9 @@ class TritonServer:
         return {m["name"]: (m.get("state", ""), m.get("reason", "")) for m in json.loads(body)}
 
     def wait_ready(self, timeout: float) -> None:
-        """Poll until v2/health/ready is 200 and the awaited models are READY.
+        """Poll until v2/health/ready is 200, the awaited models are READY and the metrics port
+        answers (tritonserver starts its metrics service after the HTTP one: a client that
+        reads metrics right after readiness could otherwise find the port closed).
 
         Raises:
             TritonServerError: the process died, a model is UNAVAILABLE, or `timeout` (s) passed.
@@ -445,7 +447,7 @@ class TritonServer:
             self.check_alive()
             try:
                 status, _ = self._request("/v2/health/ready", timeout=2.0)
-                if status == 200 and self._models_ready():
+                if status == 200 and self._models_ready() and self._metrics_up():
                     return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
@@ -455,6 +457,11 @@ class TritonServer:
                     "last lines:\n" + self.log_tail()
                 )
             time.sleep(0.25)
+
+    def _metrics_up(self) -> bool:
+        """The metrics endpoint answers 200 (raises URLError / OSError while it is closed)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=2.0) as r:
+            return r.status == 200
 
     def _models_ready(self) -> bool:
         states = self.model_states()

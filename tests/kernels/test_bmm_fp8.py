@@ -143,12 +143,12 @@ def test_per_token_matches_twin_and_engine_path():
             x[2] = 0
         x = x.to(DEVICE)
         q, s = quantize_fp8_per_token(x)
-        qr, sr = quantize_fp8_per_token_ref(x)
+        qr, sr = quantize_fp8_per_token_ref(x.cpu())  # CPU: torch's IEEE division by 448
         assert q.dtype == FP8_DTYPE and q.shape == x.shape and q.is_contiguous(), name
         assert s.dtype == torch.float32 and s.shape == (x.shape[0], 1), name
-        assert torch.equal(s, sr) and torch.equal(_bytes(q), _bytes(qr)), name
+        assert torch.equal(s.cpu(), sr) and torch.equal(_bytes(q), _bytes(qr)), name
         qe, se = Q.quantize_fp8_per_token(x.cpu())  # the engine's torch path
-        assert torch.equal(se, sr.cpu()) and torch.equal(_bytes(qe), _bytes(qr)), name
+        assert torch.equal(se, sr) and torch.equal(_bytes(qe), _bytes(qr)), name
 
 
 def test_per_token_ties_subnormals_saturation():
@@ -159,10 +159,10 @@ def test_per_token_ties_subnormals_saturation():
     mids = (vals[1:] + vals[:-1]) / 2
     row = torch.cat([vals, mids, mids.nextafter(torch.tensor(0.0)),
                      torch.tensor([2.0**-10, -2.0**-10, 2.0**-11, -0.0])])
-    x = torch.stack([row, row * 1e6]).to(DEVICE)
-    q, s = quantize_fp8_per_token(x)
+    x = torch.stack([row, row * 1e6])
+    q, s = quantize_fp8_per_token(x.to(DEVICE))
     qr, sr = quantize_fp8_per_token_ref(x)
-    assert float(s[0]) == 1.0 and torch.equal(s, sr)
+    assert float(s[0]) == 1.0 and torch.equal(s.cpu(), sr)
     assert torch.equal(_bytes(q), _bytes(qr))
 
 
@@ -172,11 +172,10 @@ def test_per_token_long_rows_two_passes(monkeypatch):
     g = torch.Generator().manual_seed(6)
     x = torch.randn(3, 101, generator=g)
     x[1, 100] = -37.0  # the amax in the last (partial) block
-    x = x.to(DEVICE)
-    q, s = quantize_fp8_per_token(x)
+    q, s = quantize_fp8_per_token(x.to(DEVICE))
     qr, sr = quantize_fp8_per_token_ref(x)
     assert float(s[1]) == pytest.approx(37.0 / 448)
-    assert torch.equal(s, sr) and torch.equal(_bytes(q), _bytes(qr))
+    assert torch.equal(s.cpu(), sr) and torch.equal(_bytes(q), _bytes(qr))
 
 
 def test_per_token_empty_and_errors():
@@ -299,6 +298,21 @@ def test_gpu_bmm_bf16(m, k, n):
         q, _ = quantize_fp8_ref(x, s)
         assert torch.equal(bmm_fp8(x, ident, one, x_scale=s, out_dtype=torch.float32),
                            q.float() * s)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("k", [576, 2048, 7168, 10944, 14336])
+@pytest.mark.parametrize("m", [1, 768])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_per_token_matches_cpu_twin(m, k, dtype):
+    """Engine shapes on the GPU, one pass (K <= 4096) and two (K > 4096: 8 warps), against the
+    CPU twin bit for bit (the kernel divides as IEEE, as torch does on the CPU)."""
+    g = torch.Generator().manual_seed(k + m)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-4, 3, m)[:, None]).to(dtype)
+    q, s = quantize_fp8_per_token(x.cuda())
+    qr, sr = quantize_fp8_per_token_ref(x)
+    assert torch.equal(s.cpu(), sr) and torch.equal(_bytes(q), _bytes(qr))
 
 
 @pytest.mark.gpu

@@ -90,3 +90,52 @@ def test_quant_config_from_hf():
         quant_config_from_hf(None, "int4")
     with pytest.raises(NotImplementedError):
         quant_config_from_hf({"quant_method": "awq"})
+
+
+# ---------------------------------------------------------------------------- GPU
+def _twin(x: torch.Tensor, w_q: torch.Tensor, w_scale_row: torch.Tensor) -> torch.Tensor:
+    """float32 twin of `fp8_per_token_mm`: the same per-token quantization (torch), exact fp8
+    products summed in float32, both scales."""
+    from mla_backend.layers.quantization import quantize_fp8_per_token
+
+    q, s = quantize_fp8_per_token(x.float().cpu())
+    return (q.float() @ w_q.float().cpu().t()) * s * w_scale_row.float().cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 7, 768])
+def test_rowwise_fp8_gemm_on_cuda(m, out_dtype):
+    """The dynamic FP8 linear on CUDA (the triton per-token quantization, then a rowwise-scaled
+    `torch._scaled_mm` for bf16 output, else an unscaled FP8 GEMM into float32 scaled after)
+    against its float32 twin, with a fused matrix's two column scales, and in a CUDA graph.
+    Tolerance: 2^-7 relative (bf16 / fp16 output rounding) plus 1e-3 of max |ref| (Hopper's
+    FP8 tensor cores accumulate at reduced precision within K chunks)."""
+    from mla_backend.layers.quantization import fp8_per_token_mm, quantize_fp8_per_tensor
+
+    g = torch.Generator().manual_seed(m)
+    k, n1, n2 = 2048, 3072, 576  # V2-Lite's q_proj + kv_a_proj_with_mqa
+    w1, s1 = quantize_fp8_per_tensor(torch.randn(n1, k, generator=g) * 0.02)
+    w2, s2 = quantize_fp8_per_tensor(torch.randn(n2, k, generator=g) * 0.5)
+    w = torch.cat([w1, w2]).cuda()  # [N, K] row-major: w.t() is the column-major B operand
+    scale_row = torch.cat([s1.expand(1, n1), s2.expand(1, n2)], dim=1).contiguous().cuda()
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-3, 2, m)[:, None]).to(out_dtype).cuda()
+    ref = _twin(x, w, scale_row)
+    y = fp8_per_token_mm(x, w.t(), scale_row)
+    assert y.dtype == out_dtype and y.shape == (m, n1 + n2)
+    err = (y.float().cpu() - ref).abs()
+    bound = 2.0**-7 * ref.abs() + 1e-3 * ref.abs().amax(dim=1, keepdim=True)
+    assert (err <= bound).all(), float((err / bound).max())
+    # the column slices a fused matrix's parts use (views of one [1, N] row)
+    y2 = fp8_per_token_mm(x, w[n1:].t(), scale_row[:, n1:])
+    assert ((y2.float().cpu() - ref[:, n1:]).abs() <= bound[:, n1:]).all()
+    # capture and replay: no host sync, same result
+    graph = torch.cuda.CUDAGraph()
+    fp8_per_token_mm(x, w.t(), scale_row)  # warm-up (allocations, cuBLASLt heuristics)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        y_graph = fp8_per_token_mm(x, w.t(), scale_row)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert ((y_graph.float().cpu() - ref).abs() <= bound).all()
