@@ -488,7 +488,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                      and v_buffer.stride()[:2] == k_buffer.stride()[:2]
                      and v_buffer.dtype == k_buffer.dtype and lv == block_d and lv < lk)
     small = small_batch_tiles(bs, lk, k_buffer.dtype)
-    block_n = SMALL_BS_BLOCK_N_WIDE if small else block_n_for(lk)
+    block_n = block_n_for(lk, bs, k_buffer.dtype)
     block_h = max(16, triton.next_power_of_2(hpp))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
 

@@ -3,8 +3,9 @@ in two triton launches, per token (dynamic) in one.
 
 Owns `quantize_fp8` (per tensor: what `mla_backend.layers.quantization.quantize_fp8_per_tensor`
 runs on CUDA, for static activation scales and weights), `quantize_fp8_per_token` (one scale per
-row: what every dynamic FP8 linear and the FP8 MoE's activations use on CUDA, through
-`quantization.quantize_fp8_per_token` and `fused_moe.quantize_activations_fp8`),
+row, one launch) and `quantize_per_token` (the engine's per-token quantization wherever x lives:
+that kernel on CUDA, the same math in torch elsewhere; what every dynamic FP8 linear,
+`quantization.fp8_per_token_mm`, and the FP8 MoE, `fused_moe.quantize_activations_fp8`, call),
 `fp8_amax_partials` (the amax pass alone: `bmm_fp8` reduces its partials inside the GEMM) and the
 jit helpers `_scale_from_partials` / `_to_e4m3` that `bmm_fp8` shares. Float32 twins:
 `reference.quantize_fp8_ref`, `reference.quantize_fp8_per_token_ref`.
@@ -24,8 +25,9 @@ strides, no copy); other layouts are copied to contiguous first.
 
 Per token (`_per_token_quant_kernel`): one program per row of a [M, K] x (any strides); the row's
 scale = max(amax(|x[m]|) / 448, 1e-12), the same formula and rounding as above per row. One
-launch instead of two, and no program waits on the others' partials: for an FP8 linear at 768
-tokens the two per-tensor launches took 7.4 + 5.3 us (H200, `bench_profile.py`, bs 768).
+launch instead of two, and no program waits on the others' partials: in a 768-token FP8 decode
+step the two per-tensor launches averaged 7.4 + 5.3 us (H200, docs/benchmarks.md, FP8 "Fifth
+look").
 
 NaN: on CUDA the amax ignores NaN elements and they quantize to NaN (the torch path instead
 makes the scale, so every element, NaN). Triton's interpreter (CPU tests) converts float32 ->
@@ -162,8 +164,11 @@ def _view3(x: torch.Tensor) -> tuple[torch.Tensor, bool, tuple[int, int], tuple[
     return x, False, (shape[1], shape[2]), (strides[0], strides[1], strides[2])
 
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _check(x: torch.Tensor) -> None:
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if x.dtype not in _KERNEL_DTYPES:
         raise TypeError(f"x must be float32/bfloat16/float16, got {x.dtype}")
 
 
@@ -257,5 +262,19 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return q, scale
 
 
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_fp8_per_token`'s result for any x [M, K] float (any strides, any device): the
+    kernel on CUDA (float32/bf16/fp16, outside torch.compile), else the same math in torch (the
+    CPU engine, and what torch.compile traces). Bit for bit the kernel's on the CPU; torch on
+    CUDA multiplies by 1/448 instead of dividing, which can differ in the last bit."""
+    if x.is_cuda and x.dtype in _KERNEL_DTYPES and not torch.compiler.is_compiling():
+        return quantize_fp8_per_token(x)
+    xf = x.float()
+    if xf.shape[1] == 0:
+        return xf.to(FP8_DTYPE), xf.new_full((xf.shape[0], 1), MIN_SCALE)
+    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
 __all__ = ["FP8_DTYPE", "FP8_MAX", "MAX_PARTIALS", "MIN_SCALE", "PER_TOKEN_MAX_BLOCK",
-           "fp8_amax_partials", "quantize_fp8", "quantize_fp8_per_token"]
+           "fp8_amax_partials", "quantize_fp8", "quantize_fp8_per_token", "quantize_per_token"]

@@ -41,8 +41,8 @@ experts (the weight reads then repeat, L2 saves only part of it): see `GEMV_MAX_
 FP8 weights (W8A8, both paths; `fused_experts` documents the layouts): w13/w2
 float8_e4m3fn with per-expert per-tensor scales [E] or DeepSeek-V3 block scales
 [E, nb, kb]; each GEMM's activations are quantized before it (`quantize_activations_fp8`: one
-scale per token, or per token per 128 columns; on CUDA the per-token case is one launch of
-`fp8_quant.quantize_fp8_per_token`, elsewhere torch), never inside the GEMM, since the
+scale per token, `fp8_quant.quantize_per_token`: one launch on CUDA, torch elsewhere; or per
+token per 128 columns), never inside the GEMM, since the
 interpreter's in-kernel float -> fp8 rounding is wrong for a few percent of values (its fp8
 loads are exact). `_grouped_gemm_kernel`
 (QUANT 1 / 2) accumulates fp8 x fp8 tl.dots in fp32 (tiles upcast to fp32 off sm89+ GPUs and in
@@ -290,8 +290,6 @@ def _grouped_gemm_kernel(
 
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_SCALE_FLOOR = 1e-10  # amax floor of a dynamic activation scale (an all-zero A: no 0/0)
 
 
 def _fp8_dot_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -593,7 +591,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def quantize_activations_fp8(x: torch.Tensor, group_size: int | None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic e4m3 quantization of a GEMM's activations, in torch (never in a kernel: the
+    """Dynamic e4m3 quantization of a GEMM's activations, before the GEMM (never inside it: the
     interpreter rounds float -> fp8 wrongly for a few percent of values).
 
     Args:
@@ -602,24 +600,18 @@ def quantize_activations_fp8(x: torch.Tensor, group_size: int | None
             (DeepSeek-V3's per-token-group quantization: `per_token_group_quant_fp8`).
     Returns:
         (q float8_e4m3fn [M, K], scale float32 [M, 1] or [M, ceil(K/group_size)]) with
-        q * scale ~ x; scale = max(amax, 1e-10) / 448 (saturating: |x / scale| <= 448). Device
-        ops only (no host read). On CUDA the per-row case is one launch of
-        `fp8_quant.quantize_fp8_per_token` (instead of six torch ops; its floor,
-        max(amax / 448, 1e-12), differs from the one above only for amax < 4.5e-10).
+        q * scale ~ x (saturating: |x / scale| <= 448); per row `fp8_quant.quantize_per_token`
+        (scale = max(amax / 448, 1e-12); one launch on CUDA), per group
+        `block_fp8_gemm.per_token_group_quant_fp8` (scale = max(amax, 1e-10) / 448). Device ops
+        only (no host read).
     """
     if group_size is not None:
         from .block_fp8_gemm import per_token_group_quant_fp8
 
         return per_token_group_quant_fp8(x, group_size)
-    if x.is_cuda and x.dtype in _DTYPES and not torch.compiler.is_compiling():
-        from .fp8_quant import quantize_fp8_per_token
+    from .fp8_quant import quantize_per_token
 
-        return quantize_fp8_per_token(x)
-    xf = x.float()
-    if xf.shape[1] == 0:
-        return xf.to(FP8_DTYPE), xf.new_full((xf.shape[0], 1), _SCALE_FLOOR / FP8_MAX)
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=_SCALE_FLOOR) / FP8_MAX  # [M, 1]
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    return quantize_per_token(x)
 
 
 def _quantize(a: torch.Tensor, fp8: bool, group: int | None, activation_quant: bool

@@ -230,8 +230,9 @@ def block_fp8_matmul_ref(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor
 
 
 def _quant_act_ref(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
-    """Dynamic e4m3 activation quantization then dequantization, float32 [M, K]: one scale
-    max(amax, 1e-10) / 448 per row (group_size None) or per row per group_size columns;
+    """Dynamic e4m3 activation quantization then dequantization, float32 [M, K]: one scale per
+    row, max(amax / 448, 1e-12) (group_size None, as `fp8_quant.quantize_per_token`), or per
+    row per group_size columns, max(amax, 1e-10) / 448 (as `per_token_group_quant_fp8`);
     values saturate at +-448 * scale."""
     xf = x.float()
     m, k = xf.shape
@@ -239,7 +240,10 @@ def _quant_act_ref(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
     groups = -(-k // g)
     xp = torch.nn.functional.pad(xf, (0, groups * g - k)).view(m, groups, g)
     amax = xp.abs().amax(dim=-1)
-    scale = (amax.clamp(min=1e-10) / 448.0).unsqueeze(-1)  # [m, groups, 1]
+    if group_size is None:
+        scale = (amax / 448.0).clamp(min=1e-12).unsqueeze(-1)  # [m, 1, 1]
+    else:
+        scale = (amax.clamp(min=1e-10) / 448.0).unsqueeze(-1)  # [m, groups, 1]
     q = (xp / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
     return (q * scale).view(m, groups * g)[:, :k]
 

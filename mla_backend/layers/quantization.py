@@ -14,9 +14,10 @@ column-major per batch entry) and `fp8_per_tensor_bmm` (dynamic per-tensor activ
 CUDA the triton `mla_kernels.bmm_fp8` quantizing x on load, one GEMM launch for all heads; on CPU
 a loop of `torch._scaled_mm`), with its float32 twin `mla_kernels.reference.bmm_fp8_ref`.
 Activation quantization runs on CUDA as the triton kernels of `mla_kernels.fp8_quant`, on CPU in
-torch: per token (`quantize_fp8_per_token`, one launch) for every dynamic FP8 linear, whose
-GEMM is then rowwise-scaled (`fp8_per_token_mm`); per tensor (`quantize_fp8_per_tensor`, two
-launches, one with a static scale) for static activation scales and for weights.
+torch: per token (`mla_kernels.fp8_quant.quantize_per_token`, one launch) for every dynamic FP8
+linear, whose GEMM is then rowwise-scaled (`fp8_per_token_mm`); per tensor
+(`quantize_fp8_per_tensor`, two launches, one with a static scale) for static activation scales
+and for weights.
 """
 
 from __future__ import annotations
@@ -326,32 +327,10 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_E4M3), scale
 
 
-def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Saturating dynamic e4m3 quantization with one scale per row: on CUDA (float32/bf16/fp16
-    x, outside torch.compile) the one-launch triton `mla_kernels.fp8_quant.quantize_fp8_per_token`
-    (IEEE division: scales and q equal the torch path's on the CPU bit for bit; torch on CUDA
-    multiplies by 1/448, which can differ in the last bit), else torch.
-
-    Args:
-        x: [M, K] float (any strides).
-    Returns:
-        (q float8_e4m3fn [M, K], q[m] * scale[m] ~ x[m], values saturate at +-448 * scale[m];
-         scale float32 [M, 1] = max(amax(|x[m]|) / 448, 1e-12)).
-    """
-    if x.is_cuda and x.dtype in _KERNEL_DTYPES and not torch.compiler.is_compiling():
-        from mla_kernels.fp8_quant import quantize_fp8_per_token as per_token_kernel
-
-        return per_token_kernel(x)
-    xf = x.float()
-    if xf.shape[1] == 0:
-        return xf.to(FP8_E4M3), xf.new_full((xf.shape[0], 1), _MIN_SCALE)
-    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_E4M3), scale
-
-
 def fp8_per_token_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale_row: torch.Tensor,
                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """y = (x quantized per token) @ w_t * x_scale[m] * w_scale_row[n]: the dynamic FP8 linear.
+    """y = (x quantized per token, `mla_kernels.fp8_quant.quantize_per_token`: x_scale[m] =
+    max(amax(|x[m]|) / 448, 1e-12)) @ w_t * x_scale[m] * w_scale_row[n]: the dynamic FP8 linear.
 
     Args:
         x: [M, K] float. w_t: [K, N] float8_e4m3fn, column-major (`weight.t()` of a row-major
@@ -362,7 +341,9 @@ def fp8_per_token_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale_row: torch.Tens
         [M, N] in out_dtype, fp32 accumulation. On CUDA with bf16 output one rowwise-scaled
         `torch._scaled_mm`; other output dtypes run the FP8 GEMM into float32 and scale after.
     """
-    q, xs = quantize_fp8_per_token(x)
+    from mla_kernels.fp8_quant import quantize_per_token
+
+    q, xs = quantize_per_token(x)
     return _fp8_rowwise_scaled_mm(q, xs, w_t, w_scale_row, out_dtype or x.dtype)
 
 
@@ -375,22 +356,11 @@ def _fp8_rowwise_scaled_mm(q: torch.Tensor, q_scale: torch.Tensor, w_t: torch.Te
         if out_dtype == torch.bfloat16:  # rowwise scaling: bf16 output on every torch build
             return torch._scaled_mm(q, w_t, scale_a=q_scale, scale_b=w_scale_row,
                                     out_dtype=out_dtype)
-        one = _unit_scale(q.device)
+        one = q_scale.new_ones(())
         y = torch._scaled_mm(q, w_t, scale_a=one, scale_b=one, out_dtype=torch.float32)
     else:
         y = q.float() @ w_t.float()
     return (y * q_scale * w_scale_row).to(out_dtype)
-
-
-_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
-
-
-def _unit_scale(device: torch.device) -> torch.Tensor:
-    """A float32 0-dim 1.0 on `device`, made once (no fill kernel per call)."""
-    one = _UNIT_SCALES.get(device)
-    if one is None:
-        one = _UNIT_SCALES[device] = torch.ones((), dtype=torch.float32, device=device)
-    return one
 
 
 def fp8_per_tensor_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale: torch.Tensor,

@@ -25,7 +25,8 @@ import torch
 from mla_backend.layers import quantization as Q
 from mla_kernels import fp8_quant
 from mla_kernels.bmm_fp8 import bmm_fp8
-from mla_kernels.fp8_quant import FP8_DTYPE, quantize_fp8, quantize_fp8_per_token
+from mla_kernels.fp8_quant import (FP8_DTYPE, quantize_fp8, quantize_fp8_per_token,
+                                   quantize_per_token)
 from mla_kernels.reference import bmm_fp8_ref, quantize_fp8_per_token_ref, quantize_fp8_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: kernels in the interpreter
@@ -147,7 +148,7 @@ def test_per_token_matches_twin_and_engine_path():
         assert q.dtype == FP8_DTYPE and q.shape == x.shape and q.is_contiguous(), name
         assert s.dtype == torch.float32 and s.shape == (x.shape[0], 1), name
         assert torch.equal(s.cpu(), sr) and torch.equal(_bytes(q), _bytes(qr)), name
-        qe, se = Q.quantize_fp8_per_token(x.cpu())  # the engine's torch path
+        qe, se = quantize_per_token(x.cpu())  # the engine's torch path
         assert torch.equal(se, sr) and torch.equal(_bytes(qe), _bytes(qr)), name
 
 

@@ -96,9 +96,9 @@ def test_quant_config_from_hf():
 def _twin(x: torch.Tensor, w_q: torch.Tensor, w_scale_row: torch.Tensor) -> torch.Tensor:
     """float32 twin of `fp8_per_token_mm`: the same per-token quantization (torch), exact fp8
     products summed in float32, both scales."""
-    from mla_backend.layers.quantization import quantize_fp8_per_token
+    from mla_kernels.fp8_quant import quantize_per_token
 
-    q, s = quantize_fp8_per_token(x.float().cpu())
+    q, s = quantize_per_token(x.float().cpu())
     return (q.float() @ w_q.float().cpu().t()) * s * w_scale_row.float().cpu()
 
 

@@ -6,10 +6,11 @@ and decompressed paths), against the unquantized fp32 model.
 Metric: relative RMS logit error ||fp8 - fp32|| / ||fp32|| over all prefill positions of the
 prompts and the vocabulary; top-1 agreement over those positions (teacher forced).
 Tolerances (set once from measurements, seed 0, prompts of 12/7/19 tokens):
-- tiny Llama (init_std 0.2: a chaotic random net that amplifies FP8 noise): REL_RMS 0.3, TOP1 0.55
-  (measured with per-token dynamic activations: online 0.165 / 0.763, checkpoint 0.195 / 0.579;
-  with one activation scale per tensor, before: online 0.165 / 0.763, checkpoint 0.186 / 0.763 —
-  top-1 of this net flips on noise of either kind), checkpoint vs online 0.3 (measured 0.169).
+- tiny Llama, init_std 0.05 (the factory's default 0.2 makes a chaotic random net whose FP8
+  top-1 flips on noise: there per-tensor activations measured checkpoint top-1 0.763 and
+  per-token 0.579 at nearly equal RMS error): REL_RMS 0.15, TOP1 0.75 (measured with per-token
+  dynamic activations: online 0.066 / 0.842, checkpoint 0.070 / 0.868; with one scale per
+  tensor: 0.072 / 0.842 and 0.076 / 0.763), checkpoint vs online 0.1 (measured 0.048).
 - tiny DeepSeek-V2, absorbed and decompressed: REL_RMS 0.02, TOP1 0.95 (measured online
   0.0049-0.0052 / 1.0, checkpoint 0.0050-0.0053 / 1.0 with bf16/fp32 routed experts; with the
   routed experts FP8 per expert per tensor too: online 0.0052-0.0055, checkpoint 0.0053-0.0055,
@@ -17,8 +18,8 @@ Tolerances (set once from measurements, seed 0, prompts of 12/7/19 tokens):
   0.0032-0.0035; they differ only where per-shard scales are requantized to their max, and
   where the checkpoint's FP8 experts, dequantized at load, are requantized per expert).
 Sensitivity: the Llama checkpoint with `weight_scale` (and the rowwise GEMM's copy of it,
-`weight_scale_row`) forced to 1 (scale ignored; stored fp8 values are W / (amax/448), ~500x too
-large) gives relative RMS 0.96, outside REL_RMS.
+`weight_scale_row`) forced to 1 (scale ignored; stored fp8 values are W / (amax/448), far too
+large) gives relative RMS 1.38, outside REL_RMS.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from mla_backend.config import ConfigError, EngineConfig
 from mla_backend.layers.quantization import Fp8LinearMethod
 from mla_backend.model_executor.forward_batch import ForwardMode
 
-LLAMA_REL_RMS, LLAMA_TOP1, LLAMA_CKPT_ONLINE = 0.3, 0.55, 0.3
+LLAMA_REL_RMS, LLAMA_TOP1, LLAMA_CKPT_ONLINE = 0.15, 0.75, 0.1
 DS_REL_RMS, DS_TOP1, DS_CKPT_ONLINE = 0.02, 0.95, 0.01
 LENS = (12, 7, 19)
 
@@ -60,7 +61,7 @@ def _llama_logits(path: str, prompts, **settings) -> tuple[torch.Tensor, object]
 
 @pytest.fixture(scope="module")
 def llama(tiny_llama_factory, tmp_path_factory):
-    path = tiny_llama_factory(seed=0)
+    path = tiny_llama_factory(seed=0, init_std=0.05)
     prompts = _prompts(256)
     ref, _ = _llama_logits(path, prompts)
     online, runner = _llama_logits(path, prompts, quantization="fp8")
