@@ -9,11 +9,13 @@ the shared-memory buffers the software pipeliner allocated (for example `2x32x51
 instructions in the PTX. This is how the second decode-attention round (docs/benchmarks.md) found
 that 3 stages gave the K tile a single buffer.
 
-    python benchmarks/compile_report.py SWAP,BLOCK_N,WARPS,STAGES ...   (e.g. 1,32,4,5 0,32,4,3)
+    python benchmarks/compile_report.py SWAP,BLOCK_N,WARPS,STAGES[,POOL] ...
+        (e.g. 1,32,4,5 0,32,4,3 0,32,4,3,e4m3)
 
 SWAP: 1 = the transposed path (always reusing the K tile as V), 0 = the untransposed path with
-V gathered separately. Needs triton with its NVIDIA backend (the pip wheel has it); no CUDA
-device or driver is used.
+V gathered separately. POOL: bf16 (default) or e4m3 (an FP8 pool: its tiles are converted to
+bf16 before each product; the last column counts those conversions of e4m3 pairs in the PTX).
+Needs triton with its NVIDIA backend (the pip wheel has it); no CUDA device or driver is used.
 """
 
 from __future__ import annotations
@@ -58,15 +60,17 @@ def jit_signature(fn, pointers: dict, constexprs: dict, floats: tuple, unaligned
     return signature, consts, attrs
 
 
-def compile_setting(swap: bool, block_n: int, warps: int, stages: int):
-    """The compiled kernel (triton CompiledKernel) for MLA 16 heads, Lk 576 / Lv 512, bf16,
-    launched with PDL as the engine does on Hopper."""
+def compile_setting(swap: bool, block_n: int, warps: int, stages: int, pool: str = "bf16"):
+    """The compiled kernel (triton CompiledKernel) for MLA 16 heads, Lk 576 / Lv 512, bf16
+    queries over a `pool` ("bf16" or "e4m3") pool, launched with PDL as the engine does on
+    Hopper."""
     fn = da._decode_split_kernel
     constexprs = dict(Lk=576, Lv=512, GROUP=16, HEADS_PER_PROG=16, BLOCKS_PER_KV=1,
                       MAX_KV_SPLITS=64, BLOCK_D=512, BLOCK_DPE=64, BLOCK_DV=512, BLOCK_N=block_n,
                       BLOCK_H=16, DOT_PRECISION="tf32", V_IS_K_PREFIX=swap, SWAP_AB=swap,
                       USE_PDL=True)
-    signature, consts, attrs = jit_signature(fn, POINTERS, constexprs, ("sm_scale", "v_scale"),
+    pointers = dict(POINTERS, K=f"*{_POOL_TYPES[pool]}", V=f"*{_POOL_TYPES[pool]}")
+    signature, consts, attrs = jit_signature(fn, pointers, constexprs, ("sm_scale", "v_scale"),
                                              ("stride_ls",))
     src = ASTSource(fn, signature, consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -94,20 +98,27 @@ def ptxas_report(ptx: str) -> str:
     return " | ".join(ptxas_stats(ptx))
 
 
+_POOL_TYPES = {"bf16": "bf16", "e4m3": "fp8e4nv"}
+
+
 def main(argv: list[str]) -> None:
     settings = argv or ["0,32,4,3", "1,32,4,5", "1,64,4,3"]
     print("| swap | tokens/tile | warps | stages | registers | spill bytes | shared KB "
-          "| pipelined buffers | wgmma | mma.sync |")
-    print("|---" * 10 + "|")
+          "| pipelined buffers | wgmma | mma.sync | pool | fp8 -> 16-bit cvt |")
+    print("|---" * 12 + "|")
     for spec in settings:
-        swap, block_n, warps, stages = (int(x) for x in spec.split(","))
-        k = compile_setting(bool(swap), block_n, warps, stages)
+        fields = spec.split(",")
+        swap, block_n, warps, stages = (int(x) for x in fields[:4])
+        pool = fields[4] if len(fields) > 4 else "bf16"
+        k = compile_setting(bool(swap), block_n, warps, stages, pool)
         bufs = sorted(set(re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<([0-9x]+[a-z0-9]+)",
                                      k.asm["ttgir"])))
         ptx = k.asm["ptx"]
+        cvt = len(re.findall(r"cvt\.rn\.(?:bf16|f16)x2\.e4m3x2", ptx))
         print(f"| {swap} | {block_n} | {warps} | {stages} | {ptxas_report(ptx)} | "
               f"{k.metadata.shared / 1024:.1f} | {' '.join(bufs)} | "
-              f"{ptx.count('wgmma.mma_async')} | {ptx.count('mma.sync')} |", flush=True)
+              f"{ptx.count('wgmma.mma_async')} | {ptx.count('mma.sync')} | {pool} | {cvt} |",
+              flush=True)
 
 
 if __name__ == "__main__":

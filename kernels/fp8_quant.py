@@ -87,6 +87,8 @@ def _addr(offs, D1, D2, s0, s1, s2, CONTIG: tl.constexpr):
 
 
 # Sizes and strides vary with the token count: not specialized, so one compile serves them all.
+# (D1, D2 as compile-time constants made a strided [16, 768, 128] amax 4x slower on the H200:
+# 53.1 vs 13.6 us, 2026-12-01.)
 @triton.jit(do_not_specialize=["numel", "D1", "D2", "s0", "s1", "s2"])
 def _amax_partials_kernel(x_ptr, part_ptr, numel, D1, D2, s0, s1, s2,
                           BLOCK: tl.constexpr, CONTIG: tl.constexpr):
@@ -172,6 +174,16 @@ def _check(x: torch.Tensor) -> None:
         raise TypeError(f"x must be float32/bfloat16/float16, got {x.dtype}")
 
 
+def _dense_order(x: torch.Tensor) -> torch.Tensor:
+    """x with its dims permuted by decreasing stride (size-1 dims first): contiguous when x
+    is a permutation of a contiguous tensor (e.g. a [T, H, D] buffer viewed as [H, T, D]).
+    The order of elements does not change a max, so the amax pass reads that instead: flat,
+    without strided index arithmetic (absorbed MLA's o [16, 768, 512] viewed from [768, 16,
+    512], bf16: 10.6 vs 39.3 us on the H200, 2026-12-01)."""
+    order = sorted(range(x.dim()), key=lambda d: (x.shape[d] != 1, -x.stride(d)))
+    return x.permute(order)
+
+
 def fp8_amax_partials(x: torch.Tensor) -> torch.Tensor:
     """Launch 1 alone: per-program max |x| partials.
 
@@ -184,6 +196,8 @@ def fp8_amax_partials(x: torch.Tensor) -> torch.Tensor:
         TypeError: another dtype.
     """
     _check(x)
+    if not x.is_contiguous() and _dense_order(x).is_contiguous():
+        x = _dense_order(x)  # read in memory order: no strided addressing
     x, contig, (d1, d2), (s0, s1, s2) = _view3(x)
     numel = x.numel()
     g = max(1, min(triton.cdiv(numel, _BLOCK), MAX_PARTIALS))

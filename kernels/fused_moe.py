@@ -473,9 +473,10 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  w2_scale: torch.Tensor | None = None,
                  block_shape: tuple[int, int] | None = None,
                  activation_quant: bool = True, shared_w13: torch.Tensor | None = None,
-                 shared_w2: torch.Tensor | None = None) -> torch.Tensor:
+                 shared_w2: torch.Tensor | None = None,
+                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The GEMV path of `fused_experts` (no sort): two kernel launches and one [T*(k+S), I]
-    buffer (with FP8 weights also the torch quantization of x and of that buffer).
+    buffer (with FP8 weights also the quantization of x, unless x_fp8, and of that buffer).
 
     Shapes as in `fused_experts`, already checked there (any strides; topk_weights any float
     dtype, read as fp32; out [T, H] of x's dtype is written whole). T*k >= 1, H >= 1. FP8
@@ -500,7 +501,7 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         block_k, down_block_k = _pow2_divisor(group_k, block_k), _pow2_divisor(group_k,
                                                                               down_block_k)
     group = group_k if quant == 2 else None
-    a1, x_scale = _quantize(x, fp8, group, activation_quant)
+    a1, x_scale = _quantize(x, fp8, group, activation_quant, x_fp8)
     n_shared = 0 if shared_w13 is None else shared_w13.shape[0] // (2 * inter)
     slots = top_k + n_shared
     h_act = torch.empty((t * slots, inter), dtype=x.dtype, device=x.device)  # [T*(k+S), I]
@@ -614,13 +615,23 @@ def quantize_activations_fp8(x: torch.Tensor, group_size: int | None
     return quantize_per_token(x)
 
 
-def _quantize(a: torch.Tensor, fp8: bool, group: int | None, activation_quant: bool
+def _quantize(a: torch.Tensor, fp8: bool, group: int | None, activation_quant: bool,
+              a_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A GEMM's activations for the kernels: unchanged without FP8 weights; else quantized
-    (`quantize_activations_fp8`), or unchanged with scales of 1 (activation_quant off)."""
+    (`quantize_activations_fp8`; per token: `a_fp8` when given, a already quantized so), or
+    unchanged with scales of 1 (activation_quant off)."""
     if not fp8:
         return a, None
     if activation_quant:
+        if a_fp8 is not None and group is None:
+            q, scale = a_fp8
+            if (q.dtype != FP8_DTYPE or q.shape != a.shape or scale.dtype != torch.float32
+                    or tuple(scale.shape) != (a.shape[0], 1)):
+                raise ValueError(f"fused_experts: x_fp8 must be (float8_e4m3fn "
+                                 f"{tuple(a.shape)}, float32 ({a.shape[0]}, 1)), got {q.dtype} "
+                                 f"{tuple(q.shape)}, {scale.dtype} {tuple(scale.shape)}")
+            return a_fp8
         return quantize_activations_fp8(a, group)
     shape = (a.shape[0], 1 if group is None else triton.cdiv(a.shape[1], group))
     return a, torch.ones(shape, dtype=torch.float32, device=a.device)
@@ -665,7 +676,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   w2_scale: torch.Tensor | None = None,
                   block_shape: tuple[int, int] | None = None,
                   activation_quant: bool = True, shared_w13: torch.Tensor | None = None,
-                  shared_w2: torch.Tensor | None = None) -> torch.Tensor:
+                  shared_w2: torch.Tensor | None = None,
+                  x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), SiLU-gated experts:
     expert_e(v) = w2[e] @ (silu(w13[e, :I] @ v) * (w13[e, I:] @ v)), plus, when shared_w13 /
     shared_w2 are given, the shared experts' SiLU-gated MLP of x[t] (DeepSeek's
@@ -712,12 +724,17 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             join the routed slots' fp32 sum before the one rounding. GEMV path only (the caller
             picks when it pays: each token row reads the shared weights once), unquantized
             weights only.
+        x_fp8: optional x already quantized per token, (q float8_e4m3fn [T, H], scale
+            float32 [T, 1]) = `fp8_quant.quantize_per_token(x)` (e.g. written by the RMSNorm
+            that made x): per-tensor FP8 weights then skip quantizing x; ignored otherwise
+            (unquantized or block-FP8 weights, activation_quant off).
     Returns:
         out, or a new [T, H] tensor of x's dtype.
     Raises:
         ValueError: shapes or dtypes do not fit together, unknown path, GEMV tiles not powers
             of two, FP8 weights without fitting scales (or scales without FP8 weights), shared
-            experts of the wrong shape or dtype, with FP8 weights or off the GEMV path.
+            experts of the wrong shape or dtype, with FP8 weights or off the GEMV path, an
+            x_fp8 (when used) not of x's shape.
     """
     if path not in ("auto", "gemv", "sorted"):
         raise ValueError(f"fused_experts: path must be 'auto', 'gemv' or 'sorted', got {path!r}")
@@ -758,25 +775,21 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return gemv_experts(x, w13, w2, topk_weights, topk_ids, out,
                             gemv_config or get_default_gemv_config(top_k + n_shared, x.device),
                             w13_scale, w2_scale, block_shape, activation_quant,
-                            shared_w13, shared_w2)
+                            shared_w13, shared_w2, x_fp8)
     if n_shared:
         raise ValueError("fused_experts: shared experts are folded on the GEMV path only "
                          f"(T={t}, k={top_k}, S={n_shared}, path {path!r})")
     cfg = config or get_default_config(t, top_k, e, x.device, fp8=fp8)
     group = None if block_shape is None else block_shape[1]
-
-    def quant(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return _quantize(a, fp8, group, activation_quant)
-
     sorted_ids, expert_ids, used = moe_align_block_size(topk_ids, e, cfg.block_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     h_act = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)  # [T*k, I]
-    a1, a1_scale = quant(x)
+    a1, a1_scale = _quantize(x, fp8, group, activation_quant, x_fp8)
     grouped_gemm(a1, w13, h_act, sorted_ids, expert_ids, used, num_rows, top_k, cfg,
                  fuse_silu_mul=True, a_scale=a1_scale, w_scale=w13_scale,
                  block_shape=block_shape)
     y = torch.empty((num_rows, h), dtype=x.dtype, device=x.device)  # [T*k, H]
-    a2, a2_scale = quant(h_act)
+    a2, a2_scale = _quantize(h_act, fp8, group, activation_quant)
     grouped_gemm(a2, w2, y, sorted_ids, expert_ids, used, num_rows, 1, cfg,
                  topk_weights=weights, a_scale=a2_scale, w_scale=w2_scale,
                  block_shape=block_shape)

@@ -7,6 +7,10 @@ reduced in fp32, the weight multiplied in fp32 and the result rounded once to th
 the value written back as the next residual stream) and normalizes that rounded sum, exactly as
 `fused_add_rmsnorm_ref` does.
 
+Both can also write the normed rows quantized to FP8 e4m3 per row (`fp8_out`): what a dynamic
+FP8 linear reading them would compute itself (`fp8_quant.quantize_fp8_per_token`, bit for bit),
+in the same pass, so that linear's quantization launch and its read of the rows go.
+
 Layout: rows of a 2-D [T, D] tensor, last dim contiguous, any row stride (so views such as a
 column slice of a bigger matrix work without a copy). The whole row lives in registers
 (BLOCK_D = next power of two >= D, masked), which is right for hidden sizes up to ~16k.
@@ -18,12 +22,29 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_quant import _to_e4m3
 from .pdl import launch_options, pdl_enter, use_pdl
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, D, eps,
-                    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+def _store_normed(y, out_ptr, q_ptr, scale_ptr, row, stride_out, stride_q, cols, mask,
+                  QUANT: tl.constexpr, EXACT: tl.constexpr):
+    """Store the normed row y (fp32) in out's dtype and, with QUANT, that stored row quantized
+    to e4m3 with its own scale (`fp8_quant.quantize_fp8_per_token`'s formula and rounding)."""
+    yo = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, yo, mask=mask)
+    if QUANT:
+        yf = yo.to(tl.float32)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(yf), axis=0), 448.0), 1e-12)
+        tl.store(q_ptr + row * stride_q + cols, _to_e4m3(tl.math.div_rn(yf, scale), EXACT),
+                 mask=mask)
+        tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, q_ptr, scale_ptr, stride_x, stride_out, stride_q,
+                    D, eps, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, EXACT: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -32,12 +53,14 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, D, eps,
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     var = tl.sum(x * x, axis=0) / D
     y = x * tl.math.rsqrt(var + eps) * w
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_normed(y, out_ptr, q_ptr, scale_ptr, row, stride_out, stride_q, cols, mask, QUANT,
+                  EXACT)
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res,
-                        stride_out, stride_res_out, D, eps, BLOCK_D: tl.constexpr,
+def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_ptr,
+                        stride_x, stride_res, stride_out, stride_res_out, stride_q, D, eps,
+                        BLOCK_D: tl.constexpr, QUANT: tl.constexpr, EXACT: tl.constexpr,
                         USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -52,7 +75,8 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, s
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     var = tl.sum(s * s, axis=0) / D
     y = s * tl.math.rsqrt(var + eps) * w
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_normed(y, out_ptr, q_ptr, scale_ptr, row, stride_out, stride_q, cols, mask, QUANT,
+                  EXACT)
 
 
 def _launch_cfg(d: int) -> tuple[int, int]:
@@ -68,8 +92,24 @@ def _check_rows(name: str, t: torch.Tensor, d: int) -> None:
         raise ValueError(f"{name} must have a contiguous last dim (stride {t.stride(1)})")
 
 
+def _fp8_outputs(fp8_out: tuple[torch.Tensor, torch.Tensor] | None, t: int, d: int
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """(q, scale, q's row stride) of an optional `fp8_out` after checking it."""
+    if fp8_out is None:
+        return None, None, 0
+    q, scale = fp8_out
+    _check_rows("fp8 q", q, d)
+    if (q.dtype != torch.float8_e4m3fn or q.shape[0] != t or scale.dtype != torch.float32
+            or tuple(scale.shape) != (t, 1) or not scale.is_contiguous()):
+        raise ValueError(f"fp8_out must be (float8_e4m3fn [{t}, {d}], contiguous float32 "
+                         f"[{t}, 1]), got {q.dtype} {tuple(q.shape)}, {scale.dtype} "
+                         f"{tuple(scale.shape)}")
+    return q, scale, q.stride(0)
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None,
+            fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """y = x / sqrt(mean(x², -1) + eps) * weight, fp32 math, one rounding to the output dtype.
 
     Args:
@@ -77,28 +117,35 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         weight: [D] any float dtype (contiguous).
         eps: variance epsilon.
         out: optional [T, D] destination (any float dtype, last dim contiguous); may be x itself.
+        fp8_out: optional (q float8_e4m3fn [T, D] with a contiguous last dim, scale float32
+            [T, 1] contiguous): also written, with y as stored in `out` quantized per row as
+            `fp8_quant.quantize_fp8_per_token` does (bit for bit): the dynamic FP8 linear that
+            reads y needs no quantization launch of its own.
     Returns:
         out, or a new contiguous [T, D] tensor of x's dtype.
     Raises:
-        ValueError: shapes disagree or a last dim is strided.
+        ValueError: shapes disagree, a last dim is strided, or fp8_out is malformed.
     """
     d = weight.shape[0]
     _check_rows("x", x, d)
     if out is None:
         out = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device)
     _check_rows("out", out, d)
+    q, scale, stride_q = _fp8_outputs(fp8_out, x.shape[0], d)
     if x.shape[0] == 0:
         return out
     block, warps = _launch_cfg(d)
-    _rmsnorm_kernel[(x.shape[0],)](x, weight.contiguous(), out, x.stride(0), out.stride(0), d,
-                                   float(eps), BLOCK_D=block, num_warps=warps,
+    _rmsnorm_kernel[(x.shape[0],)](x, weight.contiguous(), out, q, scale, x.stride(0),
+                                   out.stride(0), stride_q, d, float(eps), BLOCK_D=block,
+                                   QUANT=q is not None, EXACT=not x.is_cuda, num_warps=warps,
                                    **launch_options(use_pdl(x)))
     return out
 
 
 def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                       *, out: torch.Tensor | None = None,
-                      residual_out: torch.Tensor | None = None) -> None:
+                      residual_out: torch.Tensor | None = None,
+                      fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """residual ← round(x + residual); x ← rmsnorm(residual) — in place by default.
 
     SGLang/vLLM `fused_add_rmsnorm` semantics. The sum is computed in fp32, rounded to the
@@ -112,8 +159,10 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
         eps: variance epsilon.
         out: optional destination [T, D] for the normed rows instead of x.
         residual_out: optional destination [T, D] for the sum instead of residual.
+        fp8_out: optional (q, scale) also written with the normed rows quantized per row, as
+            in `rmsnorm`.
     Raises:
-        ValueError: shapes disagree or a last dim is strided.
+        ValueError: shapes disagree, a last dim is strided, or fp8_out is malformed.
     """
     d = weight.shape[0]
     out = x if out is None else out
@@ -123,13 +172,15 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
         _check_rows(name, t, d)
         if t.shape[0] != x.shape[0]:
             raise ValueError(f"{name} has {t.shape[0]} rows, x has {x.shape[0]}")
+    q, scale, stride_q = _fp8_outputs(fp8_out, x.shape[0], d)
     if x.shape[0] == 0:
         return
     block, warps = _launch_cfg(d)
     _add_rmsnorm_kernel[(x.shape[0],)](
-        x, residual, weight.contiguous(), out, residual_out, x.stride(0), residual.stride(0),
-        out.stride(0), residual_out.stride(0), d, float(eps), BLOCK_D=block,
-        num_warps=warps, **launch_options(use_pdl(x)))
+        x, residual, weight.contiguous(), out, residual_out, q, scale, x.stride(0),
+        residual.stride(0), out.stride(0), residual_out.stride(0), stride_q, d, float(eps),
+        BLOCK_D=block, QUANT=q is not None, EXACT=not x.is_cuda, num_warps=warps,
+        **launch_options(use_pdl(x)))
 
 
 __all__ = ["fused_add_rmsnorm", "rmsnorm"]

@@ -8,7 +8,9 @@ Dispatch: `forward` runs the triton kernels of `mla_kernels.rmsnorm` for CUDA te
 fp32, the weight multiplied in fp32 and the result rounded once — within one output-dtype
 rounding of `forward_native`, identical in fp32) and `forward_native` (pure torch, the form
 torch.compile traces) on CPU, while compiling, or when x/residual/weight dtypes differ. The
-kernel path is inference-only (no autograd) and never modifies its inputs.
+kernel path is inference-only (no autograd) and never modifies its inputs. `forward_fp8` also
+hands out the normed rows quantized per token for the dynamic FP8 linears that read them (one
+pass on CUDA instead of a norm and a quantization launch).
 """
 
 from __future__ import annotations
@@ -85,6 +87,61 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         s = x + residual
         return self._norm(s), s
+
+    def forward_fp8(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor,
+                                                                    torch.Tensor]]:
+        """`forward`, plus the normed rows quantized to FP8 per token for the dynamic FP8
+        linears that read them (`quantization.PerTokenFp8`, handed over as their `x_fp8`).
+
+        Args: as `forward`; x [T, hidden] (2-D).
+        Returns:
+            (normed x, x + residual or None without a residual, (q float8_e4m3fn [T, hidden],
+            scale float32 [T, 1])), q and scale exactly `fp8_quant.quantize_per_token(normed
+            x)`: on CUDA written by the norm kernel in the same pass (`fp8_out`; the normed
+            rows themselves then may differ from `forward`'s in the last bits: the extra store
+            changes the kernel's reduction order), elsewhere (CPU, torch.compile) that
+            function run after `forward_native`.
+        Raises:
+            ValueError: x not 2-D, or a residual of another shape.
+        """
+        if x.dim() != 2:
+            raise ValueError(f"forward_fp8: x must be [T, hidden], got {tuple(x.shape)}")
+        if residual is not None and residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x {tuple(x.shape)}")
+        if not self._use_kernel(x, residual):
+            from mla_kernels.fp8_quant import quantize_per_token
+
+            res = self.forward_native(x, residual)
+            out, new_res = (res, None) if residual is None else res
+            return out, new_res, quantize_per_token(out)
+        from mla_kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+
+        t, d = x.shape
+        out = torch.empty((t, d), dtype=x.dtype, device=x.device)
+        fp8 = (torch.empty((t, d), dtype=torch.float8_e4m3fn, device=x.device),
+               torch.empty((t, 1), dtype=torch.float32, device=x.device))
+        if residual is None:
+            rmsnorm(_rows(x, d), self.weight, self.variance_epsilon, out=out, fp8_out=fp8)
+            return out, None, fp8
+        new_res = torch.empty((t, d), dtype=x.dtype, device=x.device)
+        fused_add_rmsnorm(_rows(x, d), _rows(residual, d), self.weight, self.variance_epsilon,
+                          out=out, residual_out=new_res, fp8_out=fp8)
+        return out, new_res, fp8
+
+    def prenorm(self, x: torch.Tensor, residual: torch.Tensor | None, fp8: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """A decoder layer's pre-norm step: (normed, the residual stream, the normed rows
+        quantized per token or None). The stream is x itself without a residual (the first
+        layer), else x + residual. fp8: also quantize (`forward_fp8`), for a consumer whose
+        linears quantize their input per token (`takes_fp8_input`)."""
+        if fp8:
+            out, new_res, x_fp8 = self.forward_fp8(x, residual)
+            return out, (x if residual is None else new_res), x_fp8
+        if residual is None:
+            return self(x), x, None
+        out, new_res = self(x, residual)
+        return out, new_res, None
 
     def norm_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Normed x written into `out` (same shape, x's dtype; e.g. a column slice of a wider

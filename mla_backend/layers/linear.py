@@ -49,7 +49,8 @@ from mla_backend.distributed import (
 )
 
 
-from mla_backend.layers.quantization import BlockFP8Config, QuantConfig, _make_weight, _rows
+from mla_backend.layers.quantization import (
+    BlockFP8Config, PerTokenFp8, QuantConfig, _make_weight, _rows)
 
 
 class ReplicatedLinear(nn.Module):
@@ -71,8 +72,9 @@ class ReplicatedLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+    def forward(self, x: torch.Tensor, x_fp8: PerTokenFp8 | None = None) -> torch.Tensor:
+        """x_fp8: optional x quantized per token (used by dynamic FP8 weights only)."""
+        return self.quant_method.apply(self, x, self.bias, x_fp8)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """Copy a whole HF tensor into `param`. Raises ValueError on a shape mismatch."""
@@ -203,8 +205,9 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, self.bias)
+    def forward(self, x: torch.Tensor, x_fp8: PerTokenFp8 | None = None) -> torch.Tensor:
+        """x_fp8: optional x quantized per token (used by dynamic FP8 weights only)."""
+        y = self.quant_method.apply(self, x, self.bias, x_fp8)
         if self.gather_output and self.tp_size > 1:
             y = tensor_model_parallel_all_gather(y, dim=-1)
         return y
@@ -418,13 +421,15 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_fp8: PerTokenFp8 | None = None) -> torch.Tensor:
+        """x_fp8: optional x (this rank's columns) quantized per token (used by dynamic FP8
+        weights only)."""
         apply = self.quant_method.apply
         if self.tp_size == 1:
-            return apply(self, x, self.bias)
+            return apply(self, x, self.bias, x_fp8)
         if not self.reduce_results:
-            return apply(self, x, self.bias if self.tp_rank == 0 else None)
-        y = tensor_model_parallel_all_reduce(apply(self, x, None))
+            return apply(self, x, self.bias if self.tp_rank == 0 else None, x_fp8)
+        y = tensor_model_parallel_all_reduce(apply(self, x, None, x_fp8))
         if self.bias is not None:
             y.add_(self.bias)  # once, after the sum
         return y

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mla_backend.distributed import divide, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
-from mla_backend.layers.activation import SiluAndMul
+from mla_backend.layers.activation import SiluAndMul, gated_mlp
 from mla_backend.layers.linear import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
@@ -57,9 +57,11 @@ from mla_backend.layers.quantization import (
     FP8_E4M3,
     BlockFP8Config,
     Fp8Config,
+    PerTokenFp8,
     QuantConfig,
     UnquantizedLinearMethod,
     quantize_fp8_per_tensor,
+    takes_per_token_fp8,
 )
 
 logger = logging.getLogger(__name__)
@@ -74,7 +76,8 @@ class GatedMLP(nn.Module):
     `quant_config` (None or a `BlockFP8Config`) applies to both linears (DeepSeek-V3's
     block-FP8 dense MLPs and shared experts).
 
-    Args of forward: x [T, hidden]. Returns [T, hidden].
+    Args of forward: x [T, hidden]; x_fp8: optional x quantized per token
+    (`quantization.PerTokenFp8`, for dynamic FP8 weights). Returns [T, hidden].
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int,
@@ -89,8 +92,13 @@ class GatedMLP(nn.Module):
                                            quant_config=quant_config)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    @property
+    def takes_fp8_input(self) -> bool:
+        """Whether forward uses an x_fp8 (its gate/up linear quantizes x per token)."""
+        return takes_per_token_fp8(self.gate_up_proj)
+
+    def forward(self, x: torch.Tensor, x_fp8: PerTokenFp8 | None = None) -> torch.Tensor:
+        return gated_mlp(x, x_fp8, self.gate_up_proj, self.act_fn, self.down_proj)
 
 
 def select_experts(
@@ -394,8 +402,17 @@ class DeepseekV2MoE(nn.Module):
                                         reduce_results=False, quant_config=quant_config)
                                if n_shared_experts else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+    @property
+    def takes_fp8_input(self) -> bool:
+        """Whether forward uses an x_fp8: per-tensor FP8 routed experts, or shared experts
+        whose gate/up linear quantizes x per token (both then share one quantization)."""
+        return (type(self.experts.quant_method) is Fp8MoEMethod
+                or (self.shared_experts is not None and self.shared_experts.takes_fp8_input))
+
+    def forward(self, x: torch.Tensor, x_fp8: PerTokenFp8 | None = None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]. x_fp8: optional x quantized per token
+        (`quantization.PerTokenFp8`), used by per-tensor FP8 routed and shared experts instead
+        of quantizing x themselves; the router reads x."""
         logits = self.gate(x)  # [T, E] fp32
         if self.topk_method == "noaux_tc":
             weights, ids = select_experts_noaux_tc(
@@ -407,9 +424,9 @@ class DeepseekV2MoE(nn.Module):
                                           self.routed_scaling_factor)
         use_fused = x.is_cuda if self.fused_moe is None else self.fused_moe
         shared = self._foldable_shared(x) if use_fused else None
-        out = self.experts(x, weights, ids, use_fused, shared=shared)
+        out = self.experts(x, weights, ids, use_fused, shared=shared, x_fp8=x_fp8)
         if self.shared_experts is not None and shared is None:
-            out = out + self.shared_experts(x)
+            out = out + self.shared_experts(x, x_fp8)
         # Tensor parallel: each rank holds a slice of every expert's intermediate dim, so routed
         # and shared outputs are partial sums; one all-reduce (a no-op at TP 1).
         return tensor_model_parallel_all_reduce(out)
@@ -589,8 +606,8 @@ class StackedExperts(nn.Module):
         return isinstance(self.quant_method, BlockFP8MoEMethod)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                fused: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor:
+                fused: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                x_fp8: PerTokenFp8 | None = None) -> torch.Tensor:
         """Routed output [T, H] in x's dtype (before any TP all-reduce).
 
         Args:
@@ -600,6 +617,8 @@ class StackedExperts(nn.Module):
                 (reads per-expert counts to the host). Both do the same (FP8) math.
             shared: optional shared-expert weights (gate_up [2*S*I, H], down [H, S*I]) added
                 inside the fused GEMV launches (fused only; `fused_experts(shared_w13=...)`).
+            x_fp8: optional x quantized per token (`fused_experts(x_fp8=)`: used with
+                per-tensor FP8 weights). The loop quantizes x itself, to the same values.
         Raises:
             ValueError: shared weights with fused False.
         """
@@ -607,6 +626,8 @@ class StackedExperts(nn.Module):
         if fused:
             if shared is not None:
                 args = dict(args, shared_w13=shared[0], shared_w2=shared[1], path="gemv")
+            if x_fp8 is not None and type(self.quant_method) is Fp8MoEMethod:
+                args = dict(args, x_fp8=x_fp8)
             return _fused_experts_opaque(x, self.w13_weight, self.w2_weight, topk_weights,
                                          topk_ids, **args)
         if shared is not None:

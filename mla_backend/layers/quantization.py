@@ -140,9 +140,9 @@ class UnquantizedLinearMethod:
     """weight in the model dtype, or fp32 (the MoE router, `layers.moe.RouterGate`: then the
     result is fp32); y = x W^T (+ b) by `unquantized_linear`."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
-        return unquantized_linear(x, layer.weight, bias)
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              x_fp8: PerTokenFp8 | None = None) -> torch.Tensor:
+        return unquantized_linear(x, layer.weight, bias)  # x_fp8: not this method's input
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass
@@ -196,8 +196,9 @@ class BlockFP8LinearMethod:
         return dequant_weight_block_fp8(layer.weight, layer.weight_scale_inv,
                                         (layer.scale_block_n, self.block_k))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              x_fp8: PerTokenFp8 | None = None) -> torch.Tensor:
+        """x_fp8 is ignored: these activations are quantized per group of bk columns."""
         from mla_kernels.block_fp8_gemm import block_fp8_matmul, per_token_group_quant_fp8
 
         k = x.shape[-1]
@@ -215,6 +216,10 @@ class BlockFP8LinearMethod:
 
 
 # ---------------------------------------------------------------------------- per-tensor FP8
+# Activations [T, K] quantized per token, as `mla_kernels.fp8_quant.quantize_per_token` gives
+# them: (q float8_e4m3fn [T, K], scale float32 [T, 1]). Layers may be handed one next to x
+# (`apply(..., x_fp8=)`): a method that quantizes x per token uses it instead, others ignore it.
+PerTokenFp8 = tuple[torch.Tensor, torch.Tensor]
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _MIN_SCALE = 1e-12  # floor of a dynamic scale (an all-zero tensor must not divide by 0)
 QUANTIZATION_METHODS = ("", "fp8")  # the engine setting `quantization`
@@ -328,7 +333,8 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None
 
 
 def fp8_per_token_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale_row: torch.Tensor,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None,
+                     x_fp8: PerTokenFp8 | None = None) -> torch.Tensor:
     """y = (x quantized per token, `mla_kernels.fp8_quant.quantize_per_token`: x_scale[m] =
     max(amax(|x[m]|) / 448, 1e-12)) @ w_t * x_scale[m] * w_scale_row[n]: the dynamic FP8 linear.
 
@@ -337,14 +343,34 @@ def fp8_per_token_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale_row: torch.Tens
             [N, K] weight). w_scale_row: float32 [1, N] contiguous, one weight scale per output
             column (a per-tensor scale repeated; a fused matrix's parts may differ).
             out_dtype: default x's dtype.
+        x_fp8: x already quantized so (`PerTokenFp8`, e.g. by the RMSNorm that wrote x:
+            `RMSNorm.forward_fp8`); then x is not read again.
     Returns:
         [M, N] in out_dtype, fp32 accumulation. On CUDA with bf16 output one rowwise-scaled
         `torch._scaled_mm`; other output dtypes run the FP8 GEMM into float32 and scale after.
+    Raises:
+        ValueError: x_fp8 not of x's shape (`check_per_token_fp8`).
     """
-    from mla_kernels.fp8_quant import quantize_per_token
+    if x_fp8 is None:
+        from mla_kernels.fp8_quant import quantize_per_token
 
-    q, xs = quantize_per_token(x)
+        x_fp8 = quantize_per_token(x)
+    else:
+        check_per_token_fp8(x, x_fp8)
+    q, xs = x_fp8
     return _fp8_rowwise_scaled_mm(q, xs, w_t, w_scale_row, out_dtype or x.dtype)
+
+
+def check_per_token_fp8(x: torch.Tensor, x_fp8: PerTokenFp8) -> None:
+    """Raises ValueError unless x_fp8 is (float8_e4m3fn of x's [M, K] shape, float32 [M, 1])
+    (shapes only: no device read, safe in CUDA graphs)."""
+    q, scale = x_fp8
+    m = x.shape[0]
+    if (q.dtype != FP8_E4M3 or tuple(q.shape) != tuple(x.shape) or scale.dtype != torch.float32
+            or tuple(scale.shape) != (m, 1)):
+        raise ValueError(f"x_fp8 must be (float8_e4m3fn {tuple(x.shape)}, float32 ({m}, 1)) for "
+                         f"x {tuple(x.shape)}, got {q.dtype} {tuple(q.shape)}, {scale.dtype} "
+                         f"{tuple(scale.shape)}")
 
 
 def _fp8_rowwise_scaled_mm(q: torch.Tensor, q_scale: torch.Tensor, w_t: torch.Tensor,
@@ -493,18 +519,28 @@ class Fp8LinearMethod:
         """weight * weight_scale -> [n, k] float32 (after processing)."""
         return layer.weight.float() * layer.weight_scale
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              x_fp8: PerTokenFp8 | None = None) -> torch.Tensor:
+        """x_fp8: x [T, k] quantized per token (dynamic activations only; a static
+        `input_scale` ignores it)."""
         k = x.shape[-1]
         x_scale = getattr(layer, "input_scale", None)
         if x_scale is None:
-            y = fp8_per_token_mm(x.reshape(-1, k), layer.weight.t(), layer.weight_scale_row)
+            y = fp8_per_token_mm(x.reshape(-1, k), layer.weight.t(), layer.weight_scale_row,
+                                 x_fp8=x_fp8)
         else:
             y = fp8_per_tensor_mm(x.reshape(-1, k), layer.weight.t(), layer.weight_scale,
                                   x_scale.data)
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def takes_per_token_fp8(layer: nn.Module) -> bool:
+    """Whether `layer` (a linear) quantizes its input per token itself: `Fp8LinearMethod`
+    with dynamic activations. Its producer may then hand it x_fp8 (`PerTokenFp8`)."""
+    return (isinstance(getattr(layer, "quant_method", None), Fp8LinearMethod)
+            and getattr(layer, "input_scale", None) is None)
 
 
 def _make_weight(layer: nn.Module, rows: int, cols: int,

@@ -79,11 +79,13 @@ from mla_backend.layers.quantization import (
     BlockFP8Config,
     Fp8Config,
     Fp8LinearMethod,
+    PerTokenFp8,
     UnquantizedLinearMethod,
     fp8_per_tensor_bmm,
     fp8_per_token_mm,
     quant_config_from_hf,
     quantize_fp8_bmm_weight,
+    takes_per_token_fp8,
     unquantized_linear,
 )
 from mla_backend.layers.radix_attention import RadixAttention, load_kv_scale
@@ -246,19 +248,31 @@ class DeepseekV2Attention(nn.Module):
             kv.weight_scale_row.data = scale[:, n:]
             self.w_input_proj_scale = scale
 
-    def _input_projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def takes_fp8_input(self) -> bool:
+        """Whether forward uses a hidden_fp8: the projections that read the layer input
+        quantize it per token (dynamic FP8, fused or not)."""
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        return self.w_input_proj_scale is not None or (
+            takes_per_token_fp8(first) or takes_per_token_fp8(self.kv_a_proj_with_mqa))
+
+    def _input_projections(self, hidden: torch.Tensor, hidden_fp8: PerTokenFp8 | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden] -> (q [T, H * qk_head], kv_a [T, kv_lora + rope]); one product
-        over `w_input_proj` when the weights are fused (the results are column views)."""
+        over `w_input_proj` when the weights are fused (the results are column views).
+        hidden_fp8: hidden quantized per token, for dynamic FP8 projections."""
         w = self.w_input_proj
         if w is None:
-            first = self.q_proj(hidden) if self.q_lora_rank is None else self.q_a_proj(hidden)
-            kv_a = self.kv_a_proj_with_mqa(hidden)
+            first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+            first = first(hidden, hidden_fp8)
+            kv_a = self.kv_a_proj_with_mqa(hidden, hidden_fp8)
         else:
             n_kv = self.kv_lora_rank + self.qk_rope_head_dim
             if self.w_input_proj_scale is None:
                 both = unquantized_linear(hidden, w)
             else:
-                both = fp8_per_token_mm(hidden, w.t(), self.w_input_proj_scale)
+                both = fp8_per_token_mm(hidden, w.t(), self.w_input_proj_scale,
+                                        x_fp8=hidden_fp8)
             first, kv_a = both.split([w.shape[0] - n_kv, n_kv], -1)
         if self.q_lora_rank is not None:
             first = self.q_b_proj(self.q_a_layernorm(first))
@@ -282,11 +296,13 @@ class DeepseekV2Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 forward_batch: "ForwardBatch", path: str,
-                rope_table: torch.Tensor | None = None) -> torch.Tensor:
+                rope_table: torch.Tensor | None = None,
+                hidden_fp8: PerTokenFp8 | None = None) -> torch.Tensor:
         """positions [T] int64, hidden [T, hidden] -> [T, hidden]. `rope_table`: [T, rope dim]
-        fp32, `rotary_emb.table(positions)` when the model has built it for all layers."""
+        fp32, `rotary_emb.table(positions)` when the model has built it for all layers.
+        `hidden_fp8`: hidden quantized per token (`takes_fp8_input`; `RMSNorm.forward_fp8`)."""
         t, heads = hidden.shape[0], self.num_heads
-        q, kv_a = self._input_projections(hidden)
+        q, kv_a = self._input_projections(hidden, hidden_fp8)
         q_nope, q_pe = q.view(t, heads, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
@@ -398,13 +414,15 @@ class DeepseekV2DecoderLayer(nn.Module):
                 residual: torch.Tensor | None, forward_batch: "ForwardBatch",
                 path: str, rope_table: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_batch, path, rope_table)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        """The norms also write their output quantized per token (`RMSNorm.prenorm`) when
+        the linears after them quantize it so (dynamic FP8): one pass instead of a norm and a
+        quantization launch per consumer (the MoE's shared and routed experts share it)."""
+        hidden, residual, hidden_fp8 = self.input_layernorm.prenorm(
+            hidden, residual, self.self_attn.takes_fp8_input)
+        hidden = self.self_attn(positions, hidden, forward_batch, path, rope_table, hidden_fp8)
+        hidden, residual, hidden_fp8 = self.post_attention_layernorm.prenorm(
+            hidden, residual, self.mlp.takes_fp8_input)
+        return self.mlp(hidden, hidden_fp8), residual
 
 
 class DeepseekV2Model(nn.Module):

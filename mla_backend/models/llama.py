@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mla_backend.layers.activation import SiluAndMul
+from mla_backend.layers.activation import SiluAndMul, gated_mlp
 from mla_backend.layers.layernorm import RMSNorm
 from mla_backend.layers.linear import (
     MergedColumnParallelLinear,
@@ -33,7 +33,8 @@ from mla_backend.layers.linear import (
     RowParallelLinear,
 )
 from mla_backend.layers.logits import ParallelLMHead, VocabParallelEmbedding
-from mla_backend.layers.quantization import QuantConfig, quant_config_from_hf
+from mla_backend.layers.quantization import (
+    PerTokenFp8, QuantConfig, quant_config_from_hf, takes_per_token_fp8)
 from mla_backend.layers.radix_attention import RadixAttention, load_kv_scale
 from mla_backend.layers.rotary_embedding import get_rope, rope_params_from_config
 
@@ -70,9 +71,14 @@ class LlamaMLP(nn.Module):
                                            quant_config=_qc(quant_config, f"{prefix}.down_proj"))
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    @property
+    def takes_fp8_input(self) -> bool:
+        """Whether forward uses an x_fp8 (its gate/up linear quantizes x per token)."""
+        return takes_per_token_fp8(self.gate_up_proj)
+
+    def forward(self, x: torch.Tensor, x_fp8: PerTokenFp8 | None = None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; x_fp8: x quantized per token, or None."""
+        return gated_mlp(x, x_fp8, self.gate_up_proj, self.act_fn, self.down_proj)
 
 
 class LlamaAttention(nn.Module):
@@ -97,10 +103,17 @@ class LlamaAttention(nn.Module):
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5,
                                    self.num_kv_heads, layer_id)
 
+    @property
+    def takes_fp8_input(self) -> bool:
+        """Whether forward uses a hidden_fp8 (qkv_proj quantizes its input per token)."""
+        return takes_per_token_fp8(self.qkv_proj)
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:
-        """positions [T], hidden [T, hidden] -> [T, hidden]."""
-        qkv = self.qkv_proj(hidden)
+                forward_batch: ForwardBatch, hidden_fp8: PerTokenFp8 | None = None
+                ) -> torch.Tensor:
+        """positions [T], hidden [T, hidden] -> [T, hidden]; hidden_fp8: hidden quantized
+        per token, or None."""
+        qkv = self.qkv_proj(hidden, hidden_fp8)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
@@ -123,15 +136,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None,
                 forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (layer output before its residual add, residual stream)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        """Returns (layer output before its residual add, residual stream). With dynamic FP8
+        linears the norms also hand them their input quantized (`RMSNorm.prenorm`)."""
+        hidden, residual, hidden_fp8 = self.input_layernorm.prenorm(
+            hidden, residual, self.self_attn.takes_fp8_input)
+        hidden = self.self_attn(positions, hidden, forward_batch, hidden_fp8)
+        hidden, residual, hidden_fp8 = self.post_attention_layernorm.prenorm(
+            hidden, residual, self.mlp.takes_fp8_input)
+        return self.mlp(hidden, hidden_fp8), residual
 
 
 class LlamaModel(nn.Module):

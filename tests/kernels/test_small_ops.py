@@ -26,6 +26,7 @@ from mla_backend.layers.rotary_embedding import get_rope  # noqa: E402
 from mla_kernels.activation import silu_and_mul  # noqa: E402
 from mla_kernels.reference import (  # noqa: E402
     fused_add_rmsnorm_ref,
+    quantize_fp8_per_token_ref,
     rmsnorm_ref,
     rotary_ref,
     silu_and_mul_ref,
@@ -107,6 +108,58 @@ def test_fused_add_rmsnorm_out_of_place_leaves_inputs():
         fused_add_rmsnorm(x, r[:2], w, EPS)
 
 
+def _fp8_bufs(t: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.full((t, d), float("nan"), device=DEV).to(torch.float8_e4m3fn),
+            torch.full((t, 1), float("nan"), device=DEV))
+
+
+def _assert_per_token_fp8(fp8_out, normed):
+    """fp8_out is `quantize_fp8_per_token` of the stored normed rows, bit for bit."""
+    want_q, want_s = quantize_fp8_per_token_ref(normed.cpu())
+    assert torch.equal(fp8_out[1].cpu(), want_s)
+    assert torch.equal(fp8_out[0].cpu().view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [2048, 80])
+def test_rmsnorm_fp8_out_is_per_token_quantization_of_the_output(d, dtype):
+    """`fp8_out`: the normed rows as stored (x's dtype) quantized per row, exactly as a dynamic
+    FP8 linear would (`fp8_quant.quantize_fp8_per_token`); a zero row gets the 1e-12 floor and
+    zeros, rows of very different size keep their own scale."""
+    t = 5
+    x = _rand(t, d, seed=d, scale=2.0, dtype=dtype)
+    x[1] = 0.0
+    x[3] *= 1e4
+    w = (1 + _rand(d, seed=3, scale=0.3)).to(dtype)
+    fp8 = _fp8_bufs(t, d)
+    out = rmsnorm(x, w, EPS, fp8_out=fp8)
+    # on CUDA the extra store changes triton's layout, hence the reduction order (last bits)
+    same = dict(atol=0, rtol=0) if DEV == "cpu" else (FP32 if dtype == torch.float32 else BF16)
+    torch.testing.assert_close(out.float(), rmsnorm(x, w, EPS).float(), **same)
+    _assert_per_token_fp8(fp8, out)
+    assert fp8[1][1].item() == torch.tensor(1e-12).item() and not fp8[0][1].float().any()
+    # the residual form: the normed sum quantized, the sum stored as before
+    r = _rand(t, d, seed=d + 1, dtype=dtype)
+    want_out, want_res = torch.empty_like(x), torch.empty_like(r)
+    fused_add_rmsnorm(x, r, w, EPS, out=want_out, residual_out=want_res)
+    out, res = torch.empty_like(x), torch.empty_like(r)
+    fp8 = _fp8_bufs(t, d)
+    fused_add_rmsnorm(x, r, w, EPS, out=out, residual_out=res, fp8_out=fp8)
+    assert torch.equal(res, want_res)
+    torch.testing.assert_close(out.float(), want_out.float(), **same)
+    _assert_per_token_fp8(fp8, out)
+
+
+def test_rmsnorm_fp8_out_errors():
+    x, w = _rand(3, 80, seed=0), _rand(80, seed=1)
+    q, s = _fp8_bufs(3, 80)
+    for bad in ((q[:2], s), (q, s[:2]), (q.float(), s), (q, s.double()), (q[:, :40], s)):
+        with pytest.raises(ValueError, match="fp8"):
+            rmsnorm(x, w, EPS, fp8_out=bad)
+    with pytest.raises(ValueError, match="fp8"):
+        fused_add_rmsnorm(x, x.clone(), w, EPS, fp8_out=(q, s[:1]))
+
+
 # ------------------------------------------------------------------ silu_and_mul
 @pytest.mark.parametrize("n", [1408, 80, 96, 1500])  # 1500 > one 1024-column block
 @pytest.mark.parametrize("t", [1, 6])
@@ -126,6 +179,29 @@ def test_silu_and_mul_strided_rows_extremes_and_errors():
     assert silu_and_mul(_rand(0, 8, seed=0)).shape == (0, 4)
     with pytest.raises(ValueError):
         silu_and_mul(_rand(2, 7, seed=0))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [2816, 1500, 96])
+def test_silu_and_mul_fp8_out_is_per_token_quantization_of_the_output(n, dtype):
+    """`fp8_out`: the output rows as stored quantized per row, exactly as a dynamic FP8 down
+    projection would (`fp8_quant.quantize_fp8_per_token`); whole rows wider than one column
+    block (1500, 2816: DeepSeek-V2-Lite's shared experts) in one program; a zero row gets the
+    1e-12 floor."""
+    t = 4
+    x = _rand(t, 2 * n, seed=n, scale=2.0, dtype=dtype)
+    x[2] = 0.0
+    x[1] *= 50.0
+    fp8 = _fp8_bufs(t, n)
+    out = silu_and_mul(x, fp8_out=fp8)
+    assert torch.equal(out, silu_and_mul(x))
+    _assert_per_token_fp8(fp8, out)
+    assert not fp8[0][2].float().any()
+    with pytest.raises(ValueError, match="fp8_out"):
+        silu_and_mul(x, fp8_out=(fp8[0][:, :-1], fp8[1]))
+    with pytest.raises(ValueError, match="fp8_out"):
+        silu_and_mul(x, fp8_out=(fp8[0], fp8[1][:2]))
 
 
 # ------------------------------------------------------------------ rotary

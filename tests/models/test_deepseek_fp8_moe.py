@@ -90,3 +90,44 @@ def test_online_fp8_v2_fused_equals_loop(tiny_deepseek_factory):
         return h
 
     _compare(make, (24, 31))  # top-2: 110 rows
+
+
+def test_norms_hand_fp8_inputs_to_the_linears(tiny_deepseek_factory, monkeypatch):
+    """Online FP8 V2, fused MoE: the norms write their output quantized per token
+    (`RMSNorm.prenorm` with fp8) for the attention's fused input projection and for the MoE,
+    whose shared and routed experts share it. The logits equal (bit for bit) those of the same
+    model where every FP8 consumer quantizes its input itself, with one quantization fewer
+    per MoE layer and forward (the shared and the routed experts quantized the same rows)."""
+    import mla_kernels.fp8_quant as fq
+
+    from mla_backend.config import ModelConfig
+    from mla_backend.layers.layernorm import RMSNorm
+
+    path = tiny_deepseek_factory(seed=0)
+
+    def make() -> DeepseekHarness:
+        with mock.patch.object(deepseek_harness, "ModelConfig",
+                               lambda **kw: ModelConfig(quantization="fp8", **kw)):
+            return DeepseekHarness(path, decompress_min_tokens=10**9)
+
+    calls = []
+    real_quant = fq.quantize_per_token
+    monkeypatch.setattr(fq, "quantize_per_token", lambda x: calls.append(1) or real_quant(x))
+    h = make()
+    layers = h.model.model.layers
+    assert all(layer.self_attn.takes_fp8_input and layer.mlp.takes_fp8_input
+               for layer in layers)
+    n_moe = sum(isinstance(layer.mlp, DeepseekV2MoE) and layer.mlp.shared_experts is not None
+                for layer in layers)
+    assert n_moe >= 1
+    calls.clear()
+    handed = _run(h, True, (24, 31))
+    n_handed = len(calls)
+    real_prenorm = RMSNorm.prenorm
+    monkeypatch.setattr(RMSNorm, "prenorm",
+                        lambda self, x, r, fp8=False: real_prenorm(self, x, r, False))
+    h = make()
+    calls.clear()
+    own = _run(h, True, (24, 31))
+    assert torch.equal(handed, own)
+    assert n_handed == len(calls) - 2 * n_moe  # two forwards (prefill, decode)

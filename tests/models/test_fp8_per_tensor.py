@@ -108,6 +108,37 @@ def test_llama_fp8_checkpoint_scale_ignored_is_caught(llama):
     assert not rel <= LLAMA_REL_RMS  # NaN counts as caught too
 
 
+def test_llama_norms_hand_fp8_inputs_to_the_linears(llama, monkeypatch):
+    """Online FP8: qkv_proj and gate_up_proj take their input quantized by the norm before
+    them (`RMSNorm.prenorm`), down_proj by the SiLU-and-mul (`SiluAndMul.forward_fp8`): those
+    FP8 GEMMs get an x_fp8, and the logits equal, bit for bit, those of the same model where
+    each linear quantizes its own input."""
+    import mla_backend.layers.quantization as quant
+    from mla_backend.layers.activation import SiluAndMul
+    from mla_backend.layers.layernorm import RMSNorm
+
+    path, _, prompts, _, _, runner = llama
+    layer = runner.model.model.layers[0]
+    assert layer.self_attn.takes_fp8_input and layer.mlp.takes_fp8_input
+    handed = []
+    real_mm = quant.fp8_per_token_mm
+    monkeypatch.setattr(quant, "fp8_per_token_mm",
+                        lambda *a, **kw: handed.append(kw.get("x_fp8") is not None)
+                        or real_mm(*a, **kw))
+    got, runner = _llama_logits(path, prompts, quantization="fp8")
+    n_layers = len(runner.model.model.layers)
+    # per layer: qkv (the norm's), o_proj (quantizes the attention output itself), gate_up
+    # (the norm's), down (the SiLU-and-mul's)
+    assert handed == [True, False, True, True] * n_layers
+    real = RMSNorm.prenorm
+    monkeypatch.setattr(RMSNorm, "prenorm", lambda self, x, r, fp8=False: real(self, x, r, False))
+    monkeypatch.setattr(SiluAndMul, "forward_fp8", lambda self, x: (self(x), None))
+    handed.clear()
+    own, _ = _llama_logits(path, prompts, quantization="fp8")
+    assert handed == [False] * 4 * n_layers
+    assert torch.equal(got, own)
+
+
 def test_quantization_setting_validated():
     with pytest.raises(ConfigError, match="quantization"):
         EngineConfig.create(model_path="x", quantization="int8")
