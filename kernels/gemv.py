@@ -12,7 +12,10 @@ so it is meant for one row: at two it already loses to cuBLAS on large weights
 
 Layout: x [T, K] and W [N, K] (the `nn.Linear` weight), last dims contiguous, any row stride;
 out [T, N] in x's dtype, or fp32 for a 16-bit x with an fp32 W (DeepSeek's fp32 router over
-bf16 hidden states, without casting x first).
+bf16 hidden states, without casting x first). FP8 (e4m3 x and W, per-row x scales and
+per-column W scales: the dynamic FP8 linear, `layers.quantization.fp8_per_token_mm`): the
+same loop over half the bytes, the scales applied to the fp32 sums; its twin is
+`reference.fp8_gemv_ref`.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from .pdl import launch_options, pdl_trigger, pdl_wait, use_pdl
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, Out, N, K, stride_xt, stride_wn, stride_ot,
+def _gemv_kernel(X, W, B, Out, XS, WS, N, K, stride_xt, stride_wn, stride_ot,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+                 SCALED: tl.constexpr = False):
     pid_n = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     pdl_trigger(USE_PDL)
@@ -58,6 +62,8 @@ def _gemv_kernel(X, W, B, Out, N, K, stride_xt, stride_wn, stride_ot,
         x = tl.load(x_ptrs + k0, mask=mask_k, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y += tl.sum(acc, axis=1)
+    if SCALED:  # FP8: the row's activation scale and each output column's weight scale
+        y = y * tl.load(XS + t) * tl.load(WS + offs_n, mask=mask_n, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(Out + t * stride_ot + offs_n, y.to(Out.dtype.element_ty), mask=mask_n)
@@ -86,13 +92,22 @@ def gemv_config(n: int, k: int, prefetch: bool = False) -> dict:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None, config: dict | None = None,
-         static_weight: bool = False) -> torch.Tensor:
+         static_weight: bool = False, x_scale: torch.Tensor | None = None,
+         w_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+         ) -> torch.Tensor:
     """out = x @ weight.T (+ bias), math in fp32, one rounding to the output dtype.
 
+    FP8 (W8A8, the dynamic FP8 linear at one token row): x and weight float8_e4m3fn with
+    x_scale [T, 1] and w_scale [1, N] (or [N]) float32: out[t, n] = (sum_k x[t, k] w[n, k]) *
+    x_scale[t] * w_scale[n] (every fp8 product exact in fp32), half the weight bytes of bf16.
+
     Args:
-        x: [T, K] float (T small: every row re-reads the weight), last dim contiguous.
+        x: [T, K] float or float8_e4m3fn (T small: every row re-reads the weight), last dim
+            contiguous.
         weight: [N, K] of x's dtype, or fp32 (then the output is fp32), last dim contiguous
             (any row stride).
+        x_scale, w_scale: the FP8 scales (required with FP8 x and weight, refused otherwise).
+        out_dtype: FP8 only: the output dtype (default bfloat16).
         bias: optional [N].
         out: optional [T, N] destination of the output dtype, last dim contiguous.
         config: launch settings (`gemv_config`'s keys) instead of `gemv_config(N, K, ...)`.
@@ -111,9 +126,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          "and [N, K]")
     if x.dtype != weight.dtype and weight.dtype != torch.float32:
         raise ValueError(f"x is {x.dtype}, weight {weight.dtype} (x's dtype or fp32)")
-    out_dtype = weight.dtype if weight.dtype == torch.float32 else x.dtype
     t, k = x.shape
     n = weight.shape[0]
+    fp8 = x.dtype == torch.float8_e4m3fn
+    if fp8:
+        if (x_scale is None or w_scale is None or x_scale.dtype != torch.float32
+                or w_scale.dtype != torch.float32 or tuple(x_scale.shape) != (t, 1)
+                or w_scale.numel() != n or not w_scale.is_contiguous()
+                or not x_scale.is_contiguous()):
+            raise ValueError(f"FP8 gemv needs float32 x_scale [{t}, 1] and w_scale [1, {n}] "
+                             "(contiguous)")
+        out_dtype = out_dtype or torch.bfloat16
+    elif x_scale is not None or w_scale is not None or out_dtype is not None:
+        raise ValueError("x_scale, w_scale and out_dtype are for FP8 x and weight only")
+    else:
+        out_dtype = weight.dtype if weight.dtype == torch.float32 else x.dtype
     if (t and k and x.stride(1) != 1) or (n and k and weight.stride(1) != 1):
         raise ValueError("x and weight must have contiguous last dims")
     if bias is not None and tuple(bias.shape) != (n,):
@@ -128,11 +155,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     cfg = dict(config or gemv_config(n, k, prefetch=pdl))
     prefetch_k = cfg.get("PREFETCH_K", 0)  # also without PDL when a config asks (tests)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), t)
-    _gemv_kernel[grid](x, weight, bias if bias is not None else weight, out, n, k,
-                       x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                       BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                       NUM_STAGES=cfg["NUM_STAGES"], PREFETCH_K=prefetch_k,
-                       num_warps=cfg["num_warps"], **launch_options(pdl))
+    _gemv_kernel[grid](x, weight, bias if bias is not None else weight, out, x_scale, w_scale,
+                       n, k, x.stride(0), weight.stride(0), out.stride(0),
+                       HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],
+                       BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["NUM_STAGES"],
+                       PREFETCH_K=prefetch_k, SCALED=fp8, num_warps=cfg["num_warps"],
+                       **launch_options(pdl))
     return out
 
 

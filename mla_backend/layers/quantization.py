@@ -373,11 +373,26 @@ def check_per_token_fp8(x: torch.Tensor, x_fp8: PerTokenFp8) -> None:
                          f"{tuple(scale.shape)}")
 
 
+# Token rows up to which a CUDA dynamic FP8 linear runs as the triton FP8 `gemv` (a stream
+# of the fp8 weight, like the 16-bit linears' GEMV at GEMV_MAX_ROWS) instead of
+# `torch._scaled_mm`. Not yet timed on a GPU (the fourteenth session's bs-1 FP8 decode: 3.46
+# ms per step with _scaled_mm vs 2.17 in bf16 with the 16-bit GEMV; docs/benchmarks.md).
+FP8_GEMV_MAX_ROWS = 1
+
+
 def _fp8_rowwise_scaled_mm(q: torch.Tensor, q_scale: torch.Tensor, w_t: torch.Tensor,
                            w_scale_row: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """q [M, K] float8_e4m3fn @ w_t [K, N] float8_e4m3fn (column-major) * q_scale [M, 1] *
-    w_scale_row [1, N] -> [M, N] out_dtype (fp32 accumulation)."""
+    w_scale_row [1, N] -> [M, N] out_dtype (fp32 accumulation). On CUDA at up to
+    FP8_GEMV_MAX_ROWS rows the triton `gemv` (outside torch.compile), else `torch._scaled_mm`."""
     k, n = w_t.shape
+    if (q.is_cuda and q.shape[0] <= FP8_GEMV_MAX_ROWS and w_t.stride(0) == 1
+            and out_dtype in _KERNEL_DTYPES and not torch.compiler.is_compiling()):
+        from mla_kernels.gemv import gemv
+
+        # a model weight: nothing writes it during a forward (PDL prefetch, kernels/pdl.py)
+        return gemv(q, w_t.t(), x_scale=q_scale.contiguous(),
+                    w_scale=w_scale_row.contiguous(), out_dtype=out_dtype, static_weight=True)
     if q.is_cuda and not (k % 16 or n % 16):  # cuBLASLt / CUTLASS FP8 need K, N % 16 == 0
         if out_dtype == torch.bfloat16:  # rowwise scaling: bf16 output on every torch build
             return torch._scaled_mm(q, w_t, scale_a=q_scale, scale_b=w_scale_row,

@@ -164,6 +164,71 @@ def test_linear_layer_dispatch_on_gpu():
         torch.testing.assert_close(layer(x).float().cpu(), want, **BF16)
 
 
+def _fp8_operands(t: int, n: int, k: int, seed: int):
+    """(x e4m3 [t, k], w e4m3 [n, k], x_scale [t, 1], w_scale [1, n]) on DEVICE: per-token
+    quantized activations, a per-tensor weight scale repeated per column (a fused matrix's
+    parts would differ: the last quarter of the columns gets another)."""
+    from mla_kernels.reference import quantize_fp8_per_token_ref
+
+    g = torch.Generator().manual_seed(seed)
+    xq, xs = quantize_fp8_per_token_ref(torch.randn(t, k, generator=g) * 3)
+    wq = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ws = torch.full((1, n), 0.002)
+    ws[:, 3 * n // 4:] = 0.0005
+    return tuple(v.to(DEVICE) for v in (xq, wq, xs, ws))
+
+
+@pytest.mark.parametrize("n,k,t,out_dtype", [  # both tile configs (N < / >= 4096), ragged K
+    (37, 300, 2, torch.float32), (1024, 96, 1, torch.bfloat16), (4100, 33, 1, torch.float32)])
+def test_gemv_fp8_vs_twin(n, k, t, out_dtype):
+    """FP8 x and weight with per-row x scales and per-column weight scales: the fp32 sums of
+    exact fp8 products, scaled, equal the twin within fp32 summation order (or one rounding to
+    bf16); the scales matter."""
+    from mla_kernels.reference import fp8_gemv_ref
+
+    xq, wq, xs, ws = _fp8_operands(t, n, k, n + k + t)
+    out = gemv(xq, wq, x_scale=xs, w_scale=ws, out_dtype=out_dtype)
+    assert out.shape == (t, n) and out.dtype == out_dtype
+    want = fp8_gemv_ref(xq.cpu(), wq.cpu(), xs.cpu(), ws.cpu())
+    tol = FP32 if out_dtype == torch.float32 else BF16
+    torch.testing.assert_close(out.float().cpu(), want, **tol)
+    unscaled = fp8_gemv_ref(xq.cpu(), wq.cpu(), torch.ones_like(xs.cpu()), ws.cpu())
+    assert not torch.allclose(unscaled, want, **tol)
+
+
+def test_gemv_fp8_errors():
+    xq, wq, xs, ws = _fp8_operands(1, 8, 32, 0)
+    with pytest.raises(ValueError, match="x_scale"):
+        gemv(xq, wq)  # no scales
+    with pytest.raises(ValueError, match="x_scale"):
+        gemv(xq, wq, x_scale=xs, w_scale=ws[:, :4])
+    with pytest.raises(ValueError, match="FP8"):
+        gemv(xq.float(), wq.float(), x_scale=xs, w_scale=ws)  # scales without FP8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", [(3648, 2048), (2048, 2048), (5632, 2048), (2048, 2816),
+                                 (2048, 10944)])
+def test_fp8_linear_one_row_runs_the_gemv_on_gpu(n, k, monkeypatch):
+    """A dynamic FP8 linear at one token row (decode at batch size 1) takes the FP8 gemv; its
+    rows equal those of the same inputs through `torch._scaled_mm` (two rows) within fp32
+    summation order and one bf16 rounding."""
+    import mla_kernels.gemv as gemv_mod
+
+    from mla_backend.layers import quantization as Q
+
+    xq, wq, xs, ws = _fp8_operands(2, n, k, n)
+    calls = []
+    real = gemv_mod.gemv
+    monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    one = Q._fp8_rowwise_scaled_mm(xq[:1], xs[:1], wq.t(), ws, torch.bfloat16)
+    assert calls == [1]
+    two = Q._fp8_rowwise_scaled_mm(xq, xs, wq.t(), ws, torch.bfloat16)
+    assert calls == [1]  # two rows: torch._scaled_mm
+    torch.testing.assert_close(one.float(), two[:1].float(), **BF16)
+
+
 def test_pdl_override_restores_the_switch():
     """`pdl.override(on)` (benchmarks' A/B runs): off inside when asked, never on when the
     switch was off, and the switch restored after the block, also when it raises."""
