@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_quant import _to_e4m3
+from .fp8_quant import _quantize_row, check_per_token_pair
 from .pdl import launch_options, pdl_enter, use_pdl
 
 _BLOCK_N = 1024
@@ -34,10 +34,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, scale_ptr, stride_x, stride_out,
     y = (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
     if QUANT:  # the whole row is this program's (BLOCK_N >= N): quantize the stored values
-        yf = y.to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(yf), axis=0), 448.0), 1e-12)
-        tl.store(q_ptr + row * stride_q + cols, _to_e4m3(tl.math.div_rn(yf, scale), EXACT),
-                 mask=mask)
+        q, scale = _quantize_row(y.to(tl.float32), EXACT)
+        tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
         tl.store(scale_ptr + row, scale)
 
 
@@ -69,12 +67,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
         raise ValueError(f"out must be [{t}, {n}] with a contiguous last dim")
     q, scale = fp8_out if fp8_out is not None else (None, None)
     if fp8_out is not None:
-        if (q.dtype != torch.float8_e4m3fn or tuple(q.shape) != (t, n)
-                or (t and q.stride(1) != 1) or scale.dtype != torch.float32
-                or tuple(scale.shape) != (t, 1) or not scale.is_contiguous()):
-            raise ValueError(f"fp8_out must be (float8_e4m3fn [{t}, {n}] with a contiguous last "
-                             f"dim, contiguous float32 [{t}, 1]), got {q.dtype} "
-                             f"{tuple(q.shape)}, {scale.dtype} {tuple(scale.shape)}")
+        check_per_token_pair(q, scale, t, n, "fp8_out")
         if n > FP8_MAX_N:
             raise ValueError(f"fp8_out: rows of {n} > {FP8_MAX_N} columns are not supported")
     if t == 0 or n == 0:

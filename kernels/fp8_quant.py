@@ -123,6 +123,29 @@ def _quant_kernel(x_ptr, q_ptr, part_ptr, scale_ptr, numel, n_parts, D1, D2, s0,
         tl.store(q_ptr + offs, q, mask=mask)
 
 
+@triton.jit
+def _quantize_row(x, EXACT: tl.constexpr):
+    """One row held whole in registers (float32, masked entries 0) -> (e4m3 row, its scale
+    max(amax / 448, 1e-12)): the per-token quantization every kernel that writes FP8 rows
+    shares (`_per_token_quant_kernel`, and the `fp8_out` of `rmsnorm` and `silu_and_mul`), so
+    their results agree bit for bit."""
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1e-12)
+    return _to_e4m3(tl.math.div_rn(x, scale), EXACT), scale
+
+
+def check_per_token_pair(q: torch.Tensor, scale: torch.Tensor, m: int, k: int,
+                         what: str) -> None:
+    """Raises ValueError (naming `what`) unless (q, scale) can hold [m, k] rows quantized per
+    token: q float8_e4m3fn [m, k] with a contiguous last dim, scale float32 [m, 1] contiguous.
+    Shapes only: no device read (safe in CUDA graphs)."""
+    if (q.dtype != FP8_DTYPE or tuple(q.shape) != (m, k) or (m and k and q.stride(1) != 1)
+            or scale.dtype != torch.float32 or tuple(scale.shape) != (m, 1)
+            or not scale.is_contiguous()):
+        raise ValueError(f"{what} must be (float8_e4m3fn [{m}, {k}] with a contiguous last dim, "
+                         f"contiguous float32 [{m}, 1]), got {q.dtype} {tuple(q.shape)}, "
+                         f"{scale.dtype} {tuple(scale.shape)}")
+
+
 # The row count varies with the batch: not specialized. The row strides (K for a contiguous
 # x, fixed per layer) stay specialized, so triton may prove rows 16-byte aligned and vectorize.
 @triton.jit(do_not_specialize=["M"])
@@ -135,8 +158,8 @@ def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk,
     if ONE_BLOCK:  # the whole row in registers: one read
         mask = offs < K
         x = tl.load(x_row + offs.to(tl.int64) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1e-12)
-        tl.store(q_row + offs, _to_e4m3(tl.math.div_rn(x, scale), EXACT), mask=mask)
+        q, scale = _quantize_row(x, EXACT)
+        tl.store(q_row + offs, q, mask=mask)
     else:  # amax over the row, then quantize it (the second read mostly hits L2)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, K, BLOCK):
@@ -179,7 +202,7 @@ def _dense_order(x: torch.Tensor) -> torch.Tensor:
     is a permutation of a contiguous tensor (e.g. a [T, H, D] buffer viewed as [H, T, D]).
     The order of elements does not change a max, so the amax pass reads that instead: flat,
     without strided index arithmetic (absorbed MLA's o [16, 768, 512] viewed from [768, 16,
-    512], bf16: 10.6 vs 39.3 us on the H200, 2026-12-01)."""
+    512], bf16: 10.6 vs 39.3 us on the H200, 2026-12-01; benchmarks/bench_fp8_amax.py)."""
     order = sorted(range(x.dim()), key=lambda d: (x.shape[d] != 1, -x.stride(d)))
     return x.permute(order)
 
@@ -196,8 +219,9 @@ def fp8_amax_partials(x: torch.Tensor) -> torch.Tensor:
         TypeError: another dtype.
     """
     _check(x)
-    if not x.is_contiguous() and _dense_order(x).is_contiguous():
-        x = _dense_order(x)  # read in memory order: no strided addressing
+    if not x.is_contiguous():
+        dense = _dense_order(x)
+        x = dense if dense.is_contiguous() else x  # memory order: no strided addressing
     x, contig, (d1, d2), (s0, s1, s2) = _view3(x)
     numel = x.numel()
     g = max(1, min(triton.cdiv(numel, _BLOCK), MAX_PARTIALS))

@@ -625,12 +625,9 @@ def _quantize(a: torch.Tensor, fp8: bool, group: int | None, activation_quant: b
         return a, None
     if activation_quant:
         if a_fp8 is not None and group is None:
-            q, scale = a_fp8
-            if (q.dtype != FP8_DTYPE or q.shape != a.shape or scale.dtype != torch.float32
-                    or tuple(scale.shape) != (a.shape[0], 1)):
-                raise ValueError(f"fused_experts: x_fp8 must be (float8_e4m3fn "
-                                 f"{tuple(a.shape)}, float32 ({a.shape[0]}, 1)), got {q.dtype} "
-                                 f"{tuple(q.shape)}, {scale.dtype} {tuple(scale.shape)}")
+            from .fp8_quant import check_per_token_pair
+
+            check_per_token_pair(*a_fp8, *a.shape, "fused_experts: x_fp8")
             return a_fp8
         return quantize_activations_fp8(a, group)
     shape = (a.shape[0], 1 if group is None else triton.cdiv(a.shape[1], group))

@@ -130,12 +130,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     fp8 = x.dtype == torch.float8_e4m3fn
     if fp8:
-        if (x_scale is None or w_scale is None or x_scale.dtype != torch.float32
-                or w_scale.dtype != torch.float32 or tuple(x_scale.shape) != (t, 1)
+        if (weight.dtype != x.dtype or x_scale is None or w_scale is None
+                or x_scale.dtype != torch.float32 or w_scale.dtype != torch.float32 or tuple(x_scale.shape) != (t, 1)
                 or w_scale.numel() != n or not w_scale.is_contiguous()
                 or not x_scale.is_contiguous()):
-            raise ValueError(f"FP8 gemv needs float32 x_scale [{t}, 1] and w_scale [1, {n}] "
-                             "(contiguous)")
+            raise ValueError(f"FP8 gemv needs an e4m3 weight and float32 x_scale [{t}, 1] and "
+                             f"w_scale [1, {n}] (contiguous)")
         out_dtype = out_dtype or torch.bfloat16
     elif x_scale is not None or w_scale is not None or out_dtype is not None:
         raise ValueError("x_scale, w_scale and out_dtype are for FP8 x and weight only")

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_quant import _to_e4m3
+from .fp8_quant import _quantize_row, check_per_token_pair
 from .pdl import launch_options, pdl_enter, use_pdl
 
 
@@ -34,10 +34,8 @@ def _store_normed(y, out_ptr, q_ptr, scale_ptr, row, stride_out, stride_q, cols,
     yo = y.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, yo, mask=mask)
     if QUANT:
-        yf = yo.to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(yf), axis=0), 448.0), 1e-12)
-        tl.store(q_ptr + row * stride_q + cols, _to_e4m3(tl.math.div_rn(yf, scale), EXACT),
-                 mask=mask)
+        q, scale = _quantize_row(yo.to(tl.float32), EXACT)
+        tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
         tl.store(scale_ptr + row, scale)
 
 
@@ -98,12 +96,7 @@ def _fp8_outputs(fp8_out: tuple[torch.Tensor, torch.Tensor] | None, t: int, d: i
     if fp8_out is None:
         return None, None, 0
     q, scale = fp8_out
-    _check_rows("fp8 q", q, d)
-    if (q.dtype != torch.float8_e4m3fn or q.shape[0] != t or scale.dtype != torch.float32
-            or tuple(scale.shape) != (t, 1) or not scale.is_contiguous()):
-        raise ValueError(f"fp8_out must be (float8_e4m3fn [{t}, {d}], contiguous float32 "
-                         f"[{t}, 1]), got {q.dtype} {tuple(q.shape)}, {scale.dtype} "
-                         f"{tuple(scale.shape)}")
+    check_per_token_pair(q, scale, t, d, "fp8_out")
     return q, scale, q.stride(0)
 
 

@@ -8,14 +8,11 @@ quantized per token for a dynamic FP8 down projection (one pass on CUDA).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from mla_backend.layers.quantization import PerTokenFp8
+from mla_backend.layers.quantization import PerTokenFp8, takes_per_token_fp8
 
 
 class SiluAndMul(nn.Module):
@@ -90,8 +87,6 @@ def gated_mlp(x: torch.Tensor, x_fp8: PerTokenFp8 | None, gate_up_proj: nn.Modul
     gated MLPs (`layers.moe.GatedMLP`, `models.llama.LlamaMLP`). x_fp8 (x quantized per token,
     or None) goes to gate_up_proj; a dynamic FP8 down_proj gets its input quantized by the
     activation kernel (`SiluAndMul.forward_fp8`)."""
-    from mla_backend.layers.quantization import takes_per_token_fp8
-
     gate_up = gate_up_proj(x, x_fp8)
     if takes_per_token_fp8(down_proj):
         h, h_fp8 = act_fn.forward_fp8(gate_up)

@@ -346,31 +346,20 @@ def fp8_per_token_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale_row: torch.Tens
         x_fp8: x already quantized so (`PerTokenFp8`, e.g. by the RMSNorm that wrote x:
             `RMSNorm.forward_fp8`); then x is not read again.
     Returns:
-        [M, N] in out_dtype, fp32 accumulation. On CUDA with bf16 output one rowwise-scaled
-        `torch._scaled_mm`; other output dtypes run the FP8 GEMM into float32 and scale after.
+        [M, N] in out_dtype, fp32 accumulation (`_fp8_rowwise_scaled_mm`: on CUDA the FP8
+        `gemv` at one row, else a rowwise-scaled `torch._scaled_mm` for bf16 output; other
+        output dtypes run the FP8 GEMM into float32 and scale after).
     Raises:
-        ValueError: x_fp8 not of x's shape (`check_per_token_fp8`).
+        ValueError: x_fp8 not of x's shape (`fp8_quant.check_per_token_pair`).
     """
-    if x_fp8 is None:
-        from mla_kernels.fp8_quant import quantize_per_token
+    from mla_kernels.fp8_quant import check_per_token_pair, quantize_per_token
 
+    if x_fp8 is None:
         x_fp8 = quantize_per_token(x)
     else:
-        check_per_token_fp8(x, x_fp8)
+        check_per_token_pair(*x_fp8, *x.shape, "x_fp8")
     q, xs = x_fp8
     return _fp8_rowwise_scaled_mm(q, xs, w_t, w_scale_row, out_dtype or x.dtype)
-
-
-def check_per_token_fp8(x: torch.Tensor, x_fp8: PerTokenFp8) -> None:
-    """Raises ValueError unless x_fp8 is (float8_e4m3fn of x's [M, K] shape, float32 [M, 1])
-    (shapes only: no device read, safe in CUDA graphs)."""
-    q, scale = x_fp8
-    m = x.shape[0]
-    if (q.dtype != FP8_E4M3 or tuple(q.shape) != tuple(x.shape) or scale.dtype != torch.float32
-            or tuple(scale.shape) != (m, 1)):
-        raise ValueError(f"x_fp8 must be (float8_e4m3fn {tuple(x.shape)}, float32 ({m}, 1)) for "
-                         f"x {tuple(x.shape)}, got {q.dtype} {tuple(q.shape)}, {scale.dtype} "
-                         f"{tuple(scale.shape)}")
 
 
 # Token rows up to which a CUDA dynamic FP8 linear runs as the triton FP8 `gemv` (a stream
@@ -391,8 +380,8 @@ def _fp8_rowwise_scaled_mm(q: torch.Tensor, q_scale: torch.Tensor, w_t: torch.Te
         from mla_kernels.gemv import gemv
 
         # a model weight: nothing writes it during a forward (PDL prefetch, kernels/pdl.py)
-        return gemv(q, w_t.t(), x_scale=q_scale.contiguous(),
-                    w_scale=w_scale_row.contiguous(), out_dtype=out_dtype, static_weight=True)
+        return gemv(q, w_t.t(), x_scale=q_scale, w_scale=w_scale_row, out_dtype=out_dtype,
+                    static_weight=True)
     if q.is_cuda and not (k % 16 or n % 16):  # cuBLASLt / CUTLASS FP8 need K, N % 16 == 0
         if out_dtype == torch.bfloat16:  # rowwise scaling: bf16 output on every torch build
             return torch._scaled_mm(q, w_t, scale_a=q_scale, scale_b=w_scale_row,

@@ -251,10 +251,9 @@ class DeepseekV2Attention(nn.Module):
     @property
     def takes_fp8_input(self) -> bool:
         """Whether forward uses a hidden_fp8: the projections that read the layer input
-        quantize it per token (dynamic FP8, fused or not)."""
+        quantize it per token (dynamic FP8, fused into `w_input_proj` or not)."""
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
-        return self.w_input_proj_scale is not None or (
-            takes_per_token_fp8(first) or takes_per_token_fp8(self.kv_a_proj_with_mqa))
+        return takes_per_token_fp8(first) or takes_per_token_fp8(self.kv_a_proj_with_mqa)
 
     def _input_projections(self, hidden: torch.Tensor, hidden_fp8: PerTokenFp8 | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:

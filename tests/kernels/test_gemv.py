@@ -204,6 +204,8 @@ def test_gemv_fp8_errors():
         gemv(xq, wq, x_scale=xs, w_scale=ws[:, :4])
     with pytest.raises(ValueError, match="FP8"):
         gemv(xq.float(), wq.float(), x_scale=xs, w_scale=ws)  # scales without FP8
+    with pytest.raises(ValueError, match="e4m3 weight"):
+        gemv(xq, wq.float(), x_scale=xs, w_scale=ws)  # FP8 x, fp32 weight
 
 
 @pytest.mark.gpu
