@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="ws: 64-token tiles in the shared-memory ring (1 or 2)")
     ap.add_argument("--load-warps", nargs="+", type=int, default=[ws.LOAD_WARPS],
                     help="ws: producer warps")
-    ap.add_argument("--load-regs", nargs="+", type=int, default=[ws.LOAD_REGS],
-                    help="ws: registers per producer thread (setmaxnreg)")
+    ap.add_argument("--load-regs", nargs="+", type=int, default=[0],
+                    help="ws: registers per producer thread (setmaxnreg; 0 = load_regs_for the "
+                         "pool dtype: LOAD_REGS, LOAD_REGS_FP8)")
     ap.add_argument("--maxnreg", nargs="+", type=int, default=[0],
                     help="ws: launch register cap (0 = default_maxnreg: none for 2 buffers, "
                          "128 for 1)")
@@ -84,11 +85,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ws-splits", type=int, default=None,
                     help="ws: fixed splits per request instead of its plan")
     ap.add_argument("--no-triton", action="store_true", help="skip the triton kernel")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                    help="pool dtype (auto = bf16; an FP8 pool holds N(0, 1) values, scale 1: "
+                         "the ws kernel's converting producer, the triton kernel's FP8 path)")
     ap.add_argument("--n-check", type=int, default=4, help="requests checked against fp32")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_ws: needs a CUDA GPU")
     da.WS_MLA_MIN_BS = None  # the "triton" columns time the triton kernel, not the dispatch
+    kv_dtype = bda._KV_DTYPES[args.kv_dtype]
     props = torch.cuda.get_device_properties(0)
     sm_count = props.multi_processor_count
     bw_copy = bda.copy_bandwidth()
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device: {props.name}, {sm_count} SMs; torch {torch.__version__}, triton "
           f"{triton.__version__}; copy bandwidth {bw_copy:.0f} GB/s; max_kv_splits "
           f"{args.max_kv_splits}; ws defaults: bufs {ws.NUM_BUFS}, load warps {ws.LOAD_WARPS}, "
-          f"load regs {ws.LOAD_REGS}\n")
+          f"load regs {ws.LOAD_REGS} (FP8 pool {ws.LOAD_REGS_FP8}); KV pool {args.kv_dtype}\n")
     variants = list(itertools.product(args.bufs, args.load_warps, args.load_regs, args.maxnreg,
                                       args.per_sm))
     print("| bufs,lw,lr,maxnreg,per_sm | bs | ctx | triton splits | triton err | triton us "
@@ -109,12 +114,12 @@ def main(argv: list[str] | None = None) -> None:
 
     for bs in args.batch_sizes:
         for ctx in args.contexts:
-            pool = bda.pool_bytes("mla", bs * ctx)
+            pool = bda.pool_bytes("mla", bs * ctx) // (1 if kv_dtype is None else 2)
             if (pool + 2 * bs * 16 * args.max_kv_splits * 512 * 4) / GB > args.mem_cap_gb:
                 print(f"| | {bs} | {ctx} | skipped: pool {pool / GB:.1f} GB over the cap "
                       + "| " * 10 + "|")
                 continue
-            cfg = bda.Config("mla", bs, ctx, args.max_kv_splits, sm_count)
+            cfg = bda.Config("mla", bs, ctx, args.max_kv_splits, sm_count, kv_dtype=kv_dtype)
             bytes_moved = cfg.bytes_moved()
             if args.no_triton:
                 t_cols, t_us = "- | - | - | -", None
@@ -125,10 +130,13 @@ def main(argv: list[str] | None = None) -> None:
                 t_cols = (f"{cfg.num_kv_splits[0].item()} | {t_err:.2e} | {t_us:.1f} | "
                           f"{bytes_moved / (t_ms * 1e-3) / GB / bw_copy:.0%}")
             for nb, lw, lr, mnr, pps in variants:
-                launch = dict(num_bufs=nb, load_warps=lw, load_regs=lr, maxnreg=mnr or None)
+                launch = dict(num_bufs=nb, load_warps=lw,
+                              load_regs=lr or ws.load_regs_for(cfg.k_buffer.dtype),
+                              maxnreg=mnr or None)
                 run = WsRun(cfg, sm_count, args.max_kv_splits,
                             pps or ws.programs_per_sm(nb), args.ws_splits, launch)
-                label = f"{nb},{lw},{lr},{mnr or ws.default_maxnreg(nb) or '-'},{pps or '-'}"
+                label = (f"{nb},{lw},{launch['load_regs']},"
+                         f"{mnr or ws.default_maxnreg(nb) or '-'},{pps or '-'}")
                 try:
                     run()
                     torch.cuda.synchronize()

@@ -16,9 +16,11 @@ Sections (`--sections`):
   cProfile (host side, Python functions by own and cumulative time) of a small prefill
   (`--small-prefill REQUESTS TOKENS`, default 4 x 94: the common case under load).
 - steps: `--num-requests` ShareGPT requests all at once (radix off, as bench_suite's throughput
-  section), every step logged (mode, batch size, tokens, wall seconds). Prints the time share of
-  prefill steps and of decode steps by batch-size range (graph replay or eager), mean decode
-  batch, and the output tok/s of the run. `--graph-max-bs`, `--max-running` and
+  section), every step logged (mode, batch size, tokens, wall seconds), after a warm-up that
+  also runs an extend with a cached prefix (so that the kernels compiled at first use are not
+  timed in the run). Prints the time share (mean and longest step) of prefill steps and of
+  decode steps by batch-size range (graph replay or eager), mean decode batch, and the output
+  tok/s of the run. `--graph-max-bs`, `--max-running` and
   `--prefill-min-free-rows` set the engine's graph limit, request rows and the scheduler's
   `prefill_min_free_rows`. `--window START COUNT` also profiles steps START .. START+COUNT-1 of
   the run (torch.profiler for the GPU's kernel time, cProfile for the host's Python functions):
@@ -57,7 +59,7 @@ from mla_backend.tools.model_shapes import SHAPES, write_shape_model  # noqa: E4
 CATEGORIES = [
     ("MoE (fused experts)", ("fused_moe", "_grouped_gemm", "_gemv_gate_up", "_gemv_down",
                              "moe_")),
-    ("attention decode", ("_decode_split", "_merge_splits", "decode_att")),
+    ("attention decode", ("_decode_split", "_merge_splits", "decode_att", "_mla_decode_ws")),
     ("attention extend", ("extend",)),
     ("KV store", ("store_kv", "_store")),
     ("FP8 quantize / scaled GEMM", ("fp8", "scaled_mm", "quant", "e4m3", "_amax_partials",
@@ -301,6 +303,14 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
                       prefill_min_free_rows=args.prefill_min_free_rows)
     graph_max = eng.runner.cuda_graph_runner.max_bs if eng.runner.cuda_graph_runner else 0
     run_requests(eng, prompts[:16], [8] * 16)  # warm-up
+    # and an extend with a cached prefix (the absorbed path's kernels, compiled at first use):
+    # prompts of 3,000 tokens overflowing one prefill chunk, so the last one continues in a
+    # second step
+    chunk = eng.config.scheduler.chunked_prefill_size
+    if chunk > 0:
+        wgen = torch.Generator().manual_seed(1)
+        n = chunk // 3000 + 1
+        run_requests(eng, [random_prompt(wgen, 3000, vocab) for _ in range(n)], [2] * n)
     batches: list[tuple[str, int, int]] = []
     orig = eng.scheduler.get_next_batch
 
@@ -328,7 +338,7 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
         res["window"] = window.report(args.top)
     total = r["seconds"]
     edges = [e for e in (1, 16, 64, 128, 256, 512, 1024, 4096)]
-    groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
+    groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0.0])
     dec_rows = 0
     for mode, b, ntok, dt in log_rows:
         if mode == "prefill":
@@ -342,9 +352,10 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
         g[0] += 1
         g[1] += dt
         g[2] += ntok
+        g[3] = max(g[3], dt)
     n_dec = sum(1 for m, *_ in log_rows if m == "decode")
-    rows = [[k, int(g[0]), 1000 * g[1] / g[0], g[1], 100 * g[1] / total, int(g[2])]
-            for k, g in sorted(groups.items())]
+    rows = [[k, int(g[0]), 1000 * g[1] / g[0], 1000 * g[3], g[1], 100 * g[1] / total,
+             int(g[2])] for k, g in sorted(groups.items())]
     out_tok_s = r["output_tokens"] / total
     res["steps"] = {"seconds": total, "output_tokens": r["output_tokens"],
                     "output_tok_s": out_tok_s, "graph_max_bs": graph_max,
@@ -354,7 +365,7 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
           f"{r['output_tokens']:,} output tokens in {total:.1f} s = {out_tok_s:,.0f} tok/s; "
           f"mean decode batch {dec_rows / max(n_dec, 1):.0f}; graphs to bs {graph_max}; "
           f"retractions {stats.get('retractions', 0)}",
-          ["steps", "count", "mean ms", "seconds", "% of run", "tokens"], rows)
+          ["steps", "count", "mean ms", "max ms", "seconds", "% of run", "tokens"], rows)
 
 
 def main() -> None:

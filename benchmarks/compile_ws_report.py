@@ -10,6 +10,8 @@ operations, cp.async.mbarrier.arrive, bar.sync / bar.arrive (named barriers), se
 
     python benchmarks/compile_ws_report.py [NUM_BUFS,LOAD_WARPS,LOAD_REGS[,MAXNREG] ...]
     python benchmarks/compile_ws_report.py --dump DIR 2,1,80   (also writes ttgir / ptx there)
+    python benchmarks/compile_ws_report.py --pool e4m3 1,4,112 (an FP8 pool: the converting
+                                                                producer; e5m2 likewise)
 
 e.g. `2,1,80` (two buffers, one producer warp with 80 registers; MAXNREG omitted = what
 `mla_decode_ws_fwd` launches with, `decode_attention_ws.default_maxnreg`: none (255, one program
@@ -41,14 +43,19 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "ReqToToken": "*i32", "ReqPoolIdx": "*i6
             "SeqLens": "*i32", "NumKvSplits": "*i32", "MidO": "*fp32", "MidLse": "*fp32"}
 
 
+POOLS = {"bf16": "*bf16", "e4m3": "*fp8e4nv", "e5m2": "*fp8e5"}
+
+
 def compile_setting(num_bufs: int, load_warps: int, load_regs: int, maxnreg: int | None = None,
-                    max_kv_splits: int = 64):
-    """The compiled kernel (triton CompiledKernel) for MLA 16 heads, 576/512, bf16."""
+                    max_kv_splits: int = 64, pool: str = "bf16"):
+    """The compiled kernel (triton CompiledKernel) for MLA 16 heads, 576/512, bf16 q, a `pool`
+    (bf16, e4m3 or e5m2) cache."""
     fn = ws._mla_decode_ws_kernel
     constexprs = dict(MAX_KV_SPLITS=max_kv_splits, BLOCK_N=ws.BLOCK_N, NUM_BUFS=num_bufs,
                       LOAD_WARPS=load_warps, LOAD_REGS=load_regs, HB=ws.HEADS_PER_PROG,
-                      D_MAIN=ws.D_MAIN, D_ROPE=ws.D_ROPE)
-    signature, consts, attrs = jit_signature(fn, POINTERS, constexprs, ("qk_scale",),
+                      D_MAIN=ws.D_MAIN, D_ROPE=ws.D_ROPE, KV_FP8=pool != "bf16")
+    signature, consts, attrs = jit_signature(fn, dict(POINTERS, K=POOLS[pool]), constexprs,
+                                             ("qk_scale", "v_scale"),
                                              ("stride_ls", "num_heads"))
     src = GluonASTSource(fn, signature, consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -66,11 +73,16 @@ COUNTS = {
 
 
 def main(argv: list[str]) -> None:
-    dump = None
-    if argv[:1] == ["--dump"]:
-        dump, argv = argv[1], argv[2:]
-        os.makedirs(dump, exist_ok=True)
-    settings = argv or [f"{ws.NUM_BUFS},{ws.LOAD_WARPS},{ws.LOAD_REGS}"]
+    dump, pool = None, "bf16"
+    while argv[:1] in (["--dump"], ["--pool"]):
+        if argv[0] == "--dump":
+            dump = argv[1]
+            os.makedirs(dump, exist_ok=True)
+        else:
+            pool = argv[1]
+        argv = argv[2:]
+    regs_default = ws.LOAD_REGS if pool == "bf16" else ws.LOAD_REGS_FP8
+    settings = argv or [f"{ws.NUM_BUFS},{ws.LOAD_WARPS},{regs_default}"]
     print("| bufs | load warps | load regs | maxnreg | registers | spill bytes | shared KB | "
           + " | ".join(COUNTS) + " | setmaxnreg values |")
     print("|---" * (8 + len(COUNTS)) + "|")
@@ -78,11 +90,11 @@ def main(argv: list[str]) -> None:
         vals = [int(x) for x in spec.split(",")]
         num_bufs, load_warps, load_regs = vals[:3]
         maxnreg = vals[3] if len(vals) > 3 else ws.default_maxnreg(num_bufs)  # as launched
-        k = compile_setting(num_bufs, load_warps, load_regs, maxnreg)
+        k = compile_setting(num_bufs, load_warps, load_regs, maxnreg, pool=pool)
         ptx = k.asm["ptx"]
         if dump:
             for ext in ("ttgir", "llir", "ptx"):
-                with open(os.path.join(dump, f"ws_{spec.replace(',', '_')}.{ext}"),
+                with open(os.path.join(dump, f"ws_{pool}_{spec.replace(',', '_')}.{ext}"),
                           "w") as f:
                     f.write(k.asm[ext])
         regs, spills = ptxas_stats(ptx)

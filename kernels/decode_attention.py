@@ -31,12 +31,14 @@ strided view of the key buffer (MLA: `v_buffer = k_buffer[..., :512]`); only the
 strides are used (the last dim of q, k, v, o must be contiguous).
 
 FP8 pools (float8_e4m3fn / float8_e5m2) with per-tensor `k_scale` / `v_scale`: tiles are
-converted to q's dtype on load (exact: every fp8 value is a bf16/fp16/fp32 value) and the scales
+converted to q's dtype on load (exact: every fp8 value is a bf16/fp16/fp32 value; a bf16 q is
+first rounded to fp16, `mma_operand`, because FP8 -> fp16 is the cheap conversion) and the scales
 are applied in fp32 where they cost nothing: k_scale folded into the softmax scale of q·k,
 v_scale into the normalized partial output (sum_j p_j · v_j · s = s · sum_j p_j · v_j).
 
-MLA in a bf16 pool at bs >= WS_MLA_MIN_BS on sm_90 is handed to `decode_attention_ws` (the same
-stage-1 contract, warp-specialized in Gluon) before any of the above; the merge is shared.
+MLA in a bf16 or FP8 pool at bs >= WS_MLA_MIN_BS on sm_90 is handed to `decode_attention_ws`
+(the same stage-1 contract and scales, warp-specialized in Gluon) before any of the above; the
+merge is shared.
 
 Programmatic dependent launch (kernels/pdl.py) on Hopper: both kernels wait for the kernel in
 front before their first load.
@@ -92,11 +94,12 @@ SMALL_BS_MAX = 4
 SMALL_BS_BLOCK_N_WIDE = 64
 SMALL_BS_NUM_STAGES = 4
 SMALL_BS_DTYPES = (torch.bfloat16, torch.float16)
-# MLA (one latent KV head, 576 / 512, a bf16 pool with v a view of k) at batches of at least this
-# many requests on sm_90 runs the warp-specialized Gluon kernel (`decode_attention_ws`) instead:
-# H200, bs 16 x 4096 37.1 vs 41.4 us, bs 16 x 32768 158.6 vs 214.9, bs 64 x 4096 90.4 vs 114.4,
-# bs 256 x 4096 299.5 vs 409.6 (docs/benchmarks.md, decode attention, third round); smaller
-# batches were not measured. None turns it off.
+# MLA (one latent KV head, 576 / 512, a bf16 or FP8 pool with v a view of k) at batches of at
+# least this many requests on sm_90 runs the warp-specialized Gluon kernel (`decode_attention_ws`)
+# instead: bf16 pool on the H200, bs 16 x 4096 37.1 vs 41.4 us, bs 16 x 32768 158.6 vs 214.9,
+# bs 64 x 4096 90.4 vs 114.4, bs 256 x 4096 299.5 vs 409.6 (docs/benchmarks.md, decode
+# attention, third round); e4m3 pool: bs 64 x 4096 85.6 vs 180.6, bs 256 x 4096 284.3 vs 595.0
+# (FP8, seventh look); smaller batches were not measured. None turns it off.
 WS_MLA_MIN_BS: int | None = 16
 # Largest number of fp32 accumulator elements (BLOCK_H x BLOCK_DV) a stage-1 program keeps.
 _MAX_ACC_ELEMS = 8192
@@ -172,12 +175,21 @@ def block_n_for(lk: int, bs: int | None = None, kv_dtype: torch.dtype | None = N
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def wide_plan(head_dim: int, kv_dtype: torch.dtype | None = None) -> bool:
+def wide_plan(head_dim: int, kv_dtype: torch.dtype | None = None, bs: int | None = None) -> bool:
     """Whether decode over a pool of this QK head dim and dtype uses the wide split plan: heads
-    wider than 256 (MLA's 576) in a 16-bit pool. FP8 pools keep the narrow plan and the
-    untransposed path (their tiles are converted in registers; H200 2026-11-30: FP8 decode at
-    bs 256-511 20.8 ms per step with those vs 22.2 ms with the wide plan)."""
-    return head_dim > 256 and kv_dtype not in _FP8_DTYPES
+    wider than 256 (MLA's 576) in a 16-bit pool, and MLA's 576 in an FP8 pool at batches of
+    `bs` >= WS_MLA_MIN_BS, which the warp-specialized kernel decodes on sm_90 (two programs per
+    SM, as the 16-bit pool's). Below that (and with `bs` None) FP8 pools keep the narrow plan and
+    the untransposed path of the triton kernel, which converts tiles in registers (H200
+    2026-11-30: FP8 decode at bs 256-511 20.8 ms per step with those vs 22.2 ms with the wide
+    plan). The plan is shape-only: on a GPU other than sm_90 an FP8 pool at bs >=
+    WS_MLA_MIN_BS gets the wide plan with the triton kernel."""
+    if head_dim <= 256:
+        return False
+    if kv_dtype not in _FP8_DTYPES:
+        return True
+    return (head_dim == 576 and bs is not None and WS_MLA_MIN_BS is not None
+            and bs >= WS_MLA_MIN_BS)
 
 
 def transposed_path(bs: int, head_dim: int, kv_dtype: torch.dtype | None = None) -> bool:
@@ -198,7 +210,7 @@ def splits_per_request(bs: int, num_head_groups: int, device_sm_count: int,
         kv_dtype: the pool's dtype (None = 16-bit).
     """
     rows = max(bs, 1) * max(num_head_groups, 1)
-    if wide_plan(head_dim, kv_dtype):
+    if wide_plan(head_dim, kv_dtype, bs):
         return max(1, WIDE_PROGRAMS_PER_SM * device_sm_count // rows)
     return max(1, triton.cdiv(PROGRAMS_PER_SM * device_sm_count, rows))
 
@@ -248,6 +260,20 @@ def _split_len(seq_len, n_splits, ALIGN: tl.constexpr):
     per = tl.cdiv(seq_len, n_splits)
     per = tl.cdiv(per, ALIGN) * ALIGN
     return tl.maximum(per, ALIGN)
+
+
+@triton.jit
+def mma_operand(q, POOL_FP8: tl.constexpr):
+    """q as the operand of its products with a pool's tiles, which are converted to q's dtype: a
+    bf16 q becomes fp16 (saturated at +-65504) when the pool is FP8 (POOL_FP8), because FP8 ->
+    fp16 is one packed conversion per pair of values on NVIDIA GPUs and FP8 -> bf16 a second,
+    scalar one per value on top of it (sm_90 PTX: cvt.rn.f16x2.e4m3x2, then cvt.bf16.f16);
+    bf16's 8-bit mantissa fits fp16's 10 bits, so only values outside fp16's normal range
+    change. Any other q (fp16, fp32, or a 16-bit pool) is returned as is."""
+    if POOL_FP8:
+        if q.dtype == tl.bfloat16:
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -305,9 +331,11 @@ def _decode_split_kernel(
             # query heads are N.
             qt = tl.load(Q + q_row[None, :] + offs_d[:, None],
                          mask=mask_h[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_H]
+            qt = mma_operand(qt, K.dtype.element_ty.is_fp8())
             if BLOCK_DPE > 0:
                 qpet = tl.load(Q + q_row[None, :] + offs_dpe[:, None],
                                mask=mask_h[None, :] & mask_dpe[:, None], other=0.0)
+                qpet = mma_operand(qpet, K.dtype.element_ty.is_fp8())
             acc_t = tl.zeros([BLOCK_DV, BLOCK_H], dtype=tl.float32)
             for start_n in range(start, end, BLOCK_N):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -340,9 +368,11 @@ def _decode_split_kernel(
         else:
             q = tl.load(Q + q_row[:, None] + offs_d[None, :],
                         mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+            q = mma_operand(q, K.dtype.element_ty.is_fp8())
             if BLOCK_DPE > 0:
                 qpe = tl.load(Q + q_row[:, None] + offs_dpe[None, :],
                               mask=mask_h[:, None] & mask_dpe[None, :], other=0.0)
+                qpe = mma_operand(qpe, K.dtype.element_ty.is_fp8())
             acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
             for start_n in range(start, end, BLOCK_N):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -467,13 +497,14 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     if bs == 0:
         return
     if (WS_MLA_MIN_BS is not None and bs >= WS_MLA_MIN_BS and num_kv_heads == 1 and lv == 512
-            and k_scale == 1.0 and v_scale == 1.0 and v_buffer.data_ptr() == k_buffer.data_ptr()
+            and v_buffer.data_ptr() == k_buffer.data_ptr()
             and v_buffer.stride()[:2] == k_buffer.stride()[:2]):
         from .decode_attention_ws import mla_decode_ws_fwd, ws_supported
 
         if ws_supported(q, k_buffer):
             mla_decode_ws_fwd(q, k_buffer, o, req_to_token, req_pool_indices, seq_lens,
-                              num_kv_splits, max_kv_splits, attn_logits, attn_lse, sm_scale)
+                              num_kv_splits, max_kv_splits, attn_logits, attn_lse, sm_scale,
+                              k_scale, v_scale)
             return
     hpp = heads_per_program(num_heads, num_kv_heads, lv)
     group = num_heads // num_kv_heads

@@ -1,11 +1,13 @@
 """Warp-specialized MLA absorbed decode attention for Hopper (sm_90), written in Gluon.
 
 Owns `mla_decode_ws_fwd`, a drop-in for `decode_attention.decode_attention_fwd` restricted to
-the MLA absorbed layout in a bf16 pool, `ws_supported` (whether a call can take it) and
-`ws_num_kv_splits` (its split plan). Its float32 twin is `reference.decode_attention_ref`.
+the MLA absorbed layout in a bf16 or FP8 pool, `ws_supported` (whether a call can take it) and
+`ws_num_kv_splits` (its split plan). Its float32 twin is `reference.decode_attention_ref` (on
+the dequantized pool for FP8).
 
 Layout: q [bs, H, 576] bf16 (512 latent + 64 rope columns), one latent KV head: k_buffer
-[S, 1, 576] bf16, v = k_buffer[..., :512] (never passed: the value rows are read from the key
+[S, 1, 576] bf16, float8_e4m3fn or float8_e5m2 (per-tensor k_scale / v_scale), v =
+k_buffer[..., :512] (never passed: the value rows are read from the key
 tile), o [bs, H, 512]. Any H >= 1 (programs of 16 heads; a partial group is zero-padded).
 Tokens are addressed through `req_to_token` one slot at a time (token-granular pool).
 
@@ -32,6 +34,13 @@ natural-log LSE [bs, H, splits]. Inside a program the warps are specialized
   shared memory in bf16; out^T [512, 16] += V^T · p^T as one async wgmma with V^T a transposed
   view of the same shared kc tile. That P·V MMA is left in flight across the next tile's wait and
   q·K issue; the consumer releases a tile (arrives on `empty`) as soon as its P·V has completed.
+- FP8 pool (`KV_FP8`): the producer is `_producer_convert` instead: it gathers the tile's
+  576-byte rows with 16-byte register loads before waiting for the buffer, converts them to fp16
+  (one `cvt.rn.f16x2.e4m3x2` per pair; to bf16 would add a scalar conversion per value) and
+  stores them into the same swizzled tiles, then fences and arrives once; q is rounded to fp16
+  and every MMA runs in fp16; k_scale is folded into the softmax scale and v_scale into the
+  normalized partial output. H200: 0.94–0.96x the bf16 pool's time at bs 64–768 x 4096, 2.1x
+  faster than the triton kernel's FP8 path (docs/benchmarks.md, FP8, seventh look).
 
 Shared memory: NUM_BUFS x 73.7 KB tiles + q (18.4 KB) + p^T (2 KB): 2 buffers = one program per
 SM, 1 buffer (the default) = two. `benchmarks/compile_ws_report.py` compiles this for sm_90
@@ -71,10 +80,20 @@ NUM_BUFS = 1
 # warps, 609 with 1; `benchmarks/compile_ws_report.py --dump`).
 LOAD_WARPS = 4
 LOAD_REGS = 64  # registers per producer thread (setmaxnreg of the worker partition; no spills)
+# the same for an FP8 pool, whose producer holds a whole tile (36.9 KB, 72 registers per thread
+# with 4 warps) in registers while it waits for the buffer: 120 is the least without spills at
+# maxnreg 128 (the consumer then has 136; `compile_ws_report.py --pool e4m3 1,4,120,128`)
+LOAD_REGS_FP8 = 120
 # Launch register cap per thread (None: triton's default, 255 = one program per SM). The CTA has
 # 8 warps (the consumer warpgroup + the producer warps rounded up to a warpgroup), so two
 # programs per SM need <= 128 (the consumer then gets 2 x 128 - LOAD_REGS via setmaxnreg).
 MAXNREG: int | None = None
+
+
+def load_regs_for(pool_dtype: torch.dtype) -> int:
+    """Producer registers per thread the launch gives a pool dtype: LOAD_REGS for bf16,
+    LOAD_REGS_FP8 for an FP8 pool (the converting producer)."""
+    return LOAD_REGS if pool_dtype == torch.bfloat16 else LOAD_REGS_FP8
 
 
 def programs_per_sm(num_bufs: int | None = None) -> int:
@@ -138,9 +157,57 @@ def _producer(K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bars, start
 
 
 @gluon.jit
+def _producer_convert(K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bars, start, end,
+                      n_tiles, BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr,
+                      LOAD_WARPS: gl.constexpr):
+    """The producer for an FP8 pool: gathers a tile's 576-byte rows into registers (16 bytes per
+    thread and load) before waiting for its buffer, converts them to fp16 (exact for e4m3 and
+    e5m2; the per-tensor scales are applied by the consumer in fp32) and stores them into the
+    fp16 tiles of the same shared layout the bf16 pool's cp.async fills."""
+    D_MAIN: gl.constexpr = kc_bufs.type.shape[2]
+    D_ROPE: gl.constexpr = kpe_bufs.type.shape[2]
+    HALF: gl.constexpr = D_MAIN // 2
+    # latent part as two [BLOCK_N, 256] halves: 16 lanes x 16 bytes = half a row, 2 rows per warp
+    lay_c: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [LOAD_WARPS, 1], [1, 0])
+    # rope part [BLOCK_N, 64]: 4 lanes x 16 bytes = a row, 8 rows per warp
+    lay_r: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
+    rows_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay_c))
+    rows_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay_r))
+    cols_c = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay_c))
+    cols_r = D_MAIN + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, lay_r))
+    tok_c = start + rows_c
+    tok_r = start + rows_r
+    slot_c = gl.load(r2t + tok_c, mask=tok_c < end, other=0)
+    slot_r = gl.load(r2t + tok_r, mask=tok_r < end, other=0)
+    for t in range(n_tiles):
+        idx = t % NUM_BUFS
+        phase = (t // NUM_BUFS) & 1
+        # this tile's rows (tokens past the split end masked: zero rows, as cp.async's zero
+        # fill), loaded before waiting for the buffer; then the next tile's slot indices
+        row_c = gl.expand_dims(slot_c.to(gl.int64) * stride_kn, 1)
+        msk_c = gl.expand_dims(tok_c < end, 1)
+        lo8 = gl.load(K + row_c + gl.expand_dims(cols_c, 0), mask=msk_c, other=0.0)
+        hi8 = gl.load(K + row_c + gl.expand_dims(HALF + cols_c, 0), mask=msk_c, other=0.0)
+        kpe8 = gl.load(K + gl.expand_dims(slot_r.to(gl.int64) * stride_kn, 1)
+                       + gl.expand_dims(cols_r, 0), mask=gl.expand_dims(tok_r < end, 1),
+                       other=0.0)
+        tok_c = tok_c + BLOCK_N
+        tok_r = tok_r + BLOCK_N
+        slot_c = gl.load(r2t + tok_c, mask=tok_c < end, other=0)
+        slot_r = gl.load(r2t + tok_r, mask=tok_r < end, other=0)
+        mbarrier.wait(empty_bars.index(idx), phase ^ 1)
+        kc = kc_bufs.index(idx)
+        kc.slice(0, HALF, dim=1).store(lo8.to(gl.float16))
+        kc.slice(HALF, HALF, dim=1).store(hi8.to(gl.float16))
+        kpe_bufs.index(idx).store(kpe8.to(gl.float16))
+        fence_async_shared()  # these generic-proxy stores before the consumer's wgmma reads
+        mbarrier.arrive(full_bars.index(idx))
+
+
+@gluon.jit
 def _consumer(kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bars,
-              MidO, MidLse, start, end, n_tiles, qk_scale, mid_base, lse_base, head0, num_heads,
-              stride_mh, stride_lh,
+              MidO, MidLse, start, end, n_tiles, qk_scale, v_scale, mid_base, lse_base, head0,
+              num_heads, stride_mh, stride_lh,
               BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr, HB: gl.constexpr):
     D_MAIN: gl.constexpr = kc_bufs.type.shape[2]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -176,7 +243,7 @@ def _consumer(kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bar
         l_rows = l_rows * gl.expand_dims(alpha, 0) + p
         acc = acc * gl.expand_dims(alpha, 0)
         m_i = m_new
-        p_smem.store(p.to(gl.bfloat16))
+        p_smem.store(p.to(p_smem.dtype))
         fence_async_shared()
         acc = warpgroup_mma(kc.permute((1, 0)), p_smem, acc, is_async=True)
         if NUM_BUFS == 1:  # the only buffer: release it now (the producer waits on it)
@@ -188,7 +255,7 @@ def _consumer(kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bar
     heads = head0 + offs_h
     mask_h = heads < num_heads
     offs_dv = gl.arange(0, D_MAIN, layout=row_l)
-    out = acc / gl.expand_dims(l_i, 0)
+    out = acc * (v_scale / gl.expand_dims(l_i, 0))
     mid = MidO + mid_base + gl.expand_dims(heads.to(gl.int64) * stride_mh, 0) \
         + gl.expand_dims(offs_dv, 1)
     gl.store(mid, out, mask=gl.expand_dims(mask_h, 0))
@@ -199,12 +266,12 @@ def _consumer(kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bar
 @gluon.jit
 def _mla_decode_ws_kernel(
     Q, K, ReqToToken, ReqPoolIdx, SeqLens, NumKvSplits, MidO, MidLse,
-    qk_scale, num_heads,
+    qk_scale, v_scale, num_heads,
     stride_qb, stride_qh, stride_kn, stride_r2t,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ls,
     MAX_KV_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, HB: gl.constexpr,
-    D_MAIN: gl.constexpr, D_ROPE: gl.constexpr,
+    D_MAIN: gl.constexpr, D_ROPE: gl.constexpr, KV_FP8: gl.constexpr,
 ):
     gl.static_assert(BLOCK_N == 64, "wgmma M: 64 tokens per consumer warpgroup")
     gl.static_assert(D_MAIN % 64 == 0 and D_ROPE % 64 == 0, "64-column blocks")
@@ -230,19 +297,30 @@ def _mla_decode_ws_kernel(
                      other=0.0)
         qpe = gl.load(Q + gl.expand_dims(q_row, 1) + gl.expand_dims(offs_dp, 0), mask=q_mask,
                       other=0.0)
+        # the MMA operand type: bf16 for a bf16 pool; fp16 for an FP8 one, whose values convert
+        # to fp16 in one instruction per pair (e4m3 / e5m2 -> fp16 is exact; -> bf16 goes
+        # through fp16 with a second, scalar conversion per value); q is then rounded to fp16
+        # (saturated at +-65504: bf16's 8-bit mantissa fits fp16's 10 bits, only values
+        # beyond fp16's range or below its normal range change)
+        MMA_DT: gl.constexpr = gl.float16 if KV_FP8 else gl.bfloat16
+        if KV_FP8:
+            qc = gl.minimum(gl.maximum(qc.to(gl.float32), -65504.0), 65504.0).to(MMA_DT)
+            qpe = gl.minimum(gl.maximum(qpe.to(gl.float32), -65504.0), 65504.0).to(MMA_DT)
         sw128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                    rank=2)
-        qc_smem = gl.allocate_shared_memory(gl.bfloat16, [HB, D_MAIN], sw128, qc)
-        qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [HB, D_ROPE], sw128, qpe)
-        p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HB], gl.bfloat16)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HB], p_lay)
-        kc_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUFS, BLOCK_N, D_MAIN], sw128)
-        kpe_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUFS, BLOCK_N, D_ROPE], sw128)
+        qc_smem = gl.allocate_shared_memory(MMA_DT, [HB, D_MAIN], sw128, qc)
+        qpe_smem = gl.allocate_shared_memory(MMA_DT, [HB, D_ROPE], sw128, qpe)
+        p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HB], MMA_DT)
+        p_smem = gl.allocate_shared_memory(MMA_DT, [BLOCK_N, HB], p_lay)
+        kc_bufs = gl.allocate_shared_memory(MMA_DT, [NUM_BUFS, BLOCK_N, D_MAIN], sw128)
+        kpe_bufs = gl.allocate_shared_memory(MMA_DT, [NUM_BUFS, BLOCK_N, D_ROPE], sw128)
         full_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFS, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFS, 1],
                                                mbarrier.MBarrierLayout())
+        # cp.async: one arrival per producer thread; converting producer: one per tile
+        full_count: gl.constexpr = 1 if KV_FP8 else LOAD_WARPS * 32
         for i in gl.static_range(NUM_BUFS):
-            mbarrier.init(full_bars.index(i), count=LOAD_WARPS * 32)
+            mbarrier.init(full_bars.index(i), count=full_count)
             mbarrier.init(empty_bars.index(i), count=1)
         fence_async_shared()  # q^T stores before the consumer's wgmma reads
 
@@ -252,19 +330,25 @@ def _mla_decode_ws_kernel(
         lse_base = b.to(gl.int64) * stride_lb + split.to(gl.int64) * stride_ls
         gl.warp_specialize([
             (_consumer, (kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bars,
-                         MidO, MidLse, start, end, n_tiles, qk_scale, mid_base, lse_base, head0,
-                         num_heads, stride_mh, stride_lh, BLOCK_N, NUM_BUFS, HB)),
-            (_producer, (K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bars, start, end,
-                         n_tiles, BLOCK_N, NUM_BUFS, LOAD_WARPS)),
+                         MidO, MidLse, start, end, n_tiles, qk_scale, v_scale, mid_base,
+                         lse_base, head0, num_heads, stride_mh, stride_lh, BLOCK_N, NUM_BUFS,
+                         HB)),
+            (_producer_convert if KV_FP8 else _producer,
+             (K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bars, start, end, n_tiles,
+              BLOCK_N, NUM_BUFS, LOAD_WARPS)),
         ], [LOAD_WARPS], [LOAD_REGS])
 
 
+POOL_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def ws_supported(q: torch.Tensor, k_buffer: torch.Tensor) -> bool:
-    """Whether `mla_decode_ws_fwd` can run this call: CUDA tensors on an sm_90 device, bf16 q and
-    pool, q [bs, H, 576], k_buffer [S, 1, 576], last dims contiguous."""
+    """Whether `mla_decode_ws_fwd` can run this call: CUDA tensors on an sm_90 device, bf16 q, a
+    bf16 or FP8 (e4m3 / e5m2) pool, q [bs, H, 576], k_buffer [S, 1, 576], last dims
+    contiguous."""
     if not (q.is_cuda and k_buffer.is_cuda and q.device == k_buffer.device):
         return False
-    if q.dtype != torch.bfloat16 or k_buffer.dtype != torch.bfloat16:
+    if q.dtype != torch.bfloat16 or k_buffer.dtype not in POOL_DTYPES:
         return False
     if q.dim() != 3 or k_buffer.dim() != 3 or q.shape[-1] != LK or k_buffer.shape[1:] != (1, LK):
         return False
@@ -296,20 +380,26 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
                       req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                       seq_lens: torch.Tensor, num_kv_splits: torch.Tensor, max_kv_splits: int,
                       attn_logits: torch.Tensor, attn_lse: torch.Tensor, sm_scale: float,
+                      k_scale: float = 1.0, v_scale: float = 1.0,
                       *, block_n: int | None = None, num_bufs: int | None = None,
                       load_warps: int | None = None, load_regs: int | None = None,
                       maxnreg: int | None = None) -> None:
     """MLA absorbed decode attention (v = k_buffer[..., :512]); writes `o`.
 
-    Same semantics as `decode_attention_fwd(q, k_buffer, k_buffer[..., :512], o, ...)` with
-    k_scale = v_scale = 1: seq_len 0 rows give zeros, splits are clamped to [1, max_kv_splits],
+    Same semantics as `decode_attention_fwd(q, k_buffer, k_buffer[..., :512], o, ...)`:
+    seq_len 0 rows give zeros, splits are clamped to [1, max_kv_splits],
     empty splits are neither computed nor merged, no host synchronisation (graph-capturable).
     Args:
         q: [bs, H, 576] bf16 (strides along bs and H free, last dim contiguous); any H >= 1.
-        k_buffer: [S, 1, 576] bf16 pool (last dim contiguous); value = its first 512 columns.
+        k_buffer: [S, 1, 576] bf16 or FP8 (float8_e4m3fn / float8_e5m2) pool (last dim
+            contiguous); value = its first 512 columns. An FP8 pool's tiles are converted to
+            bf16 by the producer (`_producer_convert`) instead of copied.
         o: [bs, H, 512] output (any float dtype, last dim contiguous).
         req_to_token, req_pool_indices, seq_lens, num_kv_splits, max_kv_splits, attn_logits,
         attn_lse, sm_scale: as for `decode_attention_fwd`.
+        k_scale, v_scale: per-tensor dequantization scales of an FP8 pool (key = stored ·
+            k_scale, value = stored · v_scale), applied in fp32: k_scale folded into the
+            softmax scale, v_scale into the normalized partial output; 1.0 for a bf16 pool.
         block_n, num_bufs, load_warps, load_regs, maxnreg: launch overrides (default: the
             module settings BLOCK_N, NUM_BUFS, LOAD_WARPS, LOAD_REGS, `default_maxnreg`).
     Raises:
@@ -317,7 +407,8 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
             or workspaces too small / not fp32.
     """
     if not ws_supported(q, k_buffer):
-        raise ValueError(f"mla_decode_ws_fwd: needs bf16 q [bs, H, {LK}] and pool [S, 1, {LK}] "
+        raise ValueError(f"mla_decode_ws_fwd: needs bf16 q [bs, H, {LK}] and a bf16 or FP8 "
+                         f"pool [S, 1, {LK}] "
                          f"with contiguous last dims on an sm_90 device; got q "
                          f"{tuple(q.shape)} {q.dtype}, k {tuple(k_buffer.shape)} "
                          f"{k_buffer.dtype} on {q.device}")
@@ -350,17 +441,18 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
     mnr = maxnreg if maxnreg is not None else default_maxnreg(nb)
     if mnr is not None:
         opts["maxnreg"] = mnr
+    fp8 = k_buffer.dtype != torch.bfloat16
     _mla_decode_ws_kernel[(bs, max_kv_splits, groups)](
         q, k_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
-        attn_logits, attn_lse, sm_scale * 1.4426950408889634, num_heads,
+        attn_logits, attn_lse, sm_scale * k_scale * 1.4426950408889634, v_scale, num_heads,
         q.stride(0), q.stride(1), k_buffer.stride(0), req_to_token.stride(0),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2),
         MAX_KV_SPLITS=max_kv_splits, BLOCK_N=bn,
         NUM_BUFS=nb,
         LOAD_WARPS=LOAD_WARPS if load_warps is None else load_warps,
-        LOAD_REGS=LOAD_REGS if load_regs is None else load_regs,
-        HB=HEADS_PER_PROG, D_MAIN=D_MAIN, D_ROPE=D_ROPE, num_warps=4, **opts,
+        LOAD_REGS=load_regs_for(k_buffer.dtype) if load_regs is None else load_regs,
+        HB=HEADS_PER_PROG, D_MAIN=D_MAIN, D_ROPE=D_ROPE, KV_FP8=fp8, num_warps=4, **opts,
     )
     _da._merge_splits_kernel[(bs, num_heads)](
         attn_logits, attn_lse, o, seq_lens, num_kv_splits,

@@ -21,9 +21,10 @@ GQA, MQA, MLA decompressed prefill (qk 192 / v 128, no prefix) and MLA absorbed 
 v = first 512 columns of the same rows, one KV head).
 
 FP8 pools (float8_e4m3fn / float8_e5m2, per-tensor `k_scale` / `v_scale`) are read in phase 1
-only: tiles are converted to q's dtype on load (exact), k_scale is folded into phase 1's softmax
-scale and v_scale into its P·V product (p · (stored · s) = (p · stored) · s). The new tokens'
-k/v (phase 2) are the unquantized inputs.
+only: tiles are converted to q's dtype on load (exact; a bf16 q is rounded to fp16 for these
+products, `decode_attention.mma_operand`, as FP8 -> fp16 is the cheap conversion), k_scale is
+folded into phase 1's softmax scale and v_scale into its P·V product (p · (stored · s) =
+(p · stored) · s). The new tokens' k/v (phase 2) are the unquantized inputs.
 
 All pool offsets are computed in 64-bit (slot × stride may exceed 2^31 elements). The launch does
 not synchronise with the device: lengths are read on the device, only `max_extend_len` comes
@@ -35,6 +36,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .decode_attention import mma_operand
 
 
 @triton.jit
@@ -127,6 +130,10 @@ def _extend_attention_kernel(
         prefix_len = tl.load(Prefix_lens + req).to(tl.int32)
         row = tl.load(Req_pool_indices + req).to(tl.int64)
         r2t = Req_to_token + row * stride_req
+        # the products with an FP8 pool's tiles run in fp16 (`mma_operand`); the new tokens'
+        # own K/V (phase 2) keep q's dtype
+        q_pool = mma_operand(q, K_buf.dtype.element_ty.is_fp8())
+        qpe_pool = mma_operand(q_pe, K_buf.dtype.element_ty.is_fp8())
         for start_n in range(0, prefix_len, BLOCK_N):
             cur_n = start_n + offs_n
             mask_n = cur_n < prefix_len
@@ -134,7 +141,7 @@ def _extend_attention_kernel(
             k_base = K_buf + slot * stride_kbs + kv_head * stride_kbh
             v_base = V_buf + slot * stride_vbs + kv_head * stride_vbh
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pe,
+                acc, l_i, m_i, q_pool, qpe_pool,
                 k_base[None, :] + offs_d[:, None], k_base[None, :] + offs_dpe[:, None],
                 v_base[:, None] + offs_dv[None, :],
                 mask_n[None, :] & mask_d[:, None], mask_n[None, :] & mask_dpe[:, None],

@@ -340,16 +340,27 @@ def test_get_num_kv_splits_properties():
     out = torch.zeros(6, dtype=torch.int32, device=DEVICE)
     assert get_num_kv_splits(lens, 1, 16, 132, out=out) is out and out.cpu().tolist()[4] == 16
     # wide heads (MLA 576) in a 16-bit pool: WIDE_PROGRAMS_PER_SM (2) x 132 = 264 programs,
-    # splits rounded down; an FP8 pool keeps the narrow plan
+    # splits rounded down; an FP8 pool too at bs >= WS_MLA_MIN_BS (the ws kernel's plan), the
+    # narrow plan below it (the triton kernel's)
     assert (get_num_kv_splits(mid, 1, 16, 132, head_dim=576) == 4).all()  # 256 programs
     assert (get_num_kv_splits(mid, 1, 16, 132, head_dim=576, kv_dtype=torch.bfloat16) == 4).all()
     assert (get_num_kv_splits(mid, 1, 16, 132, head_dim=576,
-                              kv_dtype=torch.float8_e4m3fn) == 9).all()
+                              kv_dtype=torch.float8_e4m3fn) == 4).all()
+    assert splits_per_request(8, 1, 132, 576, torch.float8_e5m2) == 66  # cdiv(4 x 132, 8)
+    assert splits_per_request(8, 1, 132, 576, torch.bfloat16) == 33  # 2 x 132 // 8
     wide256 = torch.full((256,), 4096, dtype=torch.int32, device=DEVICE)
     assert (get_num_kv_splits(wide256, 1, 16, 132, head_dim=576) == 1).all()
     assert (get_num_kv_splits(wide256[:100], 1, 16, 132, head_dim=576) == 2).all()
     assert splits_per_request(64, 1, 132, 576) == 4 and splits_per_request(64, 1, 132, 128) == 9
-    assert splits_per_request(64, 1, 132, 576, torch.float8_e5m2) == 9
+    assert splits_per_request(64, 1, 132, 576, torch.float8_e5m2) == 4
+    import mla_kernels.decode_attention as da
+
+    ws_min = da.WS_MLA_MIN_BS
+    try:
+        da.WS_MLA_MIN_BS = None  # the ws kernel off: FP8 pools keep the narrow plan
+        assert splits_per_request(64, 1, 132, 576, torch.float8_e5m2) == 9
+    finally:
+        da.WS_MLA_MIN_BS = ws_min
     assert splits_per_request(1000, 8, 132, 576) == 1 and splits_per_request(1000, 8, 132) == 1
     with pytest.raises(ValueError):
         get_num_kv_splits(lens, 1, 0, 132)

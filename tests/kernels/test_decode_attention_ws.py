@@ -6,7 +6,9 @@ checks. GPU (`gpu` marker, sm_90 only): bf16 MLA against the fp32 reference on t
 `test_decode_attention` (`make_case`: shuffled pool, NaN in every slot that must not be read,
 NaN workspaces): ragged batches, seq_len 0 / 1, lengths around the 64-token tile and split
 boundaries, empty splits, padded / multiple head groups, every launch setting the sweep tries,
-slot indices near the end of a > 2^31-element pool, and CUDA-graph replay.
+slot indices near the end of a > 2^31-element pool, and CUDA-graph replay; FP8 pools (e4m3,
+e5m2: the converting producer, fp16 MMAs) against the reference on the dequantized pool with
+separate k / v scales, and the dispatch of `decode_attention_fwd` to it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 import mla_backend  # noqa: F401  (registers `mla_kernels`)
 import mla_kernels.decode_attention_ws as ws
+from mla_backend.mem_cache.memory_pool import quantize_fp8
 from mla_kernels.reference import decode_attention_ref
 from tests.kernels.test_decode_attention import BF16_ATOL, BF16_RTOL, Case, expected, make_case
 
@@ -237,11 +240,13 @@ def test_gpu_cuda_graph_replay_with_new_lengths():
 
 @gpu
 @needs_sm90
-def test_gpu_big_pool_slots_near_the_end():
-    """bf16 pool of 4M slots x 576 = 2.4e9 elements (> 2^31): slot x stride overflows int32."""
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gpu_big_pool_slots_near_the_end(pool_dtype):
+    """A pool of 4M slots x 576 = 2.4e9 elements (> 2^31): slot x stride overflows int32 (bf16
+    pool: the cp.async producer; e4m3: the converting one)."""
     num_slots, heads = 4 * 1024 * 1024, 16
     try:
-        k_buffer = torch.empty(num_slots, 1, LK, dtype=torch.bfloat16, device="cuda")
+        k_buffer = torch.empty(num_slots, 1, LK, dtype=pool_dtype, device="cuda")
     except torch.cuda.OutOfMemoryError:
         pytest.skip("not enough GPU memory for a 4.8 GB pool")
     g = torch.Generator().manual_seed(38)
@@ -249,7 +254,9 @@ def test_gpu_big_pool_slots_near_the_end():
     total = sum(lens)
     slots = num_slots - 1 - torch.randperm(4096, generator=g)[:total]  # last 4096 slots
     assert int(slots.min()) * LK > 2 ** 31
-    k_buffer[slots.cuda()] = torch.randn(total, 1, LK, generator=g).to("cuda", torch.bfloat16)
+    rows_k = torch.randn(total, 1, LK, generator=g).to("cuda", pool_dtype)
+    k_bytes = k_buffer.view(torch.uint8) if pool_dtype != torch.bfloat16 else k_buffer
+    k_bytes[slots.cuda()] = rows_k.view(k_bytes.dtype)  # (fp8 indexing through its bytes)
     req_to_token = torch.zeros(5, 1600, dtype=torch.int32)
     remap = torch.zeros(5, 1600, dtype=torch.int32)
     off = 0
@@ -262,7 +269,117 @@ def test_gpu_big_pool_slots_near_the_end():
     case = Case(q, k_buffer, k_buffer[..., :LV], req_to_token.cuda(), rows,
                 torch.tensor(lens, dtype=torch.int32, device="cuda"), 0.1147)
     out, _ = run_ws(case, None, 8)
-    small_k = k_buffer[slots.cuda()].float().cpu()  # only the used rows, not the whole pool
+    small_k = rows_k.float().cpu()  # only the used rows, not the whole pool
     ref = decode_attention_ref(q.float().cpu(), small_k, small_k[..., :LV], remap,
                                rows.cpu(), torch.tensor(lens), 0.1147)
     torch.testing.assert_close(out.float().cpu(), ref, atol=BF16_ATOL, rtol=BF16_RTOL)
+
+
+# --- FP8 pools: the converting producer ------------------------------------------------------
+
+FP8_POOLS = [pytest.param(torch.float8_e4m3fn, id="e4m3"),
+             pytest.param(torch.float8_e5m2, id="e5m2")]
+
+
+def fp8_case(lens, pool_dtype, k_scale, v_scale, heads=16, seed=0) -> tuple[Case, Case]:
+    """(case with an FP8 pool holding N(0, 1) keys quantized with k_scale, reference case over
+    the dequantized pool: key = stored x k_scale, value = stored[..., :512] x v_scale). The pool's
+    unused slots hold NaN (e4m3 has NaN; e5m2 keeps it), as in `make_case`."""
+    case = mla_case(lens, heads=heads, seed=seed)
+    k8 = quantize_fp8(case.k_buffer.float(), k_scale, pool_dtype)
+    ref = Case(case.q, (k8.float() * k_scale).cpu(), (k8.float() * v_scale)[..., :LV].cpu(),
+               case.req_to_token, case.req_pool_indices, case.seq_lens, case.sm_scale)
+    return Case(case.q, k8, k8[..., :LV], case.req_to_token, case.req_pool_indices,
+                case.seq_lens, case.sm_scale), ref
+
+
+def test_fp8_pool_compiles_for_sm90_as_designed():
+    """The e4m3 and e5m2 pools compile to the converting producer: no cp.async, the same 68
+    wgmma, no spills at the launch setting (one buffer, LOAD_REGS_FP8, maxnreg 128: two programs
+    per SM)."""
+    for pool in ("e4m3", "e5m2"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = str(ROOT)
+        out = subprocess.run([sys.executable, str(ROOT / "benchmarks/compile_ws_report.py"),
+                              "--pool", pool, f"1,4,{ws.LOAD_REGS_FP8},128"], capture_output=True,
+                             text=True, env=env, timeout=300, check=True).stdout
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+                if line.startswith("| 1")]
+        assert len(rows) == 1, out
+        r = rows[0]
+        assert int(r[5]) == 0 and int(r[7]) == 68 and int(r[8]) == 0 and int(r[9]) == 0, r
+        assert float(r[6]) <= 113 and int(r[4]) <= 128, r
+
+
+def test_load_regs_follow_the_pool_dtype():
+    assert ws.load_regs_for(torch.bfloat16) == ws.LOAD_REGS
+    assert ws.load_regs_for(torch.float8_e4m3fn) == ws.LOAD_REGS_FP8
+    assert ws.load_regs_for(torch.float8_e5m2) == ws.LOAD_REGS_FP8
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("pool_dtype", FP8_POOLS)
+def test_gpu_fp8_pool_against_dequantized_reference(pool_dtype):
+    """FP8 pool, separate k and v scales (each would change the result if ignored: 0.37 and
+    2.5), tile and split boundaries, seq_len 0, empty splits, padded and multiple head groups;
+    NaN in every slot that must not be read."""
+    for heads, nks, max_splits in ((16, [16] * len(BOUNDARY_LENS), 16), (20, None, 4)):
+        case, ref = fp8_case(BOUNDARY_LENS, pool_dtype, 0.37, 2.5, heads=heads, seed=40 + heads)
+        out, _ = run_ws_scaled(case, nks, max_splits, 0.37, 2.5)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.float().cpu(), expected(ref), atol=BF16_ATOL,
+                                   rtol=BF16_RTOL)
+    # the scales matter: a unit v_scale is off by 2.5x
+    out, _ = run_ws_scaled(case, None, 4, 0.37, 1.0)
+    assert not torch.allclose(out.float().cpu(), expected(ref), atol=0.1, rtol=0.1)
+
+
+def run_ws_scaled(case: Case, num_kv_splits, max_kv_splits: int, k_scale: float,
+                  v_scale: float):
+    bs, num_heads, _ = case.q.shape
+    dev = case.q.device
+    if num_kv_splits is None:
+        num_kv_splits = ws.ws_num_kv_splits(case.seq_lens, max_kv_splits, 132)
+    else:
+        num_kv_splits = torch.tensor(num_kv_splits, dtype=torch.int32, device=dev)
+    o = torch.full((bs, num_heads, LV), 7.0, dtype=case.q.dtype, device=dev)
+    logits = torch.full((bs, num_heads, max_kv_splits, LV), float("nan"), device=dev)
+    lse = torch.full((bs, num_heads, max_kv_splits), float("nan"), device=dev)
+    ws.mla_decode_ws_fwd(case.q, case.k_buffer, o, case.req_to_token, case.req_pool_indices,
+                         case.seq_lens, num_kv_splits, max_kv_splits, logits, lse,
+                         case.sm_scale, k_scale, v_scale)
+    return o, lse
+
+
+@gpu
+@needs_sm90
+def test_gpu_fp8_pool_dispatch_and_triton_path_agree(monkeypatch):
+    """decode_attention_fwd hands an MLA FP8 pool at bs >= WS_MLA_MIN_BS to the ws kernel (one
+    call counted) and, with the switch off, to the converting triton kernel: both equal the
+    dequantized reference, and each other."""
+    import mla_kernels.decode_attention as da
+    from mla_kernels.decode_attention import decode_attention_fwd, get_num_kv_splits
+
+    g = torch.Generator().manual_seed(41)
+    lens = torch.randint(0, 3000, (max(da.WS_MLA_MIN_BS, 24),), generator=g).tolist()
+    case, ref = fp8_case(lens, torch.float8_e4m3fn, 0.37, 0.37, seed=41)
+    calls = []
+    real = ws.mla_decode_ws_fwd
+    monkeypatch.setattr(ws, "mla_decode_ws_fwd",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    bs = len(lens)
+    nks = get_num_kv_splits(case.seq_lens, 1, 16, 132, head_dim=LK)
+    outs = []
+    for switch in (da.WS_MLA_MIN_BS, None):
+        monkeypatch.setattr(da, "WS_MLA_MIN_BS", switch)
+        o = torch.empty(bs, 16, LV, dtype=torch.bfloat16, device="cuda")
+        decode_attention_fwd(case.q, case.k_buffer, case.v_buffer, o, case.req_to_token,
+                             case.req_pool_indices, case.seq_lens, nks, 16,
+                             torch.empty(bs, 16, 16, LV, device="cuda"),
+                             torch.empty(bs, 16, 16, device="cuda"), case.sm_scale, 0.37, 0.37)
+        torch.testing.assert_close(o.float().cpu(), expected(ref), atol=BF16_ATOL,
+                                   rtol=BF16_RTOL)
+        outs.append(o.float())
+    assert len(calls) == 1
+    torch.testing.assert_close(outs[0], outs[1], atol=BF16_ATOL, rtol=BF16_RTOL)
