@@ -1,7 +1,7 @@
 """MLA decode on an H200: the Gluon warp-specialized kernel vs the triton kernel, and its sweep.
 
-For MLA absorbed (16 heads, 576 / 512 with V a view of the key pool, bf16, scattered slots: a
-random permutation) over batch sizes x context lengths, each config (`bench_decode_attention.
+For MLA absorbed (16 heads, 576 / 512 with V a view of the key pool, bf16 or with --kv-dtype an
+FP8 pool, scattered slots: a random permutation) over batch sizes x context lengths, each config (`bench_decode_attention.
 Config`): checks `decode_attention_ws.mla_decode_ws_fwd` and the triton `decode_attention_fwd`
 against an fp32 reference on the first requests (max abs error), times both as the engine runs
 them (`bench_decode_attention.graph_time_ms`: CUDA-graph replays after an L2 flush, flush time

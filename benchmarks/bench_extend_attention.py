@@ -13,6 +13,13 @@ tensors (KV heads pre-expanded for GQA/MQA; gather time not counted — an advan
 lower-right causal mask; its backend is torch's choice.
 
     PYTHONPATH=. python3 benchmarks/bench_extend_attention.py [--quick] [--iters N]
+    PYTHONPATH=. python3 benchmarks/bench_extend_attention.py --kv-dtype fp8_e4m3 \
+        [--fp8-block-m 16]
+
+`--kv-dtype fp8_e4m3 / fp8_e5m2`: the cached prefix is read from an FP8 pool (the bf16 values
+cast, scale 1; the reference and SDPA get those values rounded through FP8, the new tokens
+unrounded, as the kernel sees them); `--fp8-block-m` sets `extend_attention.
+FP8_POOL_WIDE_BLOCK_M` (the absorbed layout's query block over an FP8 pool).
 """
 
 from __future__ import annotations
@@ -84,6 +91,23 @@ def make_batch(lay: Layout, bs: int, prefix: int, extend: int, seed: int = 0) ->
                 bs=bs, prefix_len=prefix, extend_len=extend)
 
 
+def to_fp8_pool(b: dict, lay: Layout, dtype: torch.dtype) -> None:
+    """Replace the batch's pool by an FP8 one (`dtype`, scale 1); `k_ref` / `v_ref` keep the
+    values the kernel sees (prefix rows rounded through FP8, the new tokens' rows as given) for
+    the reference and SDPA."""
+    new_slots = b["req_to_token"][:, b["prefix_len"]:].reshape(-1).long()
+    k8 = b["k_buffer"].to(dtype)
+    b["k_ref"] = k8.to(torch.bfloat16)
+    b["k_ref"][new_slots] = b["k"]
+    if lay.mla_absorbed:
+        v8, b["v_ref"] = k8[..., :lay.lv], b["k_ref"][..., :lay.lv]
+    else:
+        v8 = b["v_buffer"].to(dtype)
+        b["v_ref"] = v8.to(torch.bfloat16)
+        b["v_ref"][new_slots] = b["v"]
+    b["k_buffer"], b["v_buffer"] = k8, v8
+
+
 def run_kernel(b: dict, lay: Layout) -> None:
     from mla_kernels.extend_attention import extend_attention_fwd
 
@@ -97,8 +121,8 @@ def run_kernel(b: dict, lay: Layout) -> None:
 def gathered_kv(b: dict, lay: Layout) -> tuple[torch.Tensor, torch.Tensor]:
     """[bs, Hkv, prefix + extend, D] keys / values of every request, in position order."""
     idx = b["req_to_token"].long()
-    return (b["k_buffer"][idx].transpose(1, 2).contiguous(),
-            b["v_buffer"][idx].transpose(1, 2).contiguous())
+    k_pool, v_pool = b.get("k_ref", b["k_buffer"]), b.get("v_ref", b["v_buffer"])
+    return (k_pool[idx].transpose(1, 2).contiguous(), v_pool[idx].transpose(1, 2).contiguous())
 
 
 def check(b: dict, lay: Layout) -> float:
@@ -170,23 +194,36 @@ def main(argv: list[str] | None = None) -> int:
                     help="short shapes only (bs 1 × 2048; bs 2 × 1024 over a 1024 prefix)")
     ap.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA comparison")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                    help="pool dtype of the cached prefix (shapes with a prefix only)")
+    ap.add_argument("--fp8-block-m", type=int, default=None,
+                    help="extend_attention.FP8_POOL_WIDE_BLOCK_M for this run")
     args = ap.parse_args(argv)
+    kv_dtype = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn,
+                "fp8_e5m2": torch.float8_e5m2}[args.kv_dtype]
+    if args.fp8_block_m is not None:
+        import mla_kernels.extend_attention as ea
+
+        ea.FP8_POOL_WIDE_BLOCK_M = args.fp8_block_m
     if not torch.cuda.is_available():
         print("bench_extend_attention: needs a CUDA GPU", file=sys.stderr)
         return 2
     shapes = QUICK_SHAPES if args.quick else SHAPES
     iters = max(1, args.iters // 4) if args.quick else args.iters
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
-          f"triton {__import__('triton').__version__}  bf16, {iters} iters")
+          f"triton {__import__('triton').__version__}  bf16, {iters} iters; prefix pool "
+          f"{args.kv_dtype}, FP8 wide BLOCK_M {args.fp8_block_m or 'default'}")
     hdr = (f"{'layout':30s} {'bs':>3s} {'prefix':>6s} {'extend':>6s} {'err':>8s} "
            f"{'ours ms':>9s} {'TFLOP/s':>8s} {'sdpa ms':>9s} {'TFLOP/s':>8s} {'|ours-sdpa|':>11s}")
     print(hdr)
     print("-" * len(hdr))
     for lay in LAYOUTS:
         for bs, prefix, extend in shapes:
-            if prefix and not lay.prefix_ok:
+            if (prefix and not lay.prefix_ok) or (kv_dtype is not None and not prefix):
                 continue
             b = make_batch(lay, bs, prefix, extend)
+            if kv_dtype is not None:
+                to_fp8_pool(b, lay, kv_dtype)
             try:
                 err = check(b, lay)
             except AssertionError as exc:

@@ -366,6 +366,12 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
           f"mean decode batch {dec_rows / max(n_dec, 1):.0f}; graphs to bs {graph_max}; "
           f"retractions {stats.get('retractions', 0)}",
           ["steps", "count", "mean ms", "max ms", "seconds", "% of run", "tokens"], rows)
+    slow = sorted(range(len(log_rows)), key=lambda i: -log_rows[i][3])[:5]
+    res["steps"]["slowest"] = [[i, *log_rows[i]] for i in slow]
+    table("Slowest steps (position in the run's step log)",
+          ["step", "mode", "batch size", "tokens", "ms"],
+          [[i, log_rows[i][0], log_rows[i][1], log_rows[i][2], 1000 * log_rows[i][3]]
+           for i in slow])
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ that 3 stages gave the K tile a single buffer.
 
 SWAP: 1 = the transposed path (always reusing the K tile as V), 0 = the untransposed path with
 V gathered separately. POOL: bf16 (default) or e4m3 (an FP8 pool: its tiles are converted to
-bf16 before each product; the last column counts those conversions of e4m3 pairs in the PTX).
+fp16 before each product, q rounded to fp16 (`decode_attention.mma_operand`); the last column
+counts those conversions of e4m3 pairs in the PTX).
 Needs triton with its NVIDIA backend (the pip wheel has it); no CUDA device or driver is used.
 """
 

@@ -94,9 +94,9 @@ SMALL_BS_MAX = 4
 SMALL_BS_BLOCK_N_WIDE = 64
 SMALL_BS_NUM_STAGES = 4
 SMALL_BS_DTYPES = (torch.bfloat16, torch.float16)
-# MLA (one latent KV head, 576 / 512, a bf16 or FP8 pool with v a view of k) at batches of at
-# least this many requests on sm_90 runs the warp-specialized Gluon kernel (`decode_attention_ws`)
-# instead: bf16 pool on the H200, bs 16 x 4096 37.1 vs 41.4 us, bs 16 x 32768 158.6 vs 214.9,
+# MLA (bf16 q, one latent KV head, 576 / 512, a bf16 or FP8 pool with v a view of k) at batches
+# of at least this many requests on sm_90 runs the warp-specialized Gluon kernel
+# (`decode_attention_ws`) instead: bf16 pool on the H200, bs 16 x 4096 37.1 vs 41.4 us, bs 16 x 32768 158.6 vs 214.9,
 # bs 64 x 4096 90.4 vs 114.4, bs 256 x 4096 299.5 vs 409.6 (docs/benchmarks.md, decode
 # attention, third round); e4m3 pool: bs 64 x 4096 85.6 vs 180.6, bs 256 x 4096 284.3 vs 595.0
 # (FP8, seventh look); smaller batches were not measured. None turns it off.
@@ -182,8 +182,9 @@ def wide_plan(head_dim: int, kv_dtype: torch.dtype | None = None, bs: int | None
     SM, as the 16-bit pool's). Below that (and with `bs` None) FP8 pools keep the narrow plan and
     the untransposed path of the triton kernel, which converts tiles in registers (H200
     2026-11-30: FP8 decode at bs 256-511 20.8 ms per step with those vs 22.2 ms with the wide
-    plan). The plan is shape-only: on a GPU other than sm_90 an FP8 pool at bs >=
-    WS_MLA_MIN_BS gets the wide plan with the triton kernel."""
+    plan). The plan is shape-only: on a GPU other than sm_90, or with a q that is not bf16 (an
+    fp16 model), an FP8 pool at bs >= WS_MLA_MIN_BS gets the wide plan with the triton kernel
+    (slower there, as above, but correct)."""
     if head_dim <= 256:
         return False
     if kv_dtype not in _FP8_DTYPES:
@@ -269,10 +270,11 @@ def mma_operand(q, POOL_FP8: tl.constexpr):
     fp16 is one packed conversion per pair of values on NVIDIA GPUs and FP8 -> bf16 a second,
     scalar one per value on top of it (sm_90 PTX: cvt.rn.f16x2.e4m3x2, then cvt.bf16.f16);
     bf16's 8-bit mantissa fits fp16's 10 bits, so only values outside fp16's normal range
-    change. Any other q (fp16, fp32, or a 16-bit pool) is returned as is."""
+    change (NaN stays NaN). Any other q (fp16, fp32, or a 16-bit pool) is returned as is."""
     if POOL_FP8:
         if q.dtype == tl.bfloat16:
-            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0,
+                         propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
     return q
 
 

@@ -31,7 +31,7 @@ natural-log LSE [bs, H, splits]. Inside a program the warps are specialized
   MMAs (wgmma, M = 64 tokens, N = 16 heads) reading the tile and q^T (kept in shared memory for
   the whole program) from shared memory; online softmax over the token axis in fp32 (base-2
   exponent; the running sum is kept per token row and reduced once at the end); p^T stored to
-  shared memory in bf16; out^T [512, 16] += V^T · p^T as one async wgmma with V^T a transposed
+  shared memory in bf16 (fp16 for an FP8 pool); out^T [512, 16] += V^T · p^T as one async wgmma with V^T a transposed
   view of the same shared kc tile. That P·V MMA is left in flight across the next tile's wait and
   q·K issue; the consumer releases a tile (arrives on `empty`) as soon as its P·V has completed.
 - FP8 pool (`KV_FP8`): the producer is `_producer_convert` instead: it gathers the tile's
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -117,6 +118,13 @@ def _split_len(seq_len, n_splits, ALIGN: gl.constexpr):
     per = (seq_len + n_splits - 1) // n_splits
     per = (per + ALIGN - 1) // ALIGN * ALIGN
     return gl.maximum(per, ALIGN)
+
+
+@gluon.jit
+def _fp16_saturated(x):
+    """x rounded to fp16, saturated at +-65504 (NaN stays NaN)."""
+    x = gl.maximum(x.to(gl.float32), -65504.0, propagate_nan=tl.PropagateNan.ALL)
+    return gl.minimum(x, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(gl.float16)
 
 
 @gluon.jit
@@ -304,8 +312,8 @@ def _mla_decode_ws_kernel(
         # beyond fp16's range or below its normal range change)
         MMA_DT: gl.constexpr = gl.float16 if KV_FP8 else gl.bfloat16
         if KV_FP8:
-            qc = gl.minimum(gl.maximum(qc.to(gl.float32), -65504.0), 65504.0).to(MMA_DT)
-            qpe = gl.minimum(gl.maximum(qpe.to(gl.float32), -65504.0), 65504.0).to(MMA_DT)
+            qc = _fp16_saturated(qc)
+            qpe = _fp16_saturated(qpe)
         sw128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                    rank=2)
         qc_smem = gl.allocate_shared_memory(MMA_DT, [HB, D_MAIN], sw128, qc)
@@ -393,7 +401,8 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
         q: [bs, H, 576] bf16 (strides along bs and H free, last dim contiguous); any H >= 1.
         k_buffer: [S, 1, 576] bf16 or FP8 (float8_e4m3fn / float8_e5m2) pool (last dim
             contiguous); value = its first 512 columns. An FP8 pool's tiles are converted to
-            bf16 by the producer (`_producer_convert`) instead of copied.
+            fp16 by the producer (`_producer_convert`) instead of copied, and q is rounded to
+            fp16 (saturated at +-65504) for the fp16 MMAs.
         o: [bs, H, 512] output (any float dtype, last dim contiguous).
         req_to_token, req_pool_indices, seq_lens, num_kv_splits, max_kv_splits, attn_logits,
         attn_lse, sm_scale: as for `decode_attention_fwd`.
@@ -403,8 +412,9 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
         block_n, num_bufs, load_warps, load_regs, maxnreg: launch overrides (default: the
             module settings BLOCK_N, NUM_BUFS, LOAD_WARPS, LOAD_REGS, `default_maxnreg`).
     Raises:
-        ValueError: not the MLA bf16 layout, not on an sm_90 CUDA device, inconsistent shapes,
-            or workspaces too small / not fp32.
+        ValueError: not the MLA layout with a bf16 q and a bf16 / FP8 pool, not on an sm_90
+            CUDA device, inconsistent shapes, workspaces too small / not fp32, or an FP8 pool
+            with fewer than 4 producer warps (its producer holds a tile in registers).
     """
     if not ws_supported(q, k_buffer):
         raise ValueError(f"mla_decode_ws_fwd: needs bf16 q [bs, H, {LK}] and a bf16 or FP8 "
@@ -434,6 +444,11 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
     nb = NUM_BUFS if num_bufs is None else num_bufs
     if nb < 1:
         raise ValueError(f"mla_decode_ws_fwd: num_bufs must be >= 1, got {nb}")
+    fp8 = k_buffer.dtype != torch.bfloat16
+    lw = LOAD_WARPS if load_warps is None else load_warps
+    if fp8 and lw < 4:
+        raise ValueError(f"mla_decode_ws_fwd: an FP8 pool needs >= 4 producer warps (a 64-row "
+                         f"tile held in registers), got {lw}")
     if bs == 0:
         return
     groups = triton.cdiv(num_heads, HEADS_PER_PROG)
@@ -441,7 +456,6 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
     mnr = maxnreg if maxnreg is not None else default_maxnreg(nb)
     if mnr is not None:
         opts["maxnreg"] = mnr
-    fp8 = k_buffer.dtype != torch.bfloat16
     _mla_decode_ws_kernel[(bs, max_kv_splits, groups)](
         q, k_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
         attn_logits, attn_lse, sm_scale * k_scale * 1.4426950408889634, v_scale, num_heads,
@@ -450,7 +464,7 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
         attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2),
         MAX_KV_SPLITS=max_kv_splits, BLOCK_N=bn,
         NUM_BUFS=nb,
-        LOAD_WARPS=LOAD_WARPS if load_warps is None else load_warps,
+        LOAD_WARPS=lw,
         LOAD_REGS=load_regs_for(k_buffer.dtype) if load_regs is None else load_regs,
         HB=HEADS_PER_PROG, D_MAIN=D_MAIN, D_ROPE=D_ROPE, KV_FP8=fp8, num_warps=4, **opts,
     )

@@ -198,11 +198,22 @@ def split_head_dim(lq: int) -> tuple[int, int]:
     return main, tail
 
 
-def extend_block_sizes(lq: int, device: torch.device,
-                       dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for a QK head dim `lq` and input dtype on `device`.
+# BLOCK_M of the wide-head (MLA absorbed, lq > 256) extend over an FP8 pool on sm_90+, or None for
+# the 16-bit pool's 32. Compiled for sm_90 on the CPU (2026-12-02, triton 3.6; bf16 q, 8 warps,
+# BLOCK_N 64): the e4m3 / e5m2 pool variant spills 932 bytes per thread at BLOCK_M 32 (the bf16
+# pool's: 80) and none at 16 (238 registers). Not yet timed on a GPU, so not the default:
+# `benchmarks/bench_extend_attention.py --kv-dtype fp8_e4m3 --fp8-block-m 16` compares them.
+FP8_POOL_WIDE_BLOCK_M: int | None = None
 
-    CUDA follows SGLang's tuned values: sm90+ (128, 64) for lq <= 256, (32, 64) above (MLA 576);
+
+def extend_block_sizes(lq: int, device: torch.device,
+                       dtype: torch.dtype = torch.bfloat16,
+                       pool_dtype: torch.dtype | None = None) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a QK head dim `lq`, input dtype and pool dtype (None:
+    no pool, or a 16-bit one) on `device`.
+
+    CUDA follows SGLang's tuned values: sm90+ (128, 64) for lq <= 256, (32, 64) above (MLA 576;
+    BLOCK_M `FP8_POOL_WIDE_BLOCK_M` instead when set and the pool is FP8);
     sm80 (128, 128) for lq <= 128, (64, 64) for lq <= 256, (32, 64) above; other archs (64, 64) /
     (32, 32). 8 warps when lq > 64, else 4. Non-CUDA (the triton interpreter): small blocks,
     (32, 16) for lq <= 256, (16, 16) above, so tests reach block boundaries cheaply. fp32 inputs
@@ -216,6 +227,9 @@ def extend_block_sizes(lq: int, device: torch.device,
     major, minor = torch.cuda.get_device_capability(device)
     if major >= 9:
         bm, bn = (128, 64) if lq <= 256 else (32, 64)
+        if (lq > 256 and FP8_POOL_WIDE_BLOCK_M is not None
+                and pool_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)):
+            bm = FP8_POOL_WIDE_BLOCK_M
     elif (major, minor) == (8, 0):
         bm, bn = (128, 128) if lq <= 128 else (64, 64) if lq <= 256 else (32, 64)
     else:
@@ -293,7 +307,8 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     block_d, block_dpe = split_head_dim(lq)
     has_pe = block_dpe > 0
     block_dv = max(16, triton.next_power_of_2(lv))
-    block_m, block_n, num_warps = extend_block_sizes(lq, q_extend.device, q_extend.dtype)
+    block_m, block_n, num_warps = extend_block_sizes(
+        lq, q_extend.device, q_extend.dtype, k_buffer.dtype if has_prefix else None)
     kb = k_buffer if has_prefix else k_extend  # dummies: never dereferenced without a prefix
     vb = v_buffer if has_prefix else v_extend
     grid = (bs, h, triton.cdiv(max_extend_len, block_m))

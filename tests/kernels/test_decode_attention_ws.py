@@ -248,7 +248,7 @@ def test_gpu_big_pool_slots_near_the_end(pool_dtype):
     try:
         k_buffer = torch.empty(num_slots, 1, LK, dtype=pool_dtype, device="cuda")
     except torch.cuda.OutOfMemoryError:
-        pytest.skip("not enough GPU memory for a 4.8 GB pool")
+        pytest.skip("not enough GPU memory for the pool (4.8 GB bf16, 2.4 GB e4m3)")
     g = torch.Generator().manual_seed(38)
     lens = [300, 77, 1, 1500]
     total = sum(lens)
@@ -326,30 +326,25 @@ def test_gpu_fp8_pool_against_dequantized_reference(pool_dtype):
     NaN in every slot that must not be read."""
     for heads, nks, max_splits in ((16, [16] * len(BOUNDARY_LENS), 16), (20, None, 4)):
         case, ref = fp8_case(BOUNDARY_LENS, pool_dtype, 0.37, 2.5, heads=heads, seed=40 + heads)
-        out, _ = run_ws_scaled(case, nks, max_splits, 0.37, 2.5)
+        out, _ = run_ws(case, nks, max_splits, k_scale=0.37, v_scale=2.5)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out.float().cpu(), expected(ref), atol=BF16_ATOL,
                                    rtol=BF16_RTOL)
     # the scales matter: a unit v_scale is off by 2.5x
-    out, _ = run_ws_scaled(case, None, 4, 0.37, 1.0)
+    out, _ = run_ws(case, None, 4, k_scale=0.37, v_scale=1.0)
     assert not torch.allclose(out.float().cpu(), expected(ref), atol=0.1, rtol=0.1)
 
 
-def run_ws_scaled(case: Case, num_kv_splits, max_kv_splits: int, k_scale: float,
-                  v_scale: float):
-    bs, num_heads, _ = case.q.shape
-    dev = case.q.device
-    if num_kv_splits is None:
-        num_kv_splits = ws.ws_num_kv_splits(case.seq_lens, max_kv_splits, 132)
-    else:
-        num_kv_splits = torch.tensor(num_kv_splits, dtype=torch.int32, device=dev)
-    o = torch.full((bs, num_heads, LV), 7.0, dtype=case.q.dtype, device=dev)
-    logits = torch.full((bs, num_heads, max_kv_splits, LV), float("nan"), device=dev)
-    lse = torch.full((bs, num_heads, max_kv_splits), float("nan"), device=dev)
-    ws.mla_decode_ws_fwd(case.q, case.k_buffer, o, case.req_to_token, case.req_pool_indices,
-                         case.seq_lens, num_kv_splits, max_kv_splits, logits, lse,
-                         case.sm_scale, k_scale, v_scale)
-    return o, lse
+@gpu
+@needs_sm90
+def test_gpu_fp8_pool_refusals():
+    """An fp16 q over an FP8 pool is not the ws kernel's (ws_supported False); fewer than 4
+    producer warps with an FP8 pool is a ValueError."""
+    case, _ = fp8_case([5, 70], torch.float8_e4m3fn, 1.0, 1.0, seed=42)
+    assert ws.ws_supported(case.q, case.k_buffer)
+    assert not ws.ws_supported(case.q.half(), case.k_buffer)
+    with pytest.raises(ValueError, match="producer warps"):
+        run_ws(case, None, 4, load_warps=1)
 
 
 @gpu
@@ -357,13 +352,13 @@ def run_ws_scaled(case: Case, num_kv_splits, max_kv_splits: int, k_scale: float,
 def test_gpu_fp8_pool_dispatch_and_triton_path_agree(monkeypatch):
     """decode_attention_fwd hands an MLA FP8 pool at bs >= WS_MLA_MIN_BS to the ws kernel (one
     call counted) and, with the switch off, to the converting triton kernel: both equal the
-    dequantized reference, and each other."""
+    dequantized reference (distinct k and v scales, so a swap would show), and each other."""
     import mla_kernels.decode_attention as da
     from mla_kernels.decode_attention import decode_attention_fwd, get_num_kv_splits
 
     g = torch.Generator().manual_seed(41)
     lens = torch.randint(0, 3000, (max(da.WS_MLA_MIN_BS, 24),), generator=g).tolist()
-    case, ref = fp8_case(lens, torch.float8_e4m3fn, 0.37, 0.37, seed=41)
+    case, ref = fp8_case(lens, torch.float8_e4m3fn, 0.37, 2.5, seed=41)
     calls = []
     real = ws.mla_decode_ws_fwd
     monkeypatch.setattr(ws, "mla_decode_ws_fwd",
@@ -377,7 +372,7 @@ def test_gpu_fp8_pool_dispatch_and_triton_path_agree(monkeypatch):
         decode_attention_fwd(case.q, case.k_buffer, case.v_buffer, o, case.req_to_token,
                              case.req_pool_indices, case.seq_lens, nks, 16,
                              torch.empty(bs, 16, 16, LV, device="cuda"),
-                             torch.empty(bs, 16, 16, device="cuda"), case.sm_scale, 0.37, 0.37)
+                             torch.empty(bs, 16, 16, device="cuda"), case.sm_scale, 0.37, 2.5)
         torch.testing.assert_close(o.float().cpu(), expected(ref), atol=BF16_ATOL,
                                    rtol=BF16_RTOL)
         outs.append(o.float())

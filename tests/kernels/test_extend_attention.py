@@ -249,3 +249,21 @@ def test_extend_attention_big_pool_gpu(mla):
     check(c)
     del c
     torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_pool_wide_block_m_override(monkeypatch):
+    """FP8_POOL_WIDE_BLOCK_M replaces BLOCK_M only for wide heads over an FP8 pool on sm_90+."""
+    import mla_kernels.extend_attention as ea
+
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev)[0] < 9:
+        pytest.skip("the override is for sm_90+")
+    base = extend_block_sizes(576, dev)
+    assert extend_block_sizes(576, dev, torch.bfloat16, torch.float8_e4m3fn) == base
+    monkeypatch.setattr(ea, "FP8_POOL_WIDE_BLOCK_M", 16)
+    assert extend_block_sizes(576, dev, torch.bfloat16, torch.float8_e4m3fn) == (16,) + base[1:]
+    assert extend_block_sizes(576, dev, torch.bfloat16, torch.float8_e5m2)[0] == 16
+    assert extend_block_sizes(576, dev, torch.bfloat16, torch.bfloat16) == base
+    assert extend_block_sizes(192, dev, torch.bfloat16, torch.float8_e4m3fn)[0] != 16

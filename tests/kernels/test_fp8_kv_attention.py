@@ -37,12 +37,9 @@ def _pool(n_slots, hkv, lk, lv, mla, dtype, k_scale, v_scale, g):
     return k, quantize_fp8(torch.randn(n_slots, hkv, lv, generator=g) * 3, v_scale, dtype)
 
 
-@pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("h,hkv,lk,lv,mla", LAYOUTS)
-def test_decode_reads_fp8_pool(dtype, h, hkv, lk, lv, mla):
-    g = torch.Generator().manual_seed(1)
-    k_scale, v_scale = (0.37, 0.37) if mla else (0.37, 2.5)
-    seq_lens = [1, 33, 70]
+def _decode_pool(seq_lens, hkv, lk, lv, mla, dtype, k_scale, v_scale, g):
+    """(k_buf, v_buf, req_to_token [4, 80], rows [bs]): an fp8 pool (`_pool`) with 5 spare
+    slots and the requests' tokens on shuffled slots, in rows 2, 0, 3."""
     n_slots = sum(seq_lens) + 5
     k_buf, v_buf = _pool(n_slots, hkv, lk, lv, mla, dtype, k_scale, v_scale, g)
     perm = torch.randperm(n_slots - 1, generator=g) + 1
@@ -52,6 +49,17 @@ def test_decode_reads_fp8_pool(dtype, h, hkv, lk, lv, mla):
     for r, n in zip(rows.tolist(), seq_lens):
         req_to_token[r, :n] = perm[off:off + n].to(torch.int32)
         off += n
+    return k_buf, v_buf, req_to_token, rows
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("h,hkv,lk,lv,mla", LAYOUTS)
+def test_decode_reads_fp8_pool(dtype, h, hkv, lk, lv, mla):
+    g = torch.Generator().manual_seed(1)
+    k_scale, v_scale = (0.37, 0.37) if mla else (0.37, 2.5)
+    seq_lens = [1, 33, 70]
+    k_buf, v_buf, req_to_token, rows = _decode_pool(seq_lens, hkv, lk, lv, mla, dtype, k_scale,
+                                                    v_scale, g)
     bs = len(seq_lens)
     q = torch.randn(bs, h, lk, generator=g)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
@@ -113,3 +121,33 @@ def test_extend_reads_fp8_prefix(dtype, h, hkv, lk, lv, mla):
     o2 = torch.empty_like(o)
     extend_attention_fwd(q, k, v, o2, k_buf, v_buf, *args)  # scales ignored: noticeably off
     assert (o2 - ref).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("h,hkv,lk,lv,mla", LAYOUTS)
+def test_bf16_q_over_fp8_pool_runs_the_products_in_fp16(h, hkv, lk, lv, mla):
+    """A bf16 q over an e4m3 pool: decode rounds q to fp16 (`decode_attention.mma_operand`,
+    saturating: a q element of 1e6 acts as 65504, where bf16 -> fp16 without saturation would
+    give inf and NaN outputs) and converts the tiles to fp16. Against the reference on the
+    dequantized pool with that clamped q; bf16-level tolerance (p is rounded to 16 bits before
+    P·V). (The extend kernel's prefix phase does the same, but its phase 2 multiplies bf16
+    tiles, which triton's interpreter computes wrongly — errors of ~1e8 with a bf16 pool too —
+    so that path is checked on the GPU, `tests/model_executor/test_fp8_gpu.py`.)"""
+    g = torch.Generator().manual_seed(3)
+    dtype, k_scale, v_scale = torch.float8_e4m3fn, 0.37, (0.37 if mla else 2.5)
+    seq_lens = [1, 33, 70]
+    k_buf, v_buf, req_to_token, rows = _decode_pool(seq_lens, hkv, lk, lv, mla, dtype, k_scale,
+                                                    v_scale, g)
+    kd, vd = k_buf.float() * k_scale, v_buf.float() * v_scale
+    bs = len(seq_lens)
+    q = torch.randn(bs, h, lk, generator=g).to(torch.bfloat16)
+    q[1, 0, 3] = 1e6  # beyond fp16: saturated
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    splits = get_num_kv_splits(seq, num_head_programs(h, hkv, lv), 4, 8)
+    o = torch.full((bs, h, lv), float("nan"))
+    sm = lk ** -0.5
+    decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq, splits, 4,
+                         torch.empty(bs, h, 4, lv), torch.empty(bs, h, 4), sm, k_scale, v_scale)
+    ref = decode_attention_ref(q.float().clamp(-65504, 65504), kd, vd, req_to_token, rows, seq,
+                               sm)
+    assert torch.isfinite(o).all()
+    torch.testing.assert_close(o, ref, atol=2e-2, rtol=2e-2)
