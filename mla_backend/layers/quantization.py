@@ -430,7 +430,8 @@ def quantize_fp8_bmm_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def fp8_per_tensor_bmm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                        x_scale: torch.Tensor | None = None,
-                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                       out_dtype: torch.dtype | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """y[b] = (x quantized per tensor)[b] @ w[b] * x_scale * w_scale: the absorbed-MLA products
     (q_nope . w_kc, o . w_vc). On CUDA (float32/bf16/fp16 x, outside torch.compile): the triton
     `mla_kernels.bmm_fp8.bmm_fp8` (one amax launch when dynamic + one GEMM launch for all
@@ -441,25 +442,38 @@ def fp8_per_tensor_bmm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
         x: [B, M, K] float (any strides). w: [B, K, N] float8_e4m3fn, each w[b] column-major
             (`quantize_fp8_bmm_weight`). w_scale: float32 0-dim. x_scale: static 0-dim scale or
             None = dynamic, amax(|x|) / 448 over the whole x (one scale for every head; values
-            beyond +-448 * x_scale saturate, never NaN). out_dtype: default x's dtype.
+            beyond +-448 * x_scale saturate, never NaN). out_dtype: default x's dtype (out's
+            dtype when out is given).
+        out: optional [B, M, N] result of any strides (e.g. a view of the absorbed query's
+            columns, transposed to head-major): the triton kernel writes it directly, the
+            fallback copies into it.
     Returns:
-        [B, M, N] in out_dtype, fp32 accumulation. Reference: `mla_kernels.reference.bmm_fp8_ref`. On
-        CUDA the result is a transposed view of a contiguous [M, B, N] tensor (the engine's
-        next step transposes it to token-major rows, which is then free).
+        [B, M, N] in out_dtype, fp32 accumulation (`out` when given). Reference:
+        `mla_kernels.reference.bmm_fp8_ref`. On CUDA without `out` the result is a transposed
+        view of a contiguous [M, B, N] tensor (token-major rows).
+    Raises:
+        ValueError: out of the wrong shape.
     """
+    if out is not None:
+        if tuple(out.shape) != (x.shape[0], x.shape[1], w.shape[2]):
+            raise ValueError(f"fp8_per_tensor_bmm: out {tuple(out.shape)}, expected "
+                             f"{(x.shape[0], x.shape[1], w.shape[2])}")
+        out_dtype = out.dtype
     out_dtype = out_dtype or x.dtype
     if (x.is_cuda and x.dtype in _KERNEL_DTYPES and not torch.compiler.is_compiling()
             and out_dtype in _KERNEL_DTYPES):
         from mla_kernels.bmm_fp8 import bmm_fp8
 
         b, m, _ = x.shape
-        out = torch.empty(m, b, w.shape[2], dtype=out_dtype, device=x.device).transpose(0, 1)
+        if out is None:
+            out = torch.empty(m, b, w.shape[2], dtype=out_dtype, device=x.device).transpose(0, 1)
         return bmm_fp8(x.detach(), w, w_scale, x_scale, out=out)
     # x is quantized once for all heads (one scale); each head is then one FP8 GEMM.
     q, xs = quantize_fp8_per_tensor(x.detach(), x_scale)
     q = q.contiguous()  # row-major per head: the A operand `torch._scaled_mm` wants
-    return torch.stack([_fp8_scaled_mm(q[b], xs, w[b], w_scale, out_dtype)
-                        for b in range(x.shape[0])])
+    y = torch.stack([_fp8_scaled_mm(q[b], xs, w[b], w_scale, out_dtype)
+                     for b in range(x.shape[0])])
+    return y if out is None else out.copy_(y)
 
 
 class Fp8LinearMethod:

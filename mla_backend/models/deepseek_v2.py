@@ -361,25 +361,21 @@ class DeepseekV2Attention(nn.Module):
 
     def _absorb_into(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
                      out: torch.Tensor) -> None:
-        """out [T, H, N] <- x [T, H, K] x w [H, K, N]: at up to `BMM_GEMV_MAX_ROWS` token rows of
-        a 16-bit CUDA model the triton `bmm_gemv` writes straight into out (a strided view is
-        fine), else `_absorb_bmm` over [H, T, K] and a copy."""
-        if (w_scale is None and x.is_cuda and x.shape[0] <= BMM_GEMV_MAX_ROWS
+        """out [T, H, N] <- x [T, H, K] x w [H, K, N]: FP8 (w has a scale) `fp8_per_tensor_bmm`
+        writing out (a strided view is fine) as [H, T, N]; at up to `BMM_GEMV_MAX_ROWS` token
+        rows of a 16-bit CUDA model the triton `bmm_gemv` writes straight into out; else
+        torch.bmm over [H, T, K] and a copy."""
+        if w_scale is not None:
+            fp8_per_tensor_bmm(x.transpose(0, 1), w, w_scale, out=out.transpose(0, 1))
+            return
+        if (x.is_cuda and x.shape[0] <= BMM_GEMV_MAX_ROWS
                 and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
                 and not torch.compiler.is_compiling()):
             from mla_kernels.bmm_gemv import bmm_gemv
 
             bmm_gemv(x, w, out=out, static_weight=True)  # w_kc / w_vc: fixed after load
             return
-        out.copy_(self._absorb_bmm(x.transpose(0, 1), w, w_scale).transpose(0, 1))
-
-    @staticmethod
-    def _absorb_bmm(x: torch.Tensor, w: torch.Tensor,
-                    w_scale: torch.Tensor | None) -> torch.Tensor:
-        """[H, T, K] x [H, K, N] -> [H, T, N] in x's dtype: FP8 (w has a scale) or torch.bmm."""
-        if w_scale is None:
-            return torch.bmm(x, w)
-        return fp8_per_tensor_bmm(x, w, w_scale)
+        out.copy_(torch.bmm(x.transpose(0, 1), w).transpose(0, 1))
 
 
 class DeepseekV2DecoderLayer(nn.Module):

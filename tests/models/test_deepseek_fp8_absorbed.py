@@ -59,6 +59,23 @@ def test_fp8_bmm_matches_reference(shape):
     torch.testing.assert_close(yb.float(), ref, atol=0.05, rtol=0.02)
 
 
+def test_fp8_bmm_writes_a_strided_out():
+    """out= a head-major view of token-major storage with padding columns (as the absorbed
+    query's first kv_lora columns): the same values as without out, written in out's dtype,
+    the padding untouched; a wrong shape is a ValueError."""
+    h, m, k, n = 3, 5, 16, 24
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(h, m, k, generator=g)
+    w, ws = quantize_fp8_bmm_weight(torch.randn(h, k, n, generator=g) * 0.05)
+    store = torch.full((m, h, n + 8), 7.0, dtype=torch.bfloat16)
+    out = store[..., :n].transpose(0, 1)  # [h, m, n], strides (n + 8, h * (n + 8), 1)
+    assert fp8_per_tensor_bmm(x, w, ws, out=out) is out
+    torch.testing.assert_close(out.float(), fp8_per_tensor_bmm(x, w, ws).bfloat16().float())
+    assert (store[..., n:] == 7.0).all()
+    with pytest.raises(ValueError, match="expected"):
+        fp8_per_tensor_bmm(x, w, ws, out=torch.empty(h, m, n + 1))
+
+
 def test_fp8_bmm_saturates_never_nan():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 5, 16, generator=g)
