@@ -12,8 +12,9 @@ Sections (`--sections`):
   start early and wait at `griddepcontrol.wait`, and CUPTI counts that wait in its duration
   (on an H200 at bs 1: 8.45 ms of "kernel time" in a 2.96 ms step), so the durations only mean
   something without it; the step wall time printed is then the PDL-off step.
-- prefill: the kernels of an eager prefill of `--prefill-requests` x `--prompt` tokens, then a
-  cProfile (host side, Python functions by own and cumulative time) of a small prefill
+- prefill: the kernels of an eager prefill of `--prefill-requests` x `--prompt` tokens (in
+  chunks of `--prefill-chunk` tokens if given: the later chunks then extend a cached prefix),
+  then a cProfile (host side, Python functions by own and cumulative time) of a small prefill
   (`--small-prefill REQUESTS TOKENS`, default 4 x 94: the common case under load).
 - steps: `--num-requests` ShareGPT requests all at once (radix off, as bench_suite's throughput
   section), every step logged (mode, batch size, tokens, wall seconds), after a warm-up that
@@ -248,10 +249,13 @@ def print_kernel_tables(title: str, r: dict, top: int) -> None:
 
 def section_prefill(args, model_dir: str, vocab: int, res: dict) -> None:
     """Kernels of the prefill of `--prefill-requests` requests of `--prompt` tokens each (one
-    new token each; radix cache off; chunks as the engine's defaults)."""
+    new token each; radix cache off; chunks of `--prefill-chunk` tokens, default the engine's:
+    a chunk smaller than the batch makes the steps after the first extends with a cached
+    prefix, DeepSeek's absorbed path)."""
     from torch.profiler import ProfilerActivity, profile
 
-    eng = make_engine(model_dir, enable_radix_cache=False, disable_cuda_graph=True)
+    chunk = {} if args.prefill_chunk is None else {"chunked_prefill_size": args.prefill_chunk}
+    eng = make_engine(model_dir, enable_radix_cache=False, disable_cuda_graph=True, **chunk)
     gen = torch.Generator().manual_seed(7)
     run_requests(eng, [random_prompt(gen, args.prompt, vocab)] * 2, [1] * 2)  # warm-up
     prompts = [random_prompt(gen, args.prompt, vocab) for _ in range(args.prefill_requests)]
@@ -394,6 +398,8 @@ def main() -> None:
     ap.add_argument("--prefill-min-free-rows", type=int, default=1,
                     help="steps: the scheduler setting prefill_min_free_rows")
     ap.add_argument("--prefill-requests", type=int, default=16)
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prefill section: the engine's chunked_prefill_size (tokens)")
     ap.add_argument("--small-prefill", type=int, nargs=2, default=[4, 94],
                     metavar=("REQUESTS", "TOKENS"),
                     help="prefill: also cProfile an eager prefill of this many requests")
