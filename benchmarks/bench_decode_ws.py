@@ -1,13 +1,13 @@
 """MLA decode on an H200: the Gluon warp-specialized kernel vs the triton kernel, and its sweep.
 
 For MLA absorbed (16 heads, 576 / 512 with V a view of the key pool, bf16 or with --kv-dtype an
-FP8 pool, scattered slots: a random permutation) over batch sizes x context lengths, each config (`bench_decode_attention.
-Config`): checks `decode_attention_ws.mla_decode_ws_fwd` and the triton `decode_attention_fwd`
-against an fp32 reference on the first requests (max abs error), times both as the engine runs
-them (`bench_decode_attention.graph_time_ms`: CUDA-graph replays after an L2 flush, flush time
-subtracted) and prints a markdown table with µs, GB/s (KV rows + q + o + req_to_token bytes)
-and % of the device-to-device copy bandwidth measured in the same run. The triton kernel runs
-with its engine plan (`splits_per_request`); the ws kernel with its own plan
+FP8 pool, scattered slots: a random permutation) over batch sizes x context lengths, each config
+(`bench_decode_attention.Config`): checks `decode_attention_ws.mla_decode_ws_fwd` and the triton
+`decode_attention_fwd` against an fp32 reference on the first requests (max abs error), times both
+as the engine runs them (`bench_decode_attention.graph_time_ms`: CUDA-graph replays after an L2
+flush, flush time subtracted) and prints a markdown table with µs, GB/s (KV rows + q + o +
+req_to_token bytes) and % of the device-to-device copy bandwidth measured in the same run. The
+triton kernel runs with its engine plan (`splits_per_request`); the ws kernel with its own plan
 (`ws_splits_per_request`, --per-sm programs per SM) or --ws-splits N.
 
 Sweep: --bufs / --load-warps / --load-regs / --maxnreg / --per-sm take several values; every

@@ -53,7 +53,7 @@ def compile_setting(num_bufs: int, load_warps: int, load_regs: int, maxnreg: int
     fn = ws._mla_decode_ws_kernel
     constexprs = dict(MAX_KV_SPLITS=max_kv_splits, BLOCK_N=ws.BLOCK_N, NUM_BUFS=num_bufs,
                       LOAD_WARPS=load_warps, LOAD_REGS=load_regs, HB=ws.HEADS_PER_PROG,
-                      D_MAIN=ws.D_MAIN, D_ROPE=ws.D_ROPE, KV_FP8=pool != "bf16")
+                      D_MAIN=ws.D_MAIN, D_ROPE=ws.D_ROPE)
     signature, consts, attrs = jit_signature(fn, dict(POINTERS, K=POOLS[pool]), constexprs,
                                              ("qk_scale", "v_scale"),
                                              ("stride_ls", "num_heads"))

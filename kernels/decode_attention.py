@@ -96,10 +96,11 @@ SMALL_BS_NUM_STAGES = 4
 SMALL_BS_DTYPES = (torch.bfloat16, torch.float16)
 # MLA (bf16 q, one latent KV head, 576 / 512, a bf16 or FP8 pool with v a view of k) at batches
 # of at least this many requests on sm_90 runs the warp-specialized Gluon kernel
-# (`decode_attention_ws`) instead: bf16 pool on the H200, bs 16 x 4096 37.1 vs 41.4 us, bs 16 x 32768 158.6 vs 214.9,
-# bs 64 x 4096 90.4 vs 114.4, bs 256 x 4096 299.5 vs 409.6 (docs/benchmarks.md, decode
-# attention, third round); e4m3 pool: bs 64 x 4096 85.6 vs 180.6, bs 256 x 4096 284.3 vs 595.0
-# (FP8, seventh look); smaller batches were not measured. None turns it off.
+# (`decode_attention_ws`) instead: bf16 pool on the H200, bs 16 x 4096 37.1 vs 41.4 us,
+# bs 16 x 32768 158.6 vs 214.9, bs 64 x 4096 90.4 vs 114.4, bs 256 x 4096 299.5 vs 409.6
+# (docs/benchmarks.md, decode attention, third round); e4m3 pool: bs 64 x 4096 85.6 vs 180.6,
+# bs 256 x 4096 284.3 vs 595.0 (FP8, seventh look); smaller batches were not measured. None
+# turns it off.
 WS_MLA_MIN_BS: int | None = 16
 # Largest number of fp32 accumulator elements (BLOCK_H x BLOCK_DV) a stage-1 program keeps.
 _MAX_ACC_ELEMS = 8192
@@ -189,8 +190,14 @@ def wide_plan(head_dim: int, kv_dtype: torch.dtype | None = None, bs: int | None
         return False
     if kv_dtype not in _FP8_DTYPES:
         return True
-    return (head_dim == 576 and bs is not None and WS_MLA_MIN_BS is not None
-            and bs >= WS_MLA_MIN_BS)
+    return head_dim == 576 and bs is not None and ws_batch(bs)
+
+
+def ws_batch(bs: int) -> bool:
+    """Whether a `bs`-request MLA decode is large enough for the warp-specialized kernel
+    (WS_MLA_MIN_BS; None: never): the dispatch of `decode_attention_fwd` and the plan of
+    `wide_plan` both ask this."""
+    return WS_MLA_MIN_BS is not None and bs >= WS_MLA_MIN_BS
 
 
 def transposed_path(bs: int, head_dim: int, kv_dtype: torch.dtype | None = None) -> bool:
@@ -498,7 +505,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          f"for bs {bs}, H {num_heads}, splits {max_kv_splits}, Lv {lv}")
     if bs == 0:
         return
-    if (WS_MLA_MIN_BS is not None and bs >= WS_MLA_MIN_BS and num_kv_heads == 1 and lv == 512
+    if (ws_batch(bs) and num_kv_heads == 1 and lv == 512
             and v_buffer.data_ptr() == k_buffer.data_ptr()
             and v_buffer.stride()[:2] == k_buffer.stride()[:2]):
         from .decode_attention_ws import mla_decode_ws_fwd, ws_supported

@@ -31,11 +31,13 @@ natural-log LSE [bs, H, splits]. Inside a program the warps are specialized
   MMAs (wgmma, M = 64 tokens, N = 16 heads) reading the tile and q^T (kept in shared memory for
   the whole program) from shared memory; online softmax over the token axis in fp32 (base-2
   exponent; the running sum is kept per token row and reduced once at the end); p^T stored to
-  shared memory in bf16 (fp16 for an FP8 pool); out^T [512, 16] += V^T · p^T as one async wgmma with V^T a transposed
-  view of the same shared kc tile. That P·V MMA is left in flight across the next tile's wait and
-  q·K issue; the consumer releases a tile (arrives on `empty`) as soon as its P·V has completed.
-- FP8 pool (`KV_FP8`): the producer is `_producer_convert` instead: it gathers the tile's
-  576-byte rows with 16-byte register loads before waiting for the buffer, converts them to fp16
+  shared memory in bf16 (fp16 for an FP8 pool); out^T [512, 16] += V^T · p^T as one async
+  wgmma with V^T a transposed view of the same shared kc tile. That P·V MMA is left in flight
+  across the next tile's wait and q·K issue; the consumer releases a tile (arrives on `empty`)
+  as soon as its P·V has completed.
+- FP8 pool (`KV_FP8`, from K's dtype): the producer is `_producer_convert` instead: it gathers
+  the tile's 576-byte rows with 16-byte register loads before waiting for the buffer, converts
+  them to fp16
   (one `cvt.rn.f16x2.e4m3x2` per pair; to bf16 would add a scalar conversion per value) and
   stores them into the same swizzled tiles, then fences and arrives once; q is rounded to fp16
   and every MMA runs in fp16; k_scale is folded into the softmax scale and v_scale into the
@@ -122,7 +124,9 @@ def _split_len(seq_len, n_splits, ALIGN: gl.constexpr):
 
 @gluon.jit
 def _fp16_saturated(x):
-    """x rounded to fp16, saturated at +-65504 (NaN stays NaN)."""
+    """x rounded to fp16, saturated at +-65504 (NaN stays NaN): `decode_attention.mma_operand`
+    for a bf16 q over an FP8 pool (written again: a Gluon kernel cannot call a triton-language
+    function)."""
     x = gl.maximum(x.to(gl.float32), -65504.0, propagate_nan=tl.PropagateNan.ALL)
     return gl.minimum(x, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(gl.float16)
 
@@ -279,8 +283,9 @@ def _mla_decode_ws_kernel(
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ls,
     MAX_KV_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, HB: gl.constexpr,
-    D_MAIN: gl.constexpr, D_ROPE: gl.constexpr, KV_FP8: gl.constexpr,
+    D_MAIN: gl.constexpr, D_ROPE: gl.constexpr,
 ):
+    KV_FP8: gl.constexpr = K.dtype.element_ty.is_fp8()  # the converting producer, fp16 MMAs
     gl.static_assert(BLOCK_N == 64, "wgmma M: 64 tokens per consumer warpgroup")
     gl.static_assert(D_MAIN % 64 == 0 and D_ROPE % 64 == 0, "64-column blocks")
     b = gl.program_id(0)
@@ -305,11 +310,7 @@ def _mla_decode_ws_kernel(
                      other=0.0)
         qpe = gl.load(Q + gl.expand_dims(q_row, 1) + gl.expand_dims(offs_dp, 0), mask=q_mask,
                       other=0.0)
-        # the MMA operand type: bf16 for a bf16 pool; fp16 for an FP8 one, whose values convert
-        # to fp16 in one instruction per pair (e4m3 / e5m2 -> fp16 is exact; -> bf16 goes
-        # through fp16 with a second, scalar conversion per value); q is then rounded to fp16
-        # (saturated at +-65504: bf16's 8-bit mantissa fits fp16's 10 bits, only values
-        # beyond fp16's range or below its normal range change)
+        # the MMA operand type: fp16 for an FP8 pool (its cheap conversion), else bf16
         MMA_DT: gl.constexpr = gl.float16 if KV_FP8 else gl.bfloat16
         if KV_FP8:
             qc = _fp16_saturated(qc)
@@ -347,7 +348,7 @@ def _mla_decode_ws_kernel(
         ], [LOAD_WARPS], [LOAD_REGS])
 
 
-POOL_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+POOL_DTYPES = (torch.bfloat16, *_da._FP8_DTYPES)
 
 
 def ws_supported(q: torch.Tensor, k_buffer: torch.Tensor) -> bool:
@@ -466,7 +467,7 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
         NUM_BUFS=nb,
         LOAD_WARPS=lw,
         LOAD_REGS=load_regs_for(k_buffer.dtype) if load_regs is None else load_regs,
-        HB=HEADS_PER_PROG, D_MAIN=D_MAIN, D_ROPE=D_ROPE, KV_FP8=fp8, num_warps=4, **opts,
+        HB=HEADS_PER_PROG, D_MAIN=D_MAIN, D_ROPE=D_ROPE, num_warps=4, **opts,
     )
     _da._merge_splits_kernel[(bs, num_heads)](
         attn_logits, attn_lse, o, seq_lens, num_kv_splits,

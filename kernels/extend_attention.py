@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import mma_operand
+from .decode_attention import _FP8_DTYPES, mma_operand
 
 
 @triton.jit
@@ -228,7 +228,7 @@ def extend_block_sizes(lq: int, device: torch.device,
     if major >= 9:
         bm, bn = (128, 64) if lq <= 256 else (32, 64)
         if (lq > 256 and FP8_POOL_WIDE_BLOCK_M is not None
-                and pool_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)):
+                and pool_dtype in _FP8_DTYPES):
             bm = FP8_POOL_WIDE_BLOCK_M
     elif (major, minor) == (8, 0):
         bm, bn = (128, 128) if lq <= 128 else (64, 64) if lq <= 256 else (32, 64)

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_quant import check_per_token_pair
 from .pdl import launch_options, pdl_trigger, pdl_wait, use_pdl
 
 
@@ -130,12 +131,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     fp8 = x.dtype == torch.float8_e4m3fn
     if fp8:
-        if (weight.dtype != x.dtype or x_scale is None or w_scale is None
-                or x_scale.dtype != torch.float32 or w_scale.dtype != torch.float32 or tuple(x_scale.shape) != (t, 1)
-                or w_scale.numel() != n or not w_scale.is_contiguous()
-                or not x_scale.is_contiguous()):
-            raise ValueError(f"FP8 gemv needs an e4m3 weight and float32 x_scale [{t}, 1] and "
-                             f"w_scale [1, {n}] (contiguous)")
+        if x_scale is None:
+            raise ValueError(f"FP8 gemv needs a float32 x_scale [{t}, 1]")
+        check_per_token_pair(x, x_scale, t, k, "FP8 gemv (x, x_scale)")
+        if (weight.dtype != x.dtype or w_scale is None or w_scale.dtype != torch.float32
+                or w_scale.numel() != n or not w_scale.is_contiguous()):
+            raise ValueError(f"FP8 gemv needs an e4m3 weight and a contiguous float32 w_scale "
+                             f"[1, {n}]")
         out_dtype = out_dtype or torch.bfloat16
     elif x_scale is not None or w_scale is not None or out_dtype is not None:
         raise ValueError("x_scale, w_scale and out_dtype are for FP8 x and weight only")

@@ -364,8 +364,8 @@ def fp8_per_token_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale_row: torch.Tens
 
 # Token rows up to which a CUDA dynamic FP8 linear runs as the triton FP8 `gemv` (a stream
 # of the fp8 weight, like the 16-bit linears' GEMV at GEMV_MAX_ROWS) instead of
-# `torch._scaled_mm`. Not yet timed on a GPU (the fourteenth session's bs-1 FP8 decode: 3.46
-# ms per step with _scaled_mm vs 2.17 in bf16 with the 16-bit GEMV; docs/benchmarks.md).
+# `torch._scaled_mm`: H200, V2-Lite bs-1 FP8 decode 2.90 ms per step with it vs 3.46 with
+# _scaled_mm (docs/benchmarks.md, FP8, sixth and seventh looks). Wider batches not measured.
 FP8_GEMV_MAX_ROWS = 1
 
 

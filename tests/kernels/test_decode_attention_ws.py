@@ -311,12 +311,6 @@ def test_fp8_pool_compiles_for_sm90_as_designed():
         assert float(r[6]) <= 113 and int(r[4]) <= 128, r
 
 
-def test_load_regs_follow_the_pool_dtype():
-    assert ws.load_regs_for(torch.bfloat16) == ws.LOAD_REGS
-    assert ws.load_regs_for(torch.float8_e4m3fn) == ws.LOAD_REGS_FP8
-    assert ws.load_regs_for(torch.float8_e5m2) == ws.LOAD_REGS_FP8
-
-
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("pool_dtype", FP8_POOLS)

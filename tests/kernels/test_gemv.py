@@ -200,8 +200,10 @@ def test_gemv_fp8_errors():
     xq, wq, xs, ws = _fp8_operands(1, 8, 32, 0)
     with pytest.raises(ValueError, match="x_scale"):
         gemv(xq, wq)  # no scales
-    with pytest.raises(ValueError, match="x_scale"):
+    with pytest.raises(ValueError, match="w_scale"):
         gemv(xq, wq, x_scale=xs, w_scale=ws[:, :4])
+    with pytest.raises(ValueError, match="x, x_scale"):
+        gemv(xq, wq, x_scale=xs.expand(1, 2), w_scale=ws)
     with pytest.raises(ValueError, match="FP8"):
         gemv(xq.float(), wq.float(), x_scale=xs, w_scale=ws)  # scales without FP8
     with pytest.raises(ValueError, match="e4m3 weight"):
