@@ -86,11 +86,51 @@ def _replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
 
 def graph_time_ms(fn, flush, rounds: int = 10, reps: int = 30) -> float:
     """Device time of one call of fn, ms, as the engine runs decode: replayed from a CUDA graph
-    (host launch time excluded), each call after an L2 flush (`flush`, a memset larger than the
-    cache), whose own time — a graph of the flushes alone — is subtracted."""
+    (host launch time excluded), each call after an L2 flush (`flush`, see `make_flush`),
+    whose own time — a graph of the flushes alone — is subtracted."""
     both = _replay_ms(_capture([flush, fn], rounds), reps)
     flush_only = _replay_ms(_capture([flush], rounds), reps)
     return max(both - flush_only, 1e-6) / rounds
+
+
+# L2 flushes over 256 MB (> the H200's L2). "read" (the default since 2026-12-02): a sum, which
+# leaves the cache full of clean lines, as in a decode step, where the kernels before attention
+# mostly read weights. "write" (the earlier rounds' flush): a memset, which leaves up to an
+# L2 of dirty lines that the timed kernel then has to write back to HBM: bs 64 x 4096 MLA
+# decode measured 90.0 us after it vs 85.3 us after "read" (H200, docs/benchmarks.md).
+FLUSHES = ("read", "write")
+
+
+def make_flush(kind: str = "read"):
+    """The flush function `graph_time_ms` takes: kind in FLUSHES. Allocates 256 MB on the GPU.
+
+    Raises:
+        ValueError: an unknown kind.
+    """
+    if kind not in FLUSHES:
+        raise ValueError(f"flush kind must be one of {FLUSHES}, got {kind!r}")
+    buf = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.float32, device="cuda").normal_()
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    if kind == "write":
+        return buf.zero_
+    return lambda: torch.sum(buf, dim=0, out=sink)
+
+
+def profile_kernels(fn, flush, rounds: int = 10) -> str:
+    """Mean device time per call of each kernel that fn launches, from torch.profiler (CUPTI)
+    over one replay of a CUDA graph of `rounds` x [flush, fn], as "name us, ..." (the flush's
+    kernels listed too)."""
+    graph = _capture([flush, fn], rounds)
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            times[ev.name] = times.get(ev.name, 0.0) + ev.device_time / rounds
+    return ", ".join(f"{name[:40]} {us:.1f}" for name, us in sorted(times.items()))
 
 
 def pool_bytes(layout: str, tokens: int) -> int:
@@ -223,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
                     help="pool dtype (auto: bf16, as the queries); FP8 pools count 1 byte per "
                          "value in GB/s")
+    ap.add_argument("--flush", default="read", choices=list(FLUSHES),
+                    help="L2 flush before each timed call (FLUSHES)")
     args = ap.parse_args(argv)
 
     if args.programs_per_sm is not None:
@@ -254,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
           f"triton {triton.__version__}; copy bandwidth {bw_copy:.0f} GB/s; "
           f"max_kv_splits {args.max_kv_splits}; stage 1: {da.STAGE1_NUM_WARPS} warps, "
           f"{da.STAGE1_NUM_STAGES} stages ({da.STAGE1_NUM_STAGES_WIDE} for MLA), "
-          f"K tile reuse for MLA V {da.REUSE_K_TILE_AS_V}; KV pool {args.kv_dtype}\n")
+          f"K tile reuse for MLA V {da.REUSE_K_TILE_AS_V}; KV pool {args.kv_dtype}; "
+          f"L2 flush {args.flush}\n")
     variants = args.variants or [""]
     base = {name: getattr(da, name) for name in (*_VARIANT_KEYS.values(), "_FP8_DTYPES")}
     label = "| variant " if args.variants else ""
@@ -302,11 +345,7 @@ def _apply_variant(spec: str) -> int | None:
 def run_configs(args, sm_count: int, bw_copy: float, warmup: int, rep: int, prefix: str,
                 fixed_splits: int | None) -> None:
     """Check and time every (layout, bs, ctx) of args with the module's current knobs."""
-    flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")  # > L2 (60 MB)
-
-    def flush() -> None:
-        flush_buf.zero_()
-
+    flush = make_flush(args.flush)
     for layout in args.layouts:
         for bs in args.batch_sizes:
             for ctx in args.contexts:

@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="pool dtype (auto = bf16; an FP8 pool holds N(0, 1) values, scale 1: "
                          "the ws kernel's converting producer, the triton kernel's FP8 path)")
     ap.add_argument("--n-check", type=int, default=4, help="requests checked against fp32")
+    ap.add_argument("--flush", default="read", choices=list(bda.FLUSHES),
+                    help="L2 flush before each timed call (bench_decode_attention.FLUSHES)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print each kernel's mean device time (torch.profiler) per row")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_ws: needs a CUDA GPU")
@@ -104,13 +108,12 @@ def main(argv: list[str] | None = None) -> None:
           f"load regs {ws.LOAD_REGS} (FP8 pool {ws.LOAD_REGS_FP8}); KV pool {args.kv_dtype}\n")
     variants = list(itertools.product(args.bufs, args.load_warps, args.load_regs, args.maxnreg,
                                       args.per_sm))
+    print(f"L2 flush: {args.flush}")
     print("| bufs,lw,lr,maxnreg,per_sm | bs | ctx | triton splits | triton err | triton us "
           "| triton % | ws splits | ws err | ws us | ws GB/s | ws % copy BW | speedup |")
     print("|---" * 13 + "|")
-    flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
-
-    def flush() -> None:
-        flush_buf.zero_()
+    flush = bda.make_flush(args.flush)
+    profiles: list[str] = []
 
     for bs in args.batch_sizes:
         for ctx in args.contexts:
@@ -146,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 err = cfg.max_abs_err(args.n_check, o=run.o)
                 ms = bda.graph_time_ms(run, flush)
+                if args.profile:
+                    profiles.append(f"{label} bs {bs} ctx {ctx}: "
+                                    + bda.profile_kernels(run, flush))
                 gbs = bytes_moved / (ms * 1e-3) / GB
                 speed = f"{t_us / (ms * 1e3):.2f}x" if t_us else "-"
                 print(f"| {label} | {bs} | {ctx} | {t_cols} | {run.nks[0].item()} | {err:.2e} "
@@ -153,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
                       flush=True)
             del cfg
             torch.cuda.empty_cache()
+    for line in profiles:
+        print(line)
 
 
 if __name__ == "__main__":

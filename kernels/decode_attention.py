@@ -423,8 +423,12 @@ def _merge_splits_kernel(
     MidO, MidLse, O, SeqLens, NumKvSplits,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh,
     Lv: tl.constexpr, MAX_KV_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SPLIT_ALIGN: tl.constexpr, USE_PDL: tl.constexpr = False,
+    SPLIT_ALIGN: tl.constexpr, SPLIT_BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    """o[b, h] = sum_s exp(lse_s - m) * part_s / sum_s exp(lse_s - m), m = max_s lse_s, over the
+    non-empty splits, SPLIT_BLOCK splits per step (the LSEs and partial outputs of a step are
+    loaded together; a plan with no more splits takes one step: one round of loads instead of
+    a dependent chain per split); 0 when there are none."""
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -435,23 +439,31 @@ def _merge_splits_kernel(
 
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < Lv
+    offs_s = tl.arange(0, SPLIT_BLOCK)
     mid = MidO + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
     lse_ptr = MidLse + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
-    m = tl.full([1], float("-inf"), dtype=tl.float32)
-    den = tl.zeros([1], dtype=tl.float32)
+    m = float("-inf")
+    den = 0.0
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for s in range(n_valid):
-        lse = tl.load(lse_ptr + s * stride_ls + tl.zeros([1], dtype=tl.int32))
-        part = tl.load(mid + s * stride_ms + offs_dv, mask=mask_dv, other=0.0)
-        m_new = tl.maximum(m, lse)
-        scale_old = tl.exp(m - m_new)
-        w = tl.exp(lse - m_new)
-        acc = acc * scale_old + w * part
-        den = den * scale_old + w
+    for s0 in range(0, n_valid, SPLIT_BLOCK):
+        live = s0 + offs_s < n_valid  # at least the first: m_new is finite
+        lse = tl.load(lse_ptr + (s0 + offs_s) * stride_ls, mask=live, other=float("-inf"))
+        part = tl.load(mid + (s0 + offs_s)[:, None] * stride_ms + offs_dv[None, :],
+                       mask=live[:, None] & mask_dv[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        scale_old = tl.exp(m - m_new)  # 0 on the first step
+        w = tl.exp(lse - m_new)  # 0 for the masked splits
+        acc = acc * scale_old + tl.sum(w[:, None] * part, axis=0)
+        den = den * scale_old + tl.sum(w, axis=0)
         m = m_new
     out = tl.where(den > 0, acc / tl.maximum(den, 1e-30), 0.0)
     o_ptr = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_dv
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_dv)
+
+
+def merge_split_block(max_kv_splits: int) -> int:
+    """Splits the merge kernel loads at once: all of them up to 8 (a power of two)."""
+    return min(8, triton.next_power_of_2(max(1, max_kv_splits)))
 
 
 def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -554,5 +566,6 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2), o.stride(0), o.stride(1),
         Lv=lv, MAX_KV_SPLITS=max_kv_splits, BLOCK_DV=block_dv, SPLIT_ALIGN=block_n,
+        SPLIT_BLOCK=merge_split_block(max_kv_splits),
         num_warps=4 if block_dv >= 256 else 2, num_stages=2, **launch_options(pdl),
     )

@@ -217,11 +217,38 @@ def _producer_convert(K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bar
 
 
 @gluon.jit
+def _load_q(Q, q_base, stride_qh, head0, num_heads, qc_smem, qpe_smem, HB: gl.constexpr):
+    """q of this program's heads -> the shared q tiles (zero rows for heads >= num_heads; an
+    FP8 pool's fp16 tiles get q rounded and saturated), by the consumer warpgroup while the
+    producer already gathers the first tile; ends with a warpgroup barrier."""
+    D_MAIN: gl.constexpr = qc_smem.type.shape[1]
+    D_ROPE: gl.constexpr = qpe_smem.type.shape[1]
+    q_lay: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    heads = head0 + gl.arange(0, HB, layout=gl.SliceLayout(1, q_lay))
+    q_row = q_base + heads.to(gl.int64) * stride_qh
+    q_mask = gl.expand_dims(heads < num_heads, 1)
+    offs_dc = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, q_lay))
+    offs_dp = D_MAIN + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, q_lay))
+    qc = gl.load(Q + gl.expand_dims(q_row, 1) + gl.expand_dims(offs_dc, 0), mask=q_mask,
+                 other=0.0)
+    qpe = gl.load(Q + gl.expand_dims(q_row, 1) + gl.expand_dims(offs_dp, 0), mask=q_mask,
+                  other=0.0)
+    if qc_smem.dtype == gl.float16:  # the MMA operand type of an FP8 pool (its cheap conversion)
+        qc = _fp16_saturated(qc)
+        qpe = _fp16_saturated(qpe)
+    qc_smem.store(qc)
+    qpe_smem.store(qpe)
+    fence_async_shared()  # these generic-proxy stores before the wgmma reads (async proxy)
+    gl.thread_barrier()  # every consumer thread's part of q before the first wgmma
+
+
+@gluon.jit
 def _consumer(kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bars,
               MidO, MidLse, start, end, n_tiles, qk_scale, v_scale, mid_base, lse_base, head0,
-              num_heads, stride_mh, stride_lh,
+              num_heads, stride_mh, stride_lh, Q, q_base, stride_qh,
               BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr, HB: gl.constexpr):
     D_MAIN: gl.constexpr = kc_bufs.type.shape[2]
+    _load_q(Q, q_base, stride_qh, head0, num_heads, qc_smem, qpe_smem, HB)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, HB, 16])
     col_l: gl.constexpr = gl.SliceLayout(0, mma)  # per head
@@ -298,27 +325,14 @@ def _mla_decode_ws_kernel(
     end = gl.minimum(start + per, seq_len)
     if (split < n_splits) & (start < end):
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
-        # q of this program's heads -> shared memory (zero rows for heads >= num_heads)
-        q_lay: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        offs_h = gl.arange(0, HB, layout=gl.SliceLayout(1, q_lay))
-        heads = head0 + offs_h
-        q_row = b.to(gl.int64) * stride_qb + heads.to(gl.int64) * stride_qh
-        q_mask = gl.expand_dims(heads < num_heads, 1)
-        offs_dc = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, q_lay))
-        offs_dp = D_MAIN + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, q_lay))
-        qc = gl.load(Q + gl.expand_dims(q_row, 1) + gl.expand_dims(offs_dc, 0), mask=q_mask,
-                     other=0.0)
-        qpe = gl.load(Q + gl.expand_dims(q_row, 1) + gl.expand_dims(offs_dp, 0), mask=q_mask,
-                      other=0.0)
         # the MMA operand type: fp16 for an FP8 pool (its cheap conversion), else bf16
         MMA_DT: gl.constexpr = gl.float16 if KV_FP8 else gl.bfloat16
-        if KV_FP8:
-            qc = _fp16_saturated(qc)
-            qpe = _fp16_saturated(qpe)
         sw128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                    rank=2)
-        qc_smem = gl.allocate_shared_memory(MMA_DT, [HB, D_MAIN], sw128, qc)
-        qpe_smem = gl.allocate_shared_memory(MMA_DT, [HB, D_ROPE], sw128, qpe)
+        # q's tiles, filled by the consumer (`_load_q`) so that the producer's first gather
+        # does not wait for q's load
+        qc_smem = gl.allocate_shared_memory(MMA_DT, [HB, D_MAIN], sw128)
+        qpe_smem = gl.allocate_shared_memory(MMA_DT, [HB, D_ROPE], sw128)
         p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HB], MMA_DT)
         p_smem = gl.allocate_shared_memory(MMA_DT, [BLOCK_N, HB], p_lay)
         kc_bufs = gl.allocate_shared_memory(MMA_DT, [NUM_BUFS, BLOCK_N, D_MAIN], sw128)
@@ -331,7 +345,7 @@ def _mla_decode_ws_kernel(
         for i in gl.static_range(NUM_BUFS):
             mbarrier.init(full_bars.index(i), count=full_count)
             mbarrier.init(empty_bars.index(i), count=1)
-        fence_async_shared()  # q^T stores before the consumer's wgmma reads
+        fence_async_shared()  # the barrier inits before either partition uses them
 
         req_row = gl.load(ReqPoolIdx + b).to(gl.int64)
         r2t = ReqToToken + req_row * stride_r2t
@@ -340,8 +354,8 @@ def _mla_decode_ws_kernel(
         gl.warp_specialize([
             (_consumer, (kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bars,
                          MidO, MidLse, start, end, n_tiles, qk_scale, v_scale, mid_base,
-                         lse_base, head0, num_heads, stride_mh, stride_lh, BLOCK_N, NUM_BUFS,
-                         HB)),
+                         lse_base, head0, num_heads, stride_mh, stride_lh, Q,
+                         b.to(gl.int64) * stride_qb, stride_qh, BLOCK_N, NUM_BUFS, HB)),
             (_producer_convert if KV_FP8 else _producer,
              (K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bars, start, end, n_tiles,
               BLOCK_N, NUM_BUFS, LOAD_WARPS)),
@@ -474,5 +488,5 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2), o.stride(0), o.stride(1),
         Lv=LV, MAX_KV_SPLITS=max_kv_splits, BLOCK_DV=LV, SPLIT_ALIGN=bn,
-        num_warps=4, num_stages=2,
+        SPLIT_BLOCK=_da.merge_split_block(max_kv_splits), num_warps=4, num_stages=2,
     )

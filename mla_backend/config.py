@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 
-ATTENTION_BACKENDS = ("auto", "triton", "torch_native")
+ATTENTION_BACKENDS = ("auto", "triton", "torch_native", "flashinfer")
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATION_NAMES = ("", "fp8")  # = layers.quantization.QUANTIZATION_METHODS
 
@@ -95,7 +95,8 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    # "auto" (triton on CUDA, torch_native on CPU), "triton", "torch_native"
+    # "auto" (triton on CUDA, torch_native on CPU), "triton", "torch_native", "flashinfer"
+    # (optional: flashinfer-python installed by the user; CUDA, bf16 / fp16, no CUDA graphs)
     attention_backend: str = "auto"
     seed: int = 0  # seeds weight-independent randomness (sampling without a per-request seed)
     # CUDA graphs for decode (GPU + triton backend only): batch-size buckets 1, 2, 4, 8, then

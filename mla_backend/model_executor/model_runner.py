@@ -119,7 +119,7 @@ def create_attention_backend(name: str, device: torch.device) -> AttentionBacken
 
     Raises:
         ValueError: unknown name.
-        ImportError: the chosen backend's library (triton) is not installed.
+        ImportError: the chosen backend's library (triton, flashinfer) is not installed.
     """
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch_native"
@@ -131,6 +131,10 @@ def create_attention_backend(name: str, device: torch.device) -> AttentionBacken
         from mla_backend.layers.attention.triton_backend import TritonAttnBackend
 
         return TritonAttnBackend(device)
+    if name == "flashinfer":  # optional: flashinfer-python is imported by this module only
+        from mla_backend.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+        return FlashInferAttnBackend(device)
     raise ValueError(f"unknown attention backend {name!r}")
 
 
