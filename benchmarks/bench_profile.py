@@ -18,10 +18,11 @@ Sections (`--sections`):
   (`--small-prefill REQUESTS TOKENS`, default 4 x 94: the common case under load).
 - steps: `--num-requests` ShareGPT requests all at once (radix off, as bench_suite's throughput
   section), every step logged (mode, batch size, tokens, wall seconds), after a warm-up that
-  also runs an extend with a cached prefix (so that the kernels compiled at first use are not
-  timed in the run). Prints the time share (mean and longest step) of prefill steps and of
+  also runs an extend with a cached prefix where the context allows it (so that the kernels
+  compiled at first use are not timed in the run). Prints the time share (mean and longest step) of prefill steps and of
   decode steps by batch-size range (graph replay or eager), mean decode batch, and the output
-  tok/s of the run. `--graph-max-bs`, `--max-running` and
+  tok/s of the run, and the run's garbage collections (count, total and longest pause per
+  generation). `--graph-max-bs`, `--max-running` and
   `--prefill-min-free-rows` set the engine's graph limit, request rows and the scheduler's
   `prefill_min_free_rows`. `--window START COUNT` also profiles steps START .. START+COUNT-1 of
   the run (torch.profiler for the GPU's kernel time, cProfile for the host's Python functions):
@@ -36,6 +37,7 @@ Sections (`--sections`):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -51,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_suite as bs_  # noqa: E402
 from bench_suite import (log, make_engine, random_prompt, release, run_requests,  # noqa: E402
-                         run_sections, table)
+                         run_sections, table, warm_up)
 from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
 
 from mla_backend.tools.model_shapes import SHAPES, write_shape_model  # noqa: E402
@@ -297,6 +299,34 @@ def section_prefill(args, model_dir: str, vocab: int, res: dict) -> None:
         f"profiled), kernels {r['kernel_ms']:.1f} ms", r, args.top)
 
 
+class GcPauses:
+    """Context manager: every garbage collection inside it (gc.callbacks), as per-generation
+    count, total and longest pause (ms)."""
+
+    def __enter__(self) -> "GcPauses":
+        self.pauses: list[tuple[int, float]] = []
+        self._t0 = 0.0
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._cb)
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], 1000 * (time.perf_counter() - self._t0)))
+
+    def summary(self) -> dict[int, tuple[int, float, float]]:
+        """generation -> (collections, total ms, max ms)."""
+        out = {}
+        for g in (0, 1, 2):
+            ms = [d for gen, d in self.pauses if gen == g]
+            out[g] = (len(ms), sum(ms), max(ms, default=0.0))
+        return out
+
+
 def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
     pairs = load_length_pairs(args.lengths, args.num_requests, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -306,15 +336,14 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
                       max_running_requests=args.max_running,
                       prefill_min_free_rows=args.prefill_min_free_rows)
     graph_max = eng.runner.cuda_graph_runner.max_bs if eng.runner.cuda_graph_runner else 0
-    run_requests(eng, prompts[:16], [8] * 16)  # warm-up
+    warm_up(eng, prompts)
     # and an extend with a cached prefix (the absorbed path's kernels, compiled at first use):
-    # prompts of 3,000 tokens overflowing one prefill chunk, so the last one continues in a
-    # second step
+    # one prompt 1,000 tokens longer than a prefill chunk, so it continues in a second step
+    # (where the context allows it; otherwise no prompt is ever cut, so no run extends a prefix)
     chunk = eng.config.scheduler.chunked_prefill_size
-    if chunk > 0:
+    if 0 < chunk and chunk + 1000 + 2 <= eng.context_len:
         wgen = torch.Generator().manual_seed(1)
-        n = chunk // 3000 + 1
-        run_requests(eng, [random_prompt(wgen, 3000, vocab) for _ in range(n)], [2] * n)
+        run_requests(eng, [random_prompt(wgen, chunk + 1000, vocab)], [2])
     batches: list[tuple[str, int, int]] = []
     orig = eng.scheduler.get_next_batch
 
@@ -334,7 +363,8 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
             log_rows.append((*batches[-1], dt))
             batches.clear()
 
-    r = run_requests(eng, prompts, outs, on_step)
+    with GcPauses() as gcp:
+        r = run_requests(eng, prompts, outs, on_step)
     stats = eng.stats()
     del eng
     release()
@@ -370,6 +400,10 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
           f"mean decode batch {dec_rows / max(n_dec, 1):.0f}; graphs to bs {graph_max}; "
           f"retractions {stats.get('retractions', 0)}",
           ["steps", "count", "mean ms", "max ms", "seconds", "% of run", "tokens"], rows)
+    res["steps"]["gc"] = gcp.summary()
+    table(f"Garbage collections during the run ({gc.get_freeze_count():,} objects frozen)",
+          ["generation", "collections", "total ms", "max ms"],
+          [[g, n, tot, mx] for g, (n, tot, mx) in sorted(gcp.summary().items())])
     slow = sorted(range(len(log_rows)), key=lambda i: -log_rows[i][3])[:5]
     res["steps"]["slowest"] = [[i, *log_rows[i]] for i in slow]
     table("Slowest steps (position in the run's step log)",

@@ -28,6 +28,7 @@ process group.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -105,6 +106,8 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: "EngineCo
         init_tensor_parallel(rank, world_size, init_method, device=_rank_device(config, rank),
                              timeout=timedelta(seconds=timeout_s))
         runner = ModelRunner(config)
+        gc.collect()  # start-up objects out of every later full collection, as
+        gc.freeze()  # `engine.freeze_startup_objects` does for rank 0's process
         conn.send(("ready", rank))
     except BaseException:
         # Also on stderr at once: on CUDA, rank 0 may be blocked in a start-up collective (graph

@@ -9,6 +9,13 @@ Budget (SGLang v0.3, REFERENCE §2.4):
     rem_input = max_prefill_tokens;  rem_chunk = chunked_prefill_size (None: no chunking)
 A request needs extend + min(remaining max_new, 4096) < rem_total; admitting it locks its prefix
 node (moves tokens out of evictable, so rem_total shrinks by the lock's delta).
+
+One departure from SGLang v0.3: a request is cut to what is left of rem_chunk only when a
+chunk could not hold it whole anyway (or it would be the batch's first request). Otherwise it
+waits for the next batch, which it then leads. A request split across two batches makes the
+second one an extend over a cached prefix, and for DeepSeek's MLA a batch with any cached
+prefix runs absorbed for all of its tokens, slower than the decompressed prefill of
+prefix-free tokens (docs/benchmarks.md, "Whole requests per prefill batch").
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ class PrefillAdder:
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens: int | None = (chunked_prefill_size if chunked_prefill_size > 0
                                              else None)
+        self.chunk_size = self.rem_chunk_tokens  # the whole chunk (tokens), None: no chunking
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Req | None = None  # admitted truncated: its chunk is not its last
 
@@ -130,7 +138,8 @@ class PrefillAdder:
     def add_one_req(self, req: Req, ignore_reservation: bool = False) -> AddResult:
         """Try to admit a waiting request whose fill_ids/prefix_indices/last_node were just
         matched. On success its last_node is locked (kept until it finishes) and, if it had to
-        be truncated to the chunk budget, it becomes `new_chunked_req`.
+        be truncated to the chunk budget, it becomes `new_chunked_req`. Truncated only when
+        the batch is empty or a whole chunk could not hold it: otherwise OTHER (module doc).
 
         Args:
             ignore_reservation: admit even if the output reservation does not fit (used only
@@ -143,6 +152,9 @@ class PrefillAdder:
             return AddResult.NO_TOKEN
         if extend > self.rem_input_tokens and self.can_run_list:
             return AddResult.OTHER
+        if (self.can_run_list and self.rem_chunk_tokens is not None
+                and self.rem_chunk_tokens < extend <= self.chunk_size):
+            return AddResult.OTHER  # whole in the next batch rather than split (module doc)
         # Lock tentatively: locking the prefix takes its tokens out of the evictable budget.
         delta = self.tree_cache.inc_lock_ref(req.last_node)
         self.rem_total_tokens += delta

@@ -80,7 +80,8 @@ import torch
 import triton_python_backend_utils as pb_utils  # provided by the Python backend stub
 
 from mla_backend.config import EngineConfig
-from mla_backend.engine import Engine, EngineFailedError, InvalidRequestError
+from mla_backend.engine import (Engine, EngineFailedError, InvalidRequestError,
+                                freeze_startup_objects)
 from mla_backend.model_executor.model_runner import resolve_device
 from mla_backend.request import RequestOutput
 from mla_backend.serving.engine_process import EngineProcess
@@ -234,6 +235,8 @@ class TritonPythonModel:
             self._steps_may_start.set()
             self.engine.close()
             raise
+        if self._engine_process:  # the stub's own start-up objects (an Engine froze its own)
+            freeze_startup_objects()
         self._steps_may_start.set()
 
     def _start_serving(self, args: dict[str, str], config: EngineConfig, report_metrics: bool,

@@ -89,6 +89,25 @@ def test_chunked_prefill_masks_all_but_last_chunk(radix):
     assert sim.drained()
 
 
+@pytest.mark.parametrize("radix", [True, False])
+def test_a_request_that_fits_a_whole_chunk_is_not_split_across_batches(radix):
+    # chunk 8: a (5 tokens) leaves 3; b (6) would fit a chunk whole, so it waits and leads the
+    # next batch uncut; c (12) could never fit one chunk, so it is cut to what b leaves (2).
+    sim, (a, b, c) = sim_with([([1, 2, 3, 4, 5], 2), ([6, 7, 8, 9, 10, 11], 2),
+                               (list(range(20, 32)), 2)], radix=radix, chunk=8)
+    batches = run_all(sim)
+    extends = [bt for bt in batches if bt.forward_mode is ForwardMode.EXTEND]
+    assert [bt.reqs for bt in extends[:2]] == [[a], [b, c]]
+    assert extends[0].extend_lens == [5] and extends[0].prefix_lens == [0]
+    assert extends[1].extend_lens == [6, 2] and extends[1].prefix_lens == [0, 0]
+    assert extends[1].sample_mask == [True, False]
+    assert [bt.prefix_lens[0] for bt in extends[2:4]] == [2, 10]  # c's later chunks
+    for req, prompt in ((a, [1, 2, 3, 4, 5]), (b, [6, 7, 8, 9, 10, 11]),
+                        (c, list(range(20, 32)))):
+        assert req.output_ids == expected_output(prompt, 2)
+    assert sim.drained()
+
+
 def test_chunk_kv_is_held_by_the_radix_tree_between_chunks():
     prompt = list(range(1, 10))
     sim, (a,) = sim_with([(prompt, 1)], chunk=4)
