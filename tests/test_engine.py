@@ -205,3 +205,27 @@ def check_abort_mid_decode(eng: Engine, text: str) -> None:
 
 def test_abort_frees_slots(smollm2_dir):
     check_abort_mid_decode(make_engine(smollm2_dir, enable_radix_cache=False), "Tell me a story")
+
+
+def test_engines_freeze_startup_objects_and_release_earlier_garbage(llama_dir):
+    """`freeze_startup_objects`: everything alive after an engine's start-up is frozen (full
+    collections skip it), and the next engine's start-up unfreezes first, so cyclic garbage
+    that was frozen with the first engine is collected."""
+    import gc
+    import weakref
+
+    class Node:  # a reference cycle: only the cycle collector frees it
+        pass
+
+    cyc = Node()
+    cyc.self = cyc
+    gone = weakref.ref(cyc)
+    eng_a = make_engine(llama_dir)
+    assert gc.get_freeze_count() > 10_000  # imports, model, tokenizer
+    del cyc
+    gc.collect()
+    assert gone() is not None  # frozen: a full collection no longer looks at it
+    eng_b = make_engine(llama_dir)
+    assert gone() is None  # eng_b's start-up unfroze and collected it
+    assert gc.get_freeze_count() > 10_000
+    del eng_a, eng_b
