@@ -22,7 +22,8 @@ Sections (`--sections`):
   compiled at first use are not timed in the run). Prints the time share (mean and longest step) of prefill steps and of
   decode steps by batch-size range (graph replay or eager), mean decode batch, and the output
   tok/s of the run, and the run's garbage collections (count, total and longest pause per
-  generation). `--graph-max-bs`, `--max-running` and
+  generation; `--gc-unfreeze` undoes the engine's start-up `gc.freeze` first, to see what it
+  saves). `--graph-max-bs`, `--max-running` and
   `--prefill-min-free-rows` set the engine's graph limit, request rows and the scheduler's
   `prefill_min_free_rows`. `--window START COUNT` also profiles steps START .. START+COUNT-1 of
   the run (torch.profiler for the GPU's kernel time, cProfile for the host's Python functions):
@@ -336,6 +337,8 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
                       max_running_requests=args.max_running,
                       prefill_min_free_rows=args.prefill_min_free_rows)
     graph_max = eng.runner.cuda_graph_runner.max_bs if eng.runner.cuda_graph_runner else 0
+    if args.gc_unfreeze:  # undo `Engine.__init__`'s freeze: the pauses it saves, measured
+        gc.unfreeze()
     warm_up(eng, prompts)
     # and an extend with a cached prefix (the absorbed path's kernels, compiled at first use):
     # one prompt 1,000 tokens longer than a prefill chunk, so it continues in a second step
@@ -445,6 +448,9 @@ def main() -> None:
     ap.add_argument("--window", type=int, nargs=2, default=None, metavar=("START", "COUNT"),
                     help="steps: profile these steps of the run (GPU kernels and host)")
     ap.add_argument("--overlap-schedule", default="auto", choices=["auto", "true", "false"])
+    ap.add_argument("--gc-unfreeze", action="store_true",
+                    help="steps: undo the engine's gc.freeze of its start-up objects "
+                         "(engine.freeze_startup_objects) before the run")
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: smoke-test this script (with --shape-overrides)")

@@ -180,3 +180,24 @@ def test_rows_not_matching_out_cache_loc_is_an_error():
     case.fb.out_cache_loc = case.fb.out_cache_loc.flip(0)
     with pytest.raises(ValueError, match="out_cache_loc"):
         case.fb.attn_backend.init_forward_metadata(case.fb)
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_pool_free_preconditions_are_checked_alike(backend):
+    """`base.check_pool_free`, shared by every backend: a pool_free extend without v, or over a
+    request with a cached prefix, is refused before anything is computed or stored."""
+    from mla_backend.layers.attention.triton_backend import TritonAttnBackend
+
+    pool = MHATokenToKVPool(POOL_SIZE, torch.float32, 4, 12, 8, 1, "cpu")
+    layer = RadixAttention(4, 12, 0.2, 4, 0, v_head_dim=8, pool_free=True)
+    for prefix, drop_v, message in (([0, 0], True, "needs the new k and v"),
+                                    ([2, 0], False, "without a cached prefix")):
+        case = _build(pool, ForwardMode.EXTEND, prefix, [5, 3], 4, 12, 8, seed=7)
+        if backend == "triton":
+            case.fb.attn_backend = TritonAttnBackend(torch.device("cpu"))
+        case.fb.attn_backend.init_forward_metadata(case.fb)
+        before = pool.get_key_buffer(0).clone()
+        q = torch.randn(8, 4, 12, generator=torch.Generator().manual_seed(8))
+        with pytest.raises(ValueError, match=message):
+            layer(q, case.k_new, None if drop_v else case.v_new, case.fb)
+        assert torch.equal(pool.get_key_buffer(0), before)

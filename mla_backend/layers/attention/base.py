@@ -73,3 +73,18 @@ class AttentionBackend(ABC):
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
         """One new token per request over all of its cached tokens. Shapes as forward_extend."""
+
+
+def check_pool_free(k: torch.Tensor | None, v: torch.Tensor | None,
+                    forward_batch: "ForwardBatch") -> None:
+    """The preconditions of a `layer.pool_free` extend, which every backend checks the same way:
+    the new k and v are given (they are all the layer attends over) and no request has a cached
+    prefix (its tokens would be in the pool, which pool_free attention does not read).
+
+    Raises:
+        ValueError: k or v is None, or a request has a cached prefix.
+    """
+    if k is None or v is None:
+        raise ValueError("pool_free attention needs the new k and v")
+    if any(forward_batch.extend_prefix_lens_cpu):
+        raise ValueError("pool_free attention is only valid without a cached prefix")

@@ -53,7 +53,7 @@ except ImportError as exc:  # the message names the package; the cause says what
 
 from mla_kernels.store_kv import store_kv
 
-from mla_backend.layers.attention.base import AttentionBackend
+from mla_backend.layers.attention.base import AttentionBackend, check_pool_free
 
 if TYPE_CHECKING:
     from mla_backend.layers.radix_attention import RadixAttention
@@ -246,10 +246,7 @@ class FlashInferAttnBackend(AttentionBackend):
         """
         fb = forward_batch
         if layer.pool_free:
-            if k is None or v is None:
-                raise ValueError("pool_free attention needs the new k and v")
-            if any(fb.extend_prefix_lens_cpu):
-                raise ValueError("pool_free attention is only valid without a cached prefix")
+            check_pool_free(k, v, fb)
             self._check_dtypes(q, k)
             o = self._ragged(q, k, v, layer)
         else:

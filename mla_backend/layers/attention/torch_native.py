@@ -22,7 +22,7 @@ import torch
 
 from mla_kernels.reference import attention_ref
 
-from mla_backend.layers.attention.base import AttentionBackend
+from mla_backend.layers.attention.base import AttentionBackend, check_pool_free
 
 if TYPE_CHECKING:
     from mla_backend.layers.radix_attention import RadixAttention
@@ -73,8 +73,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                           dtype=q.dtype, device=q.device)
         starts = fb.extend_start_loc_cpu
         if layer.pool_free:
-            if k is None or v is None:
-                raise ValueError("pool_free attention needs the new k and v")
+            check_pool_free(k, v, fb)
             for start, n in zip(starts, fb.extend_seq_lens_cpu):
                 sl = slice(start, start + n)
                 out[sl] = attention_ref(q[sl], k[sl], v[sl], layer.scaling, 0).to(q.dtype)
@@ -106,7 +105,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         """See `AttentionBackend.forward_extend`. Returns [T, H * v_head_dim], dtype of q.
 
         Raises:
-            ValueError: seq_len != prefix + new tokens for a request; pool_free without k/v.
+            ValueError: seq_len != prefix + new tokens for a request; pool_free without k/v
+                or with a cached prefix.
         """
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mla_backend.layers.attention.base import AttentionBackend
+from mla_backend.layers.attention.base import AttentionBackend, check_pool_free
 from mla_kernels.decode_attention import (
     decode_attention_fwd,
     get_num_kv_splits,
@@ -169,8 +169,8 @@ class TritonAttnBackend(AttentionBackend):
         """See `AttentionBackend.forward_extend`. Returns [T, H * v_head_dim], dtype of q.
 
         Raises:
-            ValueError: k is None (the new tokens' keys are needed), or a pool_free layer with
-                a cached prefix.
+            ValueError: k is None (the new tokens' keys are needed), or a pool_free layer
+                without v or with a cached prefix.
         """
         fb = forward_batch
         if k is None:
@@ -181,8 +181,7 @@ class TritonAttnBackend(AttentionBackend):
         assert self._prefix_lens is not None and self._extend_lens is not None
         assert self._extend_start_loc is not None
         if layer.pool_free:
-            if any(fb.extend_prefix_lens_cpu):
-                raise ValueError("pool_free attention is only valid without a cached prefix")
+            check_pool_free(k, v, fb)
             k_buf = v_buf = None
         elif save_kv_cache:
             k_buf, v_buf = self._store(layer, fb, k, v)
