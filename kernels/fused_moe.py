@@ -21,8 +21,8 @@ pads each expert's run to a multiple of BLOCK_M with the sentinel T*k, so every 
 of `sorted_token_ids` belongs to one expert (`expert_ids`); `grouped_gemm` runs one program per
 (row block, column block) with tl.dot tiles, so each expert's weights are read once per column
 block for all its rows. GEMM2 writes y[row] = topk_weights[row] * (inter[row] @ w2[e]^T) [T*k, H]
-(rounded to x's dtype) and a torch sum over k gives out. About 20 small torch launches (the sort)
-plus three kernels.
+(rounded to x's dtype) and a torch sum over k gives out. Three small launches (the sort) plus
+three kernels.
 
 GEMV path (T*k <= GEMV_MAX_ROWS, decode). No sort: two kernels read each row's expert straight
 from topk_ids. `_gemv_gate_up_kernel`, grid (T*k, cdiv(I, BLOCK_N)): one row's BLOCK_N gate and up
@@ -50,7 +50,7 @@ the interpreter) and applies the scales: per expert and row once after the K loo
 BLOCK_K step (BLOCK_K divides the 128-column scale group). The GEMV kernels (in
 `fused_moe_gemv`) do the same with fp32 multiply + tl.sum. Twin: `reference.fused_experts_fp8_ref`.
 
-Nothing here reads device data on the host: the sort is torch device ops with buffers sized by the
+Nothing here reads device data on the host: the sort's kernels write buffers sized by the
 worst case (T*k + min(E, T*k) * (BLOCK_M - 1) rows), the sorted kernels read the used row count
 (`num_tokens_post_padded`) on the device and skip the blocks beyond it, and the GEMV kernels read
 topk_ids / topk_weights on the device. So a call with fixed shapes can be captured in a CUDA
@@ -130,16 +130,102 @@ def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(worst, block_m) * block_m
 
 
+# The sort's three kernels work on [rows, E_pad] one-hot tiles of int32: about this many elements
+# per program (E_pad = the expert count rounded up to a power of two, at least 16).
+_ALIGN_TILE_ELEMS = 8192
+
+
+# Row counts and lengths are not specialized (divisibility by 16, == 1): one compile per BLOCK_M
+# and E for every token count, so no new shape compiles inside a serving run.
+@triton.jit(do_not_specialize=["n"])
+def _align_count_kernel(ids_ptr, counts_ptr, n, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    """counts[pid, e] = how many of rows pid*BLOCK_R .. +BLOCK_R-1 go to expert e."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    ids = tl.load(ids_ptr + rows, mask=rows < n, other=-1)
+    experts = tl.arange(0, BLOCK_E)
+    hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [R, E]
+    tl.store(counts_ptr + pid * BLOCK_E + experts, tl.sum(hit, axis=0))
+
+
+@triton.jit(do_not_specialize=["n", "num_progs", "padded_len"])
+def _align_plan_kernel(counts_ptr, start_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n,
+                       num_progs, padded_len, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_P: tl.constexpr, PAD_J: tl.constexpr, BLOCK_B: tl.constexpr,
+                       BLOCK_FILL: tl.constexpr):
+    """One program. Turns the count table into each row block's first position per expert
+    (exclusive prefix over the row blocks, in place), then: each expert's padded start
+    (start_ptr [E_pad]), the used length (total_ptr [1]), the sentinel n at every position that
+    no row takes (the end of each expert's last block and everything past the used length) and
+    the expert of every BLOCK_M block (-1 past the used length)."""
+    experts = tl.arange(0, BLOCK_E)
+    progs = tl.arange(0, BLOCK_P)
+    count = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, num_progs, BLOCK_P):
+        p = p0 + progs
+        keep = (p < num_progs)[:, None]
+        ptrs = counts_ptr + p[:, None] * BLOCK_E + experts[None, :]
+        c = tl.load(ptrs, mask=keep, other=0)
+        tl.store(ptrs, tl.cumsum(c, axis=0) - c + count[None, :], mask=keep)
+        count += tl.sum(c, axis=0)
+    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)  # inclusive end of each expert's padded run
+    start = end - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(start_ptr + experts, start)
+    tl.store(total_ptr, total)
+    # Padding inside each expert's last block: positions start + count .. end - 1.
+    js = tl.arange(0, PAD_J)
+    for j0 in range(0, BLOCK_M, PAD_J):
+        pos = (start + count)[:, None] + (j0 + js)[None, :]  # [E, PAD_J]
+        tl.store(sorted_ptr + pos, tl.full([BLOCK_E, PAD_J], 0, tl.int32) + n,
+                 mask=pos < end[:, None])
+    fill = tl.arange(0, BLOCK_FILL)
+    for q0 in range(0, padded_len, BLOCK_FILL):
+        q = q0 + fill
+        tl.store(sorted_ptr + q, tl.full([BLOCK_FILL], 0, tl.int32) + n,
+                 mask=(q >= total) & (q < padded_len))
+    # Block b belongs to the first expert whose padded run ends after its start (empty experts,
+    # whose end equals the previous end, are passed over).
+    blocks = tl.arange(0, BLOCK_B)
+    num_blocks = padded_len // BLOCK_M
+    for b0 in range(0, num_blocks, BLOCK_B):
+        b = b0 + blocks
+        first = b * BLOCK_M
+        owner = tl.sum((end[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + b, tl.where(first < total, owner, -1), mask=b < num_blocks)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _align_scatter_kernel(ids_ptr, offsets_ptr, start_ptr, sorted_ptr, n,
+                          BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    """sorted[start[e] + offsets[pid, e] + rank] = row for each row of this program's block,
+    rank = the rows of expert e before it in the block (so rows keep their order)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    ids = tl.load(ids_ptr + rows, mask=rows < n, other=-1)
+    experts = tl.arange(0, BLOCK_E)
+    hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [R, E]
+    rank = tl.cumsum(hit, axis=0) - hit
+    base = tl.load(offsets_ptr + pid * BLOCK_E + experts) + tl.load(start_ptr + experts)
+    dest = tl.sum(hit * (rank + base[None, :]), axis=1)  # [R]
+    tl.store(sorted_ptr + dest, rows.to(tl.int32), mask=rows < n)
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the (token, slot) rows by expert, padding each expert's run to a multiple of block_m.
 
     Row r = t*k + j stands for topk_ids[t, j]. Experts appear in increasing order; within an
-    expert, rows keep their original order. Only torch device ops with output sizes fixed by the
-    shapes (no host reads), so the call can be captured in a CUDA graph.
+    expert, rows keep their original order. A counting sort in three triton launches, output
+    sizes fixed by the shapes and no host reads, so the call can be captured in a CUDA graph:
+    `_align_count_kernel` (per block of rows, how many go to each expert), `_align_plan_kernel`
+    (one program: prefix sums over blocks and experts, padding, `expert_ids`, the used length)
+    and `_align_scatter_kernel` (each row to its place). It replaces about 20 torch launches
+    (the form kept as `reference.moe_align_block_size_ref`, which gives the same tensors).
     Args:
-        topk_ids: [T, k] int32/int64 expert ids, each in [0, num_experts) (not checked: an id out
-            of range is a device-side index error).
+        topk_ids: [T, k] int32/int64 expert ids, each in [0, num_experts) (not checked: an id
+            out of range is dropped from the counts and its row's slot is never written).
         num_experts: E (>= 1).
         block_m: rows per block (>= 1).
     Returns:
@@ -158,31 +244,31 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
     if num_experts < 1 or block_m < 1:
         raise ValueError(f"need num_experts >= 1 and block_m >= 1, got {num_experts}, {block_m}")
     dev = topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64)  # [N], N = T*k
+    flat = topk_ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
     n = flat.numel()
     padded_len = max_padded_rows(n, num_experts, block_m)
-
-    # Per-expert counts by scatter_add (torch.bincount reads its max back to the host on CUDA).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
-    padded = torch.div(counts + (block_m - 1), block_m, rounding_mode="floor") * block_m
-    padded_end = torch.cumsum(padded, 0)  # [E] inclusive end of each expert's padded run
-    padded_start = padded_end - padded
-    count_start = torch.cumsum(counts, 0) - counts  # [E] start in the unpadded sorted order
-
-    sorted_expert, order = torch.sort(flat, stable=True)  # [N], [N]: rows grouped by expert
-    rank = torch.arange(n, device=dev) - count_start[sorted_expert]  # position within its expert
-    dest = padded_start[sorted_expert] + rank  # [N] position in sorted_token_ids
-    sorted_token_ids = torch.full((padded_len,), n, dtype=torch.int32, device=dev)
-    sorted_token_ids.scatter_(0, dest, order.to(torch.int32))
-
-    block_start = torch.arange(0, padded_len, block_m, device=dev)  # [P // block_m]
-    # Block b belongs to the first expert whose padded run ends after its start (empty experts,
-    # whose end equals the previous end, are passed over by right=True).
-    expert_ids = torch.searchsorted(padded_end, block_start, right=True)
-    total = padded_end[-1:]  # [1]
-    expert_ids = torch.where(block_start < total, expert_ids, -1).to(torch.int32)
-    return sorted_token_ids, expert_ids, total.to(torch.int32)
+    sorted_token_ids = torch.empty(padded_len, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(padded_len // block_m, dtype=torch.int32, device=dev)
+    total = torch.zeros(1, dtype=torch.int32, device=dev)
+    if n == 0:
+        return sorted_token_ids, expert_ids, total
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    block_r = max(16, min(1024, _ALIGN_TILE_ELEMS // block_e))
+    num_progs = triton.cdiv(n, block_r)
+    counts = torch.empty((num_progs, block_e), dtype=torch.int32, device=dev)
+    start = torch.empty(block_e, dtype=torch.int32, device=dev)
+    _align_count_kernel[(num_progs,)](flat, counts, n, BLOCK_R=block_r, BLOCK_E=block_e)
+    pad_m = triton.next_power_of_2(block_m)
+    _align_plan_kernel[(1,)](
+        counts, start, sorted_token_ids, expert_ids, total, n, num_progs, padded_len,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=max(1, _ALIGN_TILE_ELEMS // block_e),
+        PAD_J=min(pad_m, max(1, 2048 // block_e)), BLOCK_B=max(1, 4096 // block_e),
+        BLOCK_FILL=1024)
+    _align_scatter_kernel[(num_progs,)](flat, counts, start, sorted_token_ids, n,
+                                        BLOCK_R=block_r, BLOCK_E=block_e)
+    return sorted_token_ids, expert_ids, total
 
 
 @triton.jit

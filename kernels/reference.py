@@ -189,6 +189,34 @@ def mla_norm_rope_store_ref(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: 
     q_out.copy_(rotary_ref(q_pe, cos, sin, is_neox=False))
 
 
+def moe_align_block_size_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch twin of `fused_moe.moe_align_block_size` (same arguments, same three int32 tensors:
+    sorted_token_ids [P], expert_ids [P // block_m], num_tokens_post_padded [1]), built from a
+    stable sort. P = T*k + min(E, T*k) * (block_m - 1), rounded up to a multiple of block_m."""
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [N], N = T*k
+    n = flat.numel()
+    worst = n + min(num_experts, n) * (block_m - 1)
+    padded_len = -(-worst // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)  # [E] inclusive end of each expert's padded run
+    padded_start = padded_end - padded
+    count_start = torch.cumsum(counts, 0) - counts  # [E] start in the unpadded sorted order
+    sorted_expert, order = torch.sort(flat, stable=True)  # rows grouped by expert
+    rank = torch.arange(n, device=dev) - count_start[sorted_expert]  # position within its expert
+    sorted_token_ids = torch.full((padded_len,), n, dtype=torch.int32, device=dev)
+    sorted_token_ids[padded_start[sorted_expert] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, padded_len, block_m, device=dev)
+    # the first expert whose padded run ends after the block's start (empty experts passed over)
+    expert_ids = torch.searchsorted(padded_end, block_start, right=True)
+    total = padded_end[-1:] if n else torch.zeros(1, dtype=torch.int64, device=dev)
+    expert_ids = torch.where(block_start < total, expert_ids, -1).to(torch.int32)
+    return sorted_token_ids, expert_ids, total.to(torch.int32)
+
+
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """Routed SiLU-gated experts, one expert at a time, in float32 (float64 if x is float64).

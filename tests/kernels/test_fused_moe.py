@@ -28,7 +28,7 @@ from mla_kernels.fused_moe import (
     moe_align_block_size,
     use_gemv_path,
 )
-from mla_kernels.reference import fused_experts_ref
+from mla_kernels.reference import fused_experts_ref, moe_align_block_size_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -99,6 +99,30 @@ def test_align_invariants(t, k, e, block_m):
         # padding only at the end of an expert's run
         assert (block[:rows.numel()] == rows).all()
         prev_expert, prev_row = ex, int(rows[-1])
+
+
+@pytest.mark.parametrize("t,k,e,block_m", [(1, 1, 1, 16), (1, 6, 8, 16), (33, 3, 5, 7),
+                                           (64, 6, 64, 16), (300, 6, 64, 64), (97, 8, 256, 128),
+                                           (700, 2, 20, 1)])
+def test_align_kernel_equals_the_torch_twin(t, k, e, block_m):
+    """The three-launch triton sort gives exactly the tensors of the stable-sort torch form,
+    also with more rows than one program's block (several count / scatter programs: 300 x 6
+    rows at E 64 is 15 programs of 128 rows, 97 x 8 at E 256 is 25 of 32), every expert busy,
+    E 1, and a non-power-of-two E and block_m."""
+    g = torch.Generator().manual_seed(t + e + block_m)
+    ids = (torch.rand(t, k, generator=g) ** 2 * e).long().clamp_max(e - 1)
+    for dtype in (torch.int64, torch.int32):
+        got = moe_align_block_size(ids.to(device=DEV, dtype=dtype), e, block_m)
+        want = moe_align_block_size_ref(ids, e, block_m)
+        for g_, w_ in zip(got, want):
+            assert g_.dtype == w_.dtype == torch.int32
+            assert g_.cpu().tolist() == w_.tolist()
+
+
+def test_align_of_no_rows():
+    sorted_ids, expert_ids, used = moe_align_block_size(
+        torch.zeros(0, 6, dtype=torch.long, device=DEV), 64, 16)
+    assert sorted_ids.numel() == expert_ids.numel() == 0 and used.tolist() == [0]
 
 
 def test_align_rejects_bad_args():
