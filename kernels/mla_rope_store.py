@@ -1,5 +1,6 @@
 """Absorbed-MLA decode prologue in one triton kernel: latent RMSNorm, rope of k_pe and q_pe,
-and the store of the new latent row into the KV pool.
+and the store of the new latent row into the KV pool (16-bit, fp32 or FP8: an FP8 pool's row is
+quantized in the kernel with the layer's k scale).
 
 Owns `mla_norm_rope_store`; float32 twin `reference.mla_norm_rope_store_ref`. In the absorbed
 decode path of `models/deepseek_v2.py` these are otherwise three launches per layer (RMSNorm of
@@ -43,12 +44,21 @@ def _rope_pairs(x_ptr, cols, mask, cos, sin):
 
 
 @triton.jit
+def _to_pool(x, k_scale, out_ty: tl.constexpr, FP8_MAX: tl.constexpr):
+    """fp32 values in the pool's dtype: for an FP8 pool (FP8_MAX > 0) x / k_scale saturated to
+    +-FP8_MAX, as `memory_pool.quantize_fp8` does; else a plain cast."""
+    if FP8_MAX > 0:
+        x = tl.minimum(tl.maximum(x / k_scale, -FP8_MAX), FP8_MAX)
+    return x.to(out_ty)
+
+
+@triton.jit
 def _mla_norm_rope_store_kernel(
     KvA, NormW, QPe, Table, Loc, KBuf, QOut,
     stride_kvt, stride_qt, stride_qh, stride_tt, stride_ks, stride_qot, stride_qoh,
-    L, HALF, H, eps,
+    L, HALF, H, eps, k_scale,
     BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_trigger(USE_PDL)
     cols = tl.arange(0, BLOCK_L)
@@ -63,15 +73,16 @@ def _mla_norm_rope_store_kernel(
 
     c = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
     var = tl.sum(c * c, axis=0) / L
-    tl.store(dst + cols, (c * tl.math.rsqrt(var + eps) * w).to(out_ty), mask=mask)
+    tl.store(dst + cols, _to_pool(c * tl.math.rsqrt(var + eps) * w, k_scale, out_ty, FP8_MAX),
+             mask=mask)
 
     half = tl.arange(0, BLOCK_HALF)
     hmask = half < HALF
     cos = tl.load(Table + t * stride_tt + half, mask=hmask, other=0.0).to(tl.float32)
     sin = tl.load(Table + t * stride_tt + HALF + half, mask=hmask, other=0.0).to(tl.float32)
     o1, o2 = _rope_pairs(row + L, half, hmask, cos, sin)
-    tl.store(dst + L + 2 * half, o1.to(out_ty), mask=hmask)
-    tl.store(dst + L + 2 * half + 1, o2.to(out_ty), mask=hmask)
+    tl.store(dst + L + 2 * half, _to_pool(o1, k_scale, out_ty, FP8_MAX), mask=hmask)
+    tl.store(dst + L + 2 * half + 1, _to_pool(o2, k_scale, out_ty, FP8_MAX), mask=hmask)
 
     heads = tl.arange(0, BLOCK_H)
     qmask = (heads < H)[:, None] & hmask[None, :]
@@ -85,7 +96,7 @@ def _mla_norm_rope_store_kernel(
 
 def mla_norm_rope_store(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         q_pe: torch.Tensor, table: torch.Tensor, k_buffer: torch.Tensor,
-                        loc: torch.Tensor, q_out: torch.Tensor) -> None:
+                        loc: torch.Tensor, q_out: torch.Tensor, k_scale: float = 1.0) -> None:
     """Normalize and rotate T new latent rows into the pool and rotate the queries' rope part.
 
     Args:
@@ -96,12 +107,16 @@ def mla_norm_rope_store(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: floa
         q_pe: [T, H, R] rope part of the queries (strided views are fine; last dim contiguous).
         table: [T, R] fp32 cos ‖ sin rows of each token's position (row t for token t).
         k_buffer: [S, 1, L + R] the layer's latent pool buffer (written at rows `loc`, in its
-            dtype; a 16-bit or fp32 pool — an FP8 pool quantizes through its own store).
+            dtype: 16-bit, fp32, or FP8 (float8_e4m3fn / float8_e5m2), where the row is stored
+            as value / k_scale saturated to the format's largest finite value, as the pool's
+            own `set_kv_buffer` stores it).
         loc: [T] int64 slots (0 is the padding sink, may repeat; real slots distinct).
         q_out: [T, H, R] destination of the rotated q_pe (e.g. the rope columns of the absorbed
             query), last dim contiguous.
+        k_scale: the layer's k scale of an FP8 pool (> 0); ignored otherwise.
     Raises:
-        ValueError: shapes that do not match, an odd R, an FP8 pool, or a strided last dim.
+        ValueError: shapes that do not match, an odd R, a non-positive k_scale for an FP8
+            pool, or a strided last dim.
     """
     t = kv_a.shape[0]
     if kv_a.dim() != 2 or q_pe.dim() != 3 or q_pe.shape[0] != t:
@@ -117,8 +132,11 @@ def mla_norm_rope_store(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: floa
                          f"{tuple(norm_weight.shape)}, q_pe {tuple(q_pe.shape)}, table "
                          f"{tuple(table.shape)}, k_buffer {tuple(k_buffer.shape)}, loc "
                          f"{tuple(loc.shape)}, q_out {tuple(q_out.shape)}")
+    fp8_max = 0.0
     if k_buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise ValueError("mla_norm_rope_store: FP8 pools quantize through set_kv_buffer")
+        if not k_scale > 0:
+            raise ValueError(f"mla_norm_rope_store: k_scale must be > 0, got {k_scale}")
+        fp8_max = float(torch.finfo(k_buffer.dtype).max)
     for name, x in (("kv_a", kv_a), ("q_pe", q_pe), ("table", table), ("k_buffer", k_buffer),
                     ("q_out", q_out)):
         if t and x.stride(-1) != 1:
@@ -130,8 +148,10 @@ def mla_norm_rope_store(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: floa
         kv_a, norm_weight, q_pe, table, loc, k_buffer, q_out,
         kv_a.stride(0), q_pe.stride(0), q_pe.stride(1), table.stride(0), k_buffer.stride(0),
         q_out.stride(0), q_out.stride(1), lora, rope // 2, heads, float(eps),
+        float(k_scale) if fp8_max else 1.0,
         BLOCK_L=block_l, BLOCK_HALF=triton.next_power_of_2(rope // 2),
-        BLOCK_H=triton.next_power_of_2(heads), num_warps=4 if block_l >= 512 else 1,
+        BLOCK_H=triton.next_power_of_2(heads), FP8_MAX=fp8_max,
+        num_warps=4 if block_l >= 512 else 1,
         **launch_options(use_pdl(kv_a)))
 
 

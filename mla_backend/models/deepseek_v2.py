@@ -53,7 +53,8 @@ Absorbed matrices with per-tensor FP8 linears (kv_b_proj `Fp8LinearMethod`: FP8 
 online "fp8"): `w_kc`/`w_vc` are float8_e4m3fn, each with one float32 scale (`w_kc_scale`,
 `w_vc_scale` = amax/448 of the dequantized matrix), stored column-major per head for
 `torch._scaled_mm`; the two absorbed products run as `layers.quantization.fp8_per_tensor_bmm`
-(dynamic per-tensor activation scale, a loop over heads). Otherwise (unquantized, or block-FP8
+(dynamic per-tensor activation scale) up to `FP8_BMM_MAX_ROWS` token rows, and above it on CUDA
+as 16-bit `torch.bmm`s over the same weights dequantized (`w_kc_dq`, `w_vc_dq`). Otherwise (unquantized, or block-FP8
 for now: its tests pin w_kc/w_vc to the dequantized kv_b_proj) they are model-dtype `torch.bmm`s.
 """
 
@@ -104,6 +105,13 @@ ABSORBED, DECOMPRESSED, MHA = "absorbed", "decompressed", "mha"
 # (written straight into the query / o_proj input) instead of torch.bmm plus a copy: decode at
 # batch size 1 (docs/benchmarks.md, "Decode latency").
 BMM_GEMV_MAX_ROWS = 1
+# Token rows up to which absorbed MLA's products with FP8 w_kc / w_vc run as the FP8 batched
+# matmul (`fp8_per_tensor_bmm`: an amax pass over x, then the triton `bmm_fp8`). Above it, on
+# CUDA, they run as torch.bmm over the dequantized weights in the model dtype (`w_kc_dq`,
+# `w_vc_dq`: 2 x 2 MB per V2-Lite layer), written straight into the query / o_proj input: at a
+# bs-512 decode step on an H200 the FP8 pair took 19.4 us per product (13.6 GEMM + 5.8 amax)
+# against ~5.5 us for cuBLAS's bf16 bmm (docs/benchmarks.md, FP8 "Ninth look"). None: always FP8.
+FP8_BMM_MAX_ROWS: int | None = 64
 
 
 @dataclass(frozen=True)
@@ -185,6 +193,10 @@ class DeepseekV2Attention(nn.Module):
         self.register_buffer("w_vc", None, persistent=False)
         self.register_buffer("w_kc_scale", None, persistent=False)
         self.register_buffer("w_vc_scale", None, persistent=False)
+        # FP8 w_kc / w_vc dequantized to the model dtype ([H, nope, kv_lora], [H, kv_lora, v],
+        # contiguous) for batches above FP8_BMM_MAX_ROWS; None without FP8 absorbed matrices.
+        self.register_buffer("w_kc_dq", None, persistent=False)
+        self.register_buffer("w_vc_dq", None, persistent=False)
         # [nq + kv_lora + rope, hidden]: the first query projection's and kv_a_proj_with_mqa's
         # weights as one matrix (their parameters are row views of it), or None.
         self.register_buffer("w_input_proj", None, persistent=False)
@@ -207,6 +219,8 @@ class DeepseekV2Attention(nn.Module):
             self.w_kc, self.w_kc_scale = quantize_fp8_bmm_weight(w[:, : self.qk_nope_head_dim])
             self.w_vc, self.w_vc_scale = quantize_fp8_bmm_weight(
                 w[:, self.qk_nope_head_dim:].transpose(1, 2))
+            self.w_kc_dq = (self.w_kc.float() * self.w_kc_scale).to(dtype).contiguous()
+            self.w_vc_dq = (self.w_vc.float() * self.w_vc_scale).to(dtype).contiguous()
             return
         w = w.to(dtype)
         self.w_kc = w[:, : self.qk_nope_head_dim].contiguous()  # [H, nope, kv_lora]
@@ -283,15 +297,16 @@ class DeepseekV2Attention(nn.Module):
         (`mla_kernels.mla_rope_store`: norm, rope and pool store): a decode batch on CUDA, not
         traced by torch.compile, a backend that takes it (`AttentionBackend.fused_mla_prologue`:
         triton, not the torch_native reference), the model's rope table at hand, a pool (and
-        norm weight) in the activations' dtype (FP8 pools quantize through their own store).
-        Else None."""
+        norm weight) in the activations' dtype or an FP8 pool (the kernel quantizes the row
+        with the layer's k scale). Else None."""
         if (not hidden.is_cuda or rope_table is None or torch.compiler.is_compiling()
                 or not forward_batch.attn_backend.fused_mla_prologue
                 or not forward_batch.forward_mode.is_decode()
                 or self.kv_a_layernorm.weight.dtype != hidden.dtype):
             return None
-        k_buf = forward_batch.token_to_kv_pool.get_kv_buffer(self.layer_id)[0]
-        return k_buf if k_buf.dtype == hidden.dtype else None
+        pool = forward_batch.token_to_kv_pool
+        k_buf = pool.get_kv_buffer(self.layer_id)[0]
+        return k_buf if k_buf.dtype == hidden.dtype or pool.is_fp8 else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 forward_batch: "ForwardBatch", path: str,
@@ -318,7 +333,9 @@ class DeepseekV2Attention(nn.Module):
 
                 mla_norm_rope_store(kv_a, self.kv_a_layernorm.weight,
                                     self.kv_a_layernorm.variance_epsilon, q_pe, rope_table,
-                                    k_buf, forward_batch.out_cache_loc, q_full[..., lora:])
+                                    k_buf, forward_batch.out_cache_loc, q_full[..., lora:],
+                                    k_scale=forward_batch.token_to_kv_pool.get_kv_scales(
+                                        self.layer_id)[0])
                 return self._absorbed(q_nope, q_full, None, forward_batch)
             k_full = hidden.new_empty(t, 1, lora + self.qk_rope_head_dim)
             self.kv_a_layernorm.norm_into(c_kv, k_full[:, 0, :lora])
@@ -350,30 +367,40 @@ class DeepseekV2Attention(nn.Module):
         they are already in the pool."""
         t, heads, lora = q_nope.shape[0], self.num_heads, self.kv_lora_rank
         # [T, H, nope] x [H, nope, kv_lora] -> q_full[..., :kv_lora]
-        self._absorb_into(q_nope, self.w_kc, self.w_kc_scale, q_full[..., :lora])
+        self._absorb_into(q_nope, self.w_kc, self.w_kc_scale, q_full[..., :lora], self.w_kc_dq)
         v = None if k_full is None else k_full[..., :lora]  # [T, 1, kv_lora] (the value view)
         o = self.attn_mqa(q_full, k_full, v, forward_batch,  # [T, H * kv_lora]
                           save_kv_cache=k_full is not None)
         # [T, H, kv_lora] x [H, kv_lora, v_head] -> [T, H, v_head]
         o_v = o.new_empty(t, heads, self.v_head_dim)
-        self._absorb_into(o.view(t, heads, lora), self.w_vc, self.w_vc_scale, o_v)
+        self._absorb_into(o.view(t, heads, lora), self.w_vc, self.w_vc_scale, o_v, self.w_vc_dq)
         return self.o_proj(o_v.view(t, heads * self.v_head_dim))
 
     def _absorb_into(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
-                     out: torch.Tensor) -> None:
-        """out [T, H, N] <- x [T, H, K] x w [H, K, N]: FP8 (w has a scale) `fp8_per_tensor_bmm`
-        writing out (a strided view is fine) as [H, T, N]; at up to `BMM_GEMV_MAX_ROWS` token
-        rows of a 16-bit CUDA model the triton `bmm_gemv` writes straight into out; else
-        torch.bmm over [H, T, K] and a copy."""
+                     out: torch.Tensor, w_dq: torch.Tensor | None = None) -> None:
+        """out [T, H, N] <- x [T, H, K] x w [H, K, N]. FP8 w (w has a scale): up to
+        `FP8_BMM_MAX_ROWS` token rows (any rows off CUDA, or without `w_dq`)
+        `fp8_per_tensor_bmm` writing out (a strided view is fine) as [H, T, N]; above it on
+        CUDA the 16-bit product below over w_dq (w dequantized to the model dtype). 16-bit w:
+        at up to `BMM_GEMV_MAX_ROWS` token rows of a CUDA model the triton `bmm_gemv` writes
+        straight into out; else on CUDA torch.bmm writing out as [H, T, N], elsewhere (and
+        while torch.compile traces) torch.bmm and a copy."""
+        compiling = torch.compiler.is_compiling()
         if w_scale is not None:
-            fp8_per_tensor_bmm(x.transpose(0, 1), w, w_scale, out=out.transpose(0, 1))
-            return
+            if (w_dq is None or not x.is_cuda or compiling or FP8_BMM_MAX_ROWS is None
+                    or x.shape[0] <= FP8_BMM_MAX_ROWS):
+                fp8_per_tensor_bmm(x.transpose(0, 1), w, w_scale, out=out.transpose(0, 1))
+                return
+            w = w_dq
         if (x.is_cuda and x.shape[0] <= BMM_GEMV_MAX_ROWS
                 and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
-                and not torch.compiler.is_compiling()):
+                and not compiling):
             from mla_kernels.bmm_gemv import bmm_gemv
 
             bmm_gemv(x, w, out=out, static_weight=True)  # w_kc / w_vc: fixed after load
+            return
+        if x.is_cuda and not compiling and x.dtype == w.dtype == out.dtype:
+            torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))  # cuBLAS, strided C
             return
         out.copy_(torch.bmm(x.transpose(0, 1), w).transpose(0, 1))
 

@@ -111,6 +111,24 @@ def test_online_fp8_weights_on_gpu(refs, name):
     assert rel <= tol_rel and top1 >= tol_top1
 
 
+def test_fp8_absorbed_products_at_large_batches_use_the_dequantized_weights(refs, monkeypatch):
+    """Above `FP8_BMM_MAX_ROWS` token rows the absorbed products run as 16-bit torch.bmm over
+    w_kc_dq / w_vc_dq. The harness's absorbed calls have at most 10 rows, so the limit 0 sends
+    every one there and None none: both stay within the online-FP8 tolerance of the bf16
+    model, close to each other, and not equal (the FP8 products quantize the activations)."""
+    import mla_backend.models.deepseek_v2 as ds_mod
+
+    path, ref = refs["deepseek"]
+    got = {}
+    for limit in (None, 0):
+        monkeypatch.setattr(ds_mod, "FP8_BMM_MAX_ROWS", limit)
+        got[limit] = _logits(_runner(path, quantization="fp8"))
+        rel, top1 = _compare(got[limit], ref, f"deepseek online fp8, FP8_BMM_MAX_ROWS={limit}")
+        assert rel <= TOL["weights"]["deepseek"][0] and top1 >= TOL["weights"]["deepseek"][1]
+    rel, top1 = _compare(got[0], got[None], "dequantized vs FP8 absorbed products")
+    assert 0 < rel <= 0.02 and top1 >= 0.9
+
+
 def test_block_fp8_v3_on_gpu_close_to_dequantized(tiny_deepseek_v3_fp8_factory):
     fp8, dequantized = tiny_deepseek_v3_fp8_factory(seed=0)
     gpu = _runner(fp8)

@@ -142,11 +142,16 @@ def test_w_kc_w_vc_dtypes(ds, tmp_path):
             assert s.dtype == torch.float32 and s.dim() == 0
             assert torch.isclose(s, wf.abs().amax() / 448)
             torch.testing.assert_close(q.float() * s, wf, atol=float(s) * 2**-9, rtol=0.07)
+        # the dequantized copies that large CUDA batches multiply with (FP8_BMM_MAX_ROWS)
+        for q, s, dq in ((a.w_kc, a.w_kc_scale, a.w_kc_dq), (a.w_vc, a.w_vc_scale, a.w_vc_dq)):
+            assert dq.dtype == a.kv_a_layernorm.weight.dtype and dq.is_contiguous()
+            assert torch.equal(dq, (q.float() * s).to(dq.dtype))
     for layer in ref_h.model.model.layers:  # unquantized: exactly as before
         a = layer.self_attn
         h, nope, v, r = a.num_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
         w = a.kv_b_proj.weight.view(h, nope + v, r)
         assert a.w_kc_scale is None and a.w_vc_scale is None
+        assert a.w_kc_dq is None and a.w_vc_dq is None
         assert a.w_kc.dtype == a.w_vc.dtype == torch.float32
         assert a.w_kc.is_contiguous() and a.w_vc.is_contiguous()
         assert torch.equal(a.w_kc, w[:, :nope])
