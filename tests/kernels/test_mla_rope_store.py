@@ -22,6 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 EPS = 1e-6
 DEVICE_IS_CPU = not torch.cuda.is_available()
+DEV = "cpu" if DEVICE_IS_CPU else "cuda"  # fp32 tests: the interpreter on CPU, else the GPU
 
 
 def _case(t: int, heads: int, lora: int, rope: int, n_slots: int, dtype: torch.dtype,
@@ -58,14 +59,14 @@ def _run_both(args, lora):
 @pytest.mark.parametrize("t,heads,lora,rope", [(1, 16, 512, 64), (5, 3, 200, 32),
                                                 (4, 16, 512, 64)])
 def test_matches_reference_fp32(t, heads, lora, rope):
-    args = _case(t, heads, lora, rope, 24, torch.float32, "cpu", seed=t)
+    args = _case(t, heads, lora, rope, 24, torch.float32, DEV, seed=t)
     pool_before, q_before = args[4].clone(), args[6].clone()
     pool, pool_ref, q_full, q_ref = _run_both(args, lora)
     loc = args[5]
     torch.testing.assert_close(pool, pool_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(q_full, q_ref, rtol=1e-5, atol=1e-5)
     # untouched: slots outside loc, the query's latent columns
-    others = torch.ones(pool.shape[0], dtype=torch.bool)
+    others = torch.ones(pool.shape[0], dtype=torch.bool, device=DEV)
     others[loc] = False
     assert torch.equal(pool[others], pool_before[others])
     assert torch.equal(q_full[..., :lora], q_before[..., :lora])
@@ -75,7 +76,7 @@ def test_matches_reference_fp32(t, heads, lora, rope):
 
 def test_padding_sink_rows():
     """Padded rows all write slot 0; real slots get exactly their row."""
-    kv_a, weight, q_pe, table, pool, loc, q_full = _case(6, 4, 64, 16, 12, torch.float32, "cpu")
+    kv_a, weight, q_pe, table, pool, loc, q_full = _case(6, 4, 64, 16, 12, torch.float32, DEV)
     loc = loc.clone()
     loc[[1, 4]] = 0
     args = (kv_a, weight, q_pe, table, pool, loc, q_full)
@@ -108,9 +109,8 @@ def test_fp8_pool_rows_are_quantized_with_the_k_scale(dtype):
     from mla_backend.mem_cache.memory_pool import quantize_fp8
 
     lora, rope, k_scale = 200, 32, 0.005
-    dev = "cpu" if DEVICE_IS_CPU else "cuda"
     kv_a, weight, q_pe, table, pool, loc, q_full = _case(5, 3, lora, rope, 24, torch.float32,
-                                                         dev, seed=7)
+                                                         DEV, seed=7)
     pool8 = pool.to(dtype)
     before = pool8.clone()
     ref_pool, q_ref = pool.clone(), q_full.clone()
@@ -123,7 +123,7 @@ def test_fp8_pool_rows_are_quantized_with_the_k_scale(dtype):
     if dtype == torch.float8_e4m3fn:
         assert (pool8[loc].float().abs() == fmax).any()  # the saturation was exercised
     torch.testing.assert_close(q_full, q_ref, rtol=1e-5, atol=1e-5)  # the query: unquantized
-    others = torch.ones(pool8.shape[0], dtype=torch.bool, device=dev)
+    others = torch.ones(pool8.shape[0], dtype=torch.bool, device=DEV)
     others[loc] = False
     assert torch.equal(pool8[others].view(torch.uint8), before[others].view(torch.uint8))
 
