@@ -54,8 +54,9 @@ online "fp8"): `w_kc`/`w_vc` are float8_e4m3fn, each with one float32 scale (`w_
 `w_vc_scale` = amax/448 of the dequantized matrix), stored column-major per head for
 `torch._scaled_mm`; the two absorbed products run as `layers.quantization.fp8_per_tensor_bmm`
 (dynamic per-tensor activation scale) up to `FP8_BMM_MAX_ROWS` token rows, and above it on CUDA
-as 16-bit `torch.bmm`s over the same weights dequantized (`w_kc_dq`, `w_vc_dq`). Otherwise (unquantized, or block-FP8
-for now: its tests pin w_kc/w_vc to the dequantized kv_b_proj) they are model-dtype `torch.bmm`s.
+as 16-bit `torch.bmm`s over the same weights dequantized (`w_kc_dq`, `w_vc_dq`). Otherwise
+(unquantized, or block-FP8 for now: its tests pin w_kc/w_vc to the dequantized kv_b_proj) they
+are model-dtype `torch.bmm`s.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ BMM_GEMV_MAX_ROWS = 1
 # CUDA, they run as torch.bmm over the dequantized weights in the model dtype (`w_kc_dq`,
 # `w_vc_dq`: 2 x 2 MB per V2-Lite layer), written straight into the query / o_proj input: at a
 # bs-512 decode step on an H200 the FP8 pair took 19.4 us per product (13.6 GEMM + 5.8 amax)
-# against ~5.5 us for cuBLAS's bf16 bmm (docs/benchmarks.md, FP8 "Ninth look"). None: always FP8.
+# against ~5.5 us for cuBLAS's bf16 bmm (docs/benchmarks.md, "The MoE sort in three launches;
+# FP8's decode prologue and absorbed products"). None: always FP8.
 FP8_BMM_MAX_ROWS: int | None = 64
 
 
