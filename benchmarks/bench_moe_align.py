@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -24,20 +25,14 @@ from mla_backend.layers.moe import select_experts
 from mla_kernels.fused_moe import get_default_config, moe_align_block_size
 from mla_kernels.reference import moe_align_block_size_ref
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fused_moe import bench, graph_of  # noqa: E402
+
 
 def graph_time_us(fn, warmup: int, rep: int) -> float:
-    """Median microseconds of one replay of a CUDA graph of fn()."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return 1000 * triton.testing.do_bench(g.replay, warmup=warmup, rep=rep,
-                                          return_mode="median")
+    """Median microseconds of one replay of a CUDA graph of fn() (bench_fused_moe's capture and
+    timing)."""
+    return 1000 * bench(graph_of(fn).replay, warmup, rep)
 
 
 def main() -> int:

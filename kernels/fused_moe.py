@@ -244,16 +244,14 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
     if num_experts < 1 or block_m < 1:
         raise ValueError(f"need num_experts >= 1 and block_m >= 1, got {num_experts}, {block_m}")
     dev = topk_ids.device
-    flat = topk_ids.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = topk_ids.reshape(-1).contiguous()  # [N], N = T*k
     n = flat.numel()
     padded_len = max_padded_rows(n, num_experts, block_m)
     sorted_token_ids = torch.empty(padded_len, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(padded_len // block_m, dtype=torch.int32, device=dev)
-    total = torch.zeros(1, dtype=torch.int32, device=dev)
     if n == 0:
-        return sorted_token_ids, expert_ids, total
+        return sorted_token_ids, expert_ids, torch.zeros(1, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)  # written by the plan kernel
     block_e = max(16, triton.next_power_of_2(num_experts))
     block_r = max(16, min(1024, _ALIGN_TILE_ELEMS // block_e))
     num_progs = triton.cdiv(n, block_r)
