@@ -94,12 +94,17 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
                        device: torch.device | str, fp8: bool = False) -> MoEConfig:
     """Tile config for a call, chosen from shapes only (so it is fixed for a captured graph).
 
-    On CUDA, BLOCK_M follows the average rows per expert, T*k/E: decode batches (a few rows per
-    expert, weight-bandwidth bound) use 16-row blocks so little padding is computed; prefill
-    uses 64- or 128-row blocks. FP8 weights take 128-deep K steps (one byte per element: the
-    same bytes per step as bf16's 64; measured on an H200 at V2-Lite's expert shapes, graph
-    replay, `bench_fused_moe.py --fp8`: T 64 287 vs 365 us, T 512 416 vs 452 us per call).
-    On other devices (the interpreter) small tiles.
+    On CUDA, BLOCK_M follows the average rows per expert, T*k/E: small decode batches (a few
+    rows per expert) use 16-row blocks so little padding is computed; from 17 rows per expert
+    (bf16: 33) one 64-row block per expert, so each weight tile is read once for all of its
+    rows; prefill (more than 256 rows per expert) 128 x 128 tiles. FP8 weights take 128-deep K
+    steps (one byte per element: the same bytes per step as bf16's 64). The tiles above 16 rows
+    per expert are the fastest of a per-GEMM sweep on an H200 at V2-Lite's expert shapes
+    (E 64, top-6, H 2048, I 1408; CUDA-graph replay of each GEMM alone; BLOCK_M 16/32/64 (128
+    for prefill), BLOCK_N 64/128/256, two K steps, 4/8 warps, 3-5 stages; gate/up + down, us):
+    FP8 T 256 180 -> 174, T 512 236 -> 178, T 3072 486 -> 438; bf16 T 256 310 -> 299,
+    T 512 395 -> 310, T 3072 897 -> 797 (the earlier defaults -> these; docs/benchmarks.md,
+    "Grouped-GEMM tiles"). On other devices (the interpreter) small tiles.
     Args:
         num_tokens: T. top_k: k. num_experts: E. device: where the tensors live. fp8: the
             weights are float8_e4m3fn.
@@ -112,14 +117,12 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     if rows_per_expert <= 16:
         return MoEConfig(block_m=16, block_n=64, block_k=bk, group_m=1, num_warps=4, num_stages=4)
-    if rows_per_expert <= 48:
-        if fp8:
-            return MoEConfig(block_m=32, block_n=128, block_k=bk, group_m=8, num_warps=4,
-                             num_stages=3)
-        return MoEConfig(block_m=32, block_n=64, block_k=bk, group_m=8, num_warps=4, num_stages=4)
+    if rows_per_expert <= 32 and not fp8:
+        return MoEConfig(block_m=32, block_n=64, block_k=128, group_m=8, num_warps=4,
+                         num_stages=3)
     if rows_per_expert <= 256:
         return MoEConfig(block_m=64, block_n=64, block_k=bk, group_m=8, num_warps=4, num_stages=3)
-    return MoEConfig(block_m=128, block_n=64, block_k=bk, group_m=8, num_warps=8, num_stages=3)
+    return MoEConfig(block_m=128, block_n=128, block_k=bk, group_m=8, num_warps=8, num_stages=3)
 
 
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:

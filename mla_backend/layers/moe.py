@@ -310,12 +310,41 @@ class RouterGate(ReplicatedLinear):
 
     Parameters: `weight` [E, H] fp32 (`mlp.gate.weight`), filled through `weight_loader`.
     Forward: x [T, H] -> logits [T, E] fp32.
+
+    After load, `prepare_16bit(dtype)` keeps `weight_16`, the weight in the model's 16-bit
+    dtype, when that holds every value exactly (a bf16 checkpoint). A CUDA x of that dtype with
+    more than one row (outside torch.compile) then runs as one cuBLAS 16-bit GEMM with fp32
+    output (`torch.mm(..., out_dtype=torch.float32)`): the products of two bf16 values are
+    exact in fp32 and are summed in fp32, as `F.linear(x.float(), weight)` does, but without
+    the cast of x and the fp32 SIMT GEMM (on an H200 at bs 512: ~15 us per layer and a 9 us
+    cast; docs/benchmarks.md, "Grouped-GEMM tiles, the router's GEMM"). The sums may differ
+    from the fp32 GEMM's in the last bits (another summation order).
     """
 
     def __init__(self, in_features: int, num_experts: int) -> None:
         super().__init__(in_features, num_experts)
         self.weight = nn.Parameter(torch.empty(num_experts, in_features, dtype=torch.float32),
                                    requires_grad=False)
+        self.weight_16: torch.Tensor | None = None
+
+    def prepare_16bit(self, dtype: torch.dtype) -> None:
+        """Set `weight_16` = the weight in `dtype` (float16 / bfloat16) when the cast is exact
+        for every value, else None (then every call takes the fp32 weight). Reads the weight
+        once (a host sync): call after load, never inside a CUDA graph capture."""
+        w = self.weight.detach()
+        self.weight_16 = None
+        if dtype in (torch.float16, torch.bfloat16):
+            w16 = w.to(dtype)
+            if torch.equal(w16.float(), w):
+                self.weight_16 = w16
+
+    def forward(self, x: torch.Tensor, x_fp8: PerTokenFp8 | None = None) -> torch.Tensor:
+        w16 = self.weight_16
+        if (w16 is not None and x.is_cuda and x.dim() == 2 and x.shape[0] > 1
+                and x.dtype == w16.dtype and w16.device == x.device
+                and not torch.compiler.is_compiling()):
+            return torch.mm(x, w16.t(), out_dtype=torch.float32)
+        return super().forward(x, x_fp8)
 
 
 class NoAuxRouterGate(RouterGate):

@@ -76,7 +76,7 @@ from mla_backend.layers.linear import (
     RowParallelLinear,
 )
 from mla_backend.layers.logits import ParallelLMHead, VocabParallelEmbedding
-from mla_backend.layers.moe import DeepseekV2MoE, GatedMLP, StackedExperts
+from mla_backend.layers.moe import DeepseekV2MoE, GatedMLP, RouterGate, StackedExperts
 from mla_backend.layers.quantization import (
     BlockFP8Config,
     Fp8Config,
@@ -692,11 +692,14 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def post_load_weights(self) -> None:
         """Finish quantized linears (compact their scales), then precompute the absorbed MLA
-        matrices of every layer."""
+        matrices of every layer, and the routers' 16-bit weights (`RouterGate.prepare_16bit`)."""
+        dtype = self.model.embed_tokens.weight.dtype
         for mod in self.modules():
             method = getattr(mod, "quant_method", None)
             if method is not None:
                 method.process_weights_after_loading(mod)
+            if isinstance(mod, RouterGate):
+                mod.prepare_16bit(dtype)
         for layer in self.model.layers:
             layer.self_attn.post_load_weights()
 

@@ -203,3 +203,49 @@ def test_router_gate_keeps_fp32_under_a_bf16_default_dtype():
     assert logits.dtype == torch.float32
     # DeepSeek's MoEGate: F.linear(x.float(), weight.float())
     assert torch.equal(logits, F.linear(x.float(), w.float()))
+
+
+def _router(weight: torch.Tensor):
+    from mla_backend.layers.moe import RouterGate
+
+    gate = RouterGate(weight.shape[1], weight.shape[0])
+    gate.weight_loader(gate.weight, weight)
+    return gate
+
+
+def test_router_gate_16bit_weight_only_when_exact():
+    w = torch.randn(8, 32, generator=_gen(1)).to(torch.bfloat16)
+    gate = _router(w)
+    gate.prepare_16bit(torch.bfloat16)
+    assert gate.weight_16 is not None and gate.weight_16.dtype == torch.bfloat16
+    assert torch.equal(gate.weight_16, w)
+    gate.prepare_16bit(torch.float32)  # an fp32 model keeps only the fp32 weight
+    assert gate.weight_16 is None
+    inexact = w.float()
+    inexact[3, 5] += 2.0 ** -20  # not a bf16 value
+    gate = _router(inexact)
+    gate.prepare_16bit(torch.bfloat16)
+    assert gate.weight_16 is None
+    # Off CUDA the fp32 GEMM runs whatever weight_16 holds: bit for bit DeepSeek's MoEGate.
+    gate = _router(w)
+    gate.prepare_16bit(torch.bfloat16)
+    x = torch.randn(5, 32, generator=_gen(2)).to(torch.bfloat16)
+    assert torch.equal(gate(x), F.linear(x.float(), w.float()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_router_gate_16bit_gemm_on_cuda_matches_the_fp32_gemm():
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(64, 2048, generator=g) / 45).to(torch.bfloat16)
+    gate = _router(w).cuda()
+    gate.prepare_16bit(torch.bfloat16)
+    assert gate.weight_16 is not None and gate.weight_16.is_cuda
+    for rows in (2, 97, 512):
+        x = torch.randn(rows, 2048, generator=g).to(torch.bfloat16).cuda()
+        got = gate(x)
+        want = F.linear(x.float(), w.float().cuda())  # fp32 GEMM (TF32 off by default)
+        assert got.dtype == torch.float32 and got.shape == (rows, 64)
+        # exact products, fp32 sums in another order: ~1e-7 relative to the row's scale
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-5, (rows, err)
