@@ -23,7 +23,8 @@ Sections (`--sections`):
   decode steps by batch-size range (graph replay or eager), mean decode batch, and the output
   tok/s of the run, and the run's garbage collections (count, total and longest pause per
   generation; `--gc-unfreeze` undoes the engine's start-up `gc.freeze` first, to see what it
-  saves). `--graph-max-bs`, `--max-running` and
+  saves), and the triton JIT compiles inside the timed run (kernel, ms, step: a compile there
+  is a first-use cost the warm-up missed). `--graph-max-bs`, `--max-running` and
   `--prefill-min-free-rows` set the engine's graph limit, request rows and the scheduler's
   `prefill_min_free_rows`. `--window START COUNT` also profiles steps START .. START+COUNT-1 of
   the run (torch.profiler for the GPU's kernel time, cProfile for the host's Python functions):
@@ -328,6 +329,39 @@ class GcPauses:
         return out
 
 
+class CompileLog:
+    """Context manager: the triton JIT compiles of this process while it is active (kernel
+    name, milliseconds, and `step()` at the time: the caller's step counter), from triton's
+    `knobs.runtime.jit_cache_hook` (called before a kernel is built for a new specialization)
+    and `jit_post_compile_hook` (after). A kernel found in triton's on-disk cache passes through
+    both hooks too, in a few milliseconds; a real compile takes 0.1-2 s. Both hooks return None,
+    so triton always goes on to build the kernel."""
+
+    def __init__(self, step) -> None:
+        self.step = step
+        self.events: list[tuple[str, float, int]] = []
+        self._t0 = 0.0
+
+    def __enter__(self) -> "CompileLog":
+        from triton import knobs
+
+        self._rt = knobs.runtime
+        self._saved = (self._rt.jit_cache_hook, self._rt.jit_post_compile_hook)
+        self._rt.jit_cache_hook = self._before
+        self._rt.jit_post_compile_hook = self._after
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._rt.jit_cache_hook, self._rt.jit_post_compile_hook = self._saved
+
+    def _before(self, **_kw: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def _after(self, **kw: Any) -> None:
+        name = getattr(kw.get("fn"), "name", "?")
+        self.events.append((name, 1000 * (time.perf_counter() - self._t0), self.step()))
+
+
 def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
     pairs = load_length_pairs(args.lengths, args.num_requests, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -366,7 +400,7 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
             log_rows.append((*batches[-1], dt))
             batches.clear()
 
-    with GcPauses() as gcp:
+    with GcPauses() as gcp, CompileLog(lambda: len(log_rows)) as compiles:
         r = run_requests(eng, prompts, outs, on_step)
     stats = eng.stats()
     del eng
@@ -407,6 +441,10 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
     table(f"Garbage collections during the run ({gc.get_freeze_count():,} objects frozen)",
           ["generation", "collections", "total ms", "max ms"],
           [[g, n, tot, mx] for g, (n, tot, mx) in sorted(gcp.summary().items())])
+    res["steps"]["compiles"] = compiles.events
+    table(f"Triton JIT compiles inside the timed run ({len(compiles.events)}; a disk-cache hit "
+          "takes a few ms)", ["kernel", "ms", "step"],
+          [[name, ms, step] for name, ms, step in compiles.events] or [["none", 0.0, ""]])
     slow = sorted(range(len(log_rows)), key=lambda i: -log_rows[i][3])[:5]
     res["steps"]["slowest"] = [[i, *log_rows[i]] for i in slow]
     table("Slowest steps (position in the run's step log)",
