@@ -53,10 +53,16 @@ def iterate_weights(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def init_dummy_weights(model: torch.nn.Module, seed: int = 0, scale: float = 0.02) -> None:
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, scale: float = 0.02,
+                       checkpoint_dtype: torch.dtype | None = None) -> None:
     """Fill every parameter in place: RMSNorm weights with 1, all others uniform in
     [-scale, scale] (seeded, on the parameter's device). Deterministic for a given seed and
     device. Buffers (rotary tables) are left as the constructors made them.
+
+    checkpoint_dtype: the dtype a real checkpoint of this model stores (the model's 16-bit
+    dtype); a wider floating parameter (the fp32 MoE router, `layers.moe.RouterGate`) then
+    holds values of that dtype, as it would after loading such a checkpoint, so that what
+    depends on the values (`RouterGate.prepare_16bit`) behaves as with real weights.
     """
     from mla_backend.layers.layernorm import RMSNorm
 
@@ -72,3 +78,6 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, scale: float = 0.0
                 gen = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
             if p.dtype.is_floating_point:
                 p.uniform_(-scale, scale, generator=gen)
+                if (checkpoint_dtype is not None and checkpoint_dtype.is_floating_point
+                        and p.dtype.itemsize > checkpoint_dtype.itemsize):
+                    p.copy_(p.to(checkpoint_dtype))

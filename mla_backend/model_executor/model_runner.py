@@ -202,7 +202,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(old_dtype)
         if self.config.model.load_format == "dummy":
-            init_dummy_weights(model, seed=self.config.runner.seed)
+            init_dummy_weights(model, seed=self.config.runner.seed, checkpoint_dtype=self.dtype)
             loaded = None
         else:
             loaded = model.load_weights(iterate_weights(self.config.model.model_path))

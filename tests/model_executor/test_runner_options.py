@@ -81,6 +81,30 @@ def test_dummy_weights(dummy_llama_dir):
     assert not torch.equal(emb, pc["model.embed_tokens.weight"])
 
 
+def test_dummy_weights_hold_checkpoint_dtype_values():
+    # A bf16 model's fp32 router weight gets bf16 values, as from a bf16 checkpoint, so the
+    # router's 16-bit GEMM (RouterGate.prepare_16bit) is used with dummy weights too.
+    from mla_backend.layers.moe import DeepseekV2MoE
+    from mla_backend.model_executor.model_loader import init_dummy_weights
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        moe = DeepseekV2MoE(32, 16, n_routed_experts=8, num_experts_per_tok=2,
+                            n_shared_experts=1)
+    finally:
+        torch.set_default_dtype(old)
+    w = moe.gate.weight
+    init_dummy_weights(moe, seed=0, checkpoint_dtype=torch.bfloat16)
+    assert w.dtype == torch.float32 and float(w.abs().max()) <= 0.02 and float(w.std()) > 0.005
+    assert torch.equal(w.to(torch.bfloat16).float(), w)
+    moe.gate.prepare_16bit(torch.bfloat16)
+    assert moe.gate.weight_16 is not None
+    init_dummy_weights(moe, seed=0)  # without it: fp32 values, no 16-bit copy
+    moe.gate.prepare_16bit(torch.bfloat16)
+    assert moe.gate.weight_16 is None
+
+
 def test_dummy_weights_serve(dummy_llama_dir):
     eng = Engine(EngineConfig.create(model_path=dummy_llama_dir, load_format="dummy",
                                      max_total_tokens=256))
