@@ -104,7 +104,8 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
     for prefill), BLOCK_N 64/128/256, two K steps, 4/8 warps, 3-5 stages; gate/up + down, us):
     FP8 T 256 180 -> 174, T 512 236 -> 178, T 3072 486 -> 438; bf16 T 256 310 -> 299,
     T 512 395 -> 310, T 3072 897 -> 797 (the earlier defaults -> these; docs/benchmarks.md,
-    "Grouped-GEMM tiles"). On other devices (the interpreter) small tiles.
+    "Grouped-GEMM tiles"). A GPU with less shared memory per block than the tiles take gets
+    narrower ones (`fit_shared_memory`). On other devices (the interpreter) small tiles.
     Args:
         num_tokens: T. top_k: k. num_experts: E. device: where the tensors live. fp8: the
             weights are float8_e4m3fn.
@@ -116,13 +117,48 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
     bk = 128 if fp8 else 64
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     if rows_per_expert <= 16:
-        return MoEConfig(block_m=16, block_n=64, block_k=bk, group_m=1, num_warps=4, num_stages=4)
-    if rows_per_expert <= 32 and not fp8:
-        return MoEConfig(block_m=32, block_n=64, block_k=128, group_m=8, num_warps=4,
-                         num_stages=3)
-    if rows_per_expert <= 256:
-        return MoEConfig(block_m=64, block_n=64, block_k=bk, group_m=8, num_warps=4, num_stages=3)
-    return MoEConfig(block_m=128, block_n=128, block_k=bk, group_m=8, num_warps=8, num_stages=3)
+        cfg = MoEConfig(block_m=16, block_n=64, block_k=bk, group_m=1, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 32 and not fp8:
+        cfg = MoEConfig(block_m=32, block_n=64, block_k=128, group_m=8, num_warps=4,
+                        num_stages=3)
+    elif rows_per_expert <= 256:
+        cfg = MoEConfig(block_m=64, block_n=64, block_k=bk, group_m=8, num_warps=4, num_stages=3)
+    else:
+        cfg = MoEConfig(block_m=128, block_n=128, block_k=bk, group_m=8, num_warps=8,
+                        num_stages=3)
+    return fit_shared_memory(cfg, 1 if fp8 else 2, _max_shared_memory(torch.device(device)))
+
+
+def moe_tile_smem_bytes(config: MoEConfig, elem_bytes: int) -> int:
+    """Shared memory the pipelined tiles of the fused gate/up GEMM take, as an estimate in
+    bytes: num_stages x (an A tile [BLOCK_M, BLOCK_K] + two weight tiles [BLOCK_K, BLOCK_N]) x
+    the operand's bytes per element (1 for FP8, 2 for 16-bit)."""
+    return config.num_stages * (config.block_m * config.block_k
+                                + 2 * config.block_k * config.block_n) * elem_bytes
+
+
+def fit_shared_memory(config: MoEConfig, elem_bytes: int, max_bytes: int | None) -> MoEConfig:
+    """config if its tiles fit max_bytes of shared memory per block (`moe_tile_smem_bytes`;
+    None: unknown, config unchanged); else the same BLOCK_M with 64-wide N tiles, 64-deep K
+    steps (bf16) and 2 stages (at most 64 KB). The sweep's tiles need up to 144 KB, which an
+    H100 / H200 (227 KB) or A100 (163 KB) has and an sm89 / sm86 GPU (99 KB) has not."""
+    if max_bytes is None or moe_tile_smem_bytes(config, elem_bytes) <= max_bytes:
+        return config
+    return config._replace(block_n=64, block_k=min(config.block_k, 128 // elem_bytes),
+                           num_stages=2)
+
+
+_SMEM_CACHE: dict[int, int | None] = {}
+
+
+def _max_shared_memory(device: torch.device) -> int | None:
+    """Opt-in shared memory per block of a CUDA device, in bytes (None when torch does not
+    report it); read once per device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMEM_CACHE:
+        props = torch.cuda.get_device_properties(index)
+        _SMEM_CACHE[index] = getattr(props, "shared_memory_per_block_optin", None)
+    return _SMEM_CACHE[index]
 
 
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -881,6 +917,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
-__all__ = ["FP8_DTYPE", "GEMV_MAX_ROWS", "GemvConfig", "MoEConfig", "fused_experts", "gemv_experts",
-           "get_default_config", "get_default_gemv_config", "grouped_gemm", "max_padded_rows",
-           "moe_align_block_size", "quantize_activations_fp8", "use_gemv_path"]
+__all__ = ["FP8_DTYPE", "GEMV_MAX_ROWS", "GemvConfig", "MoEConfig", "fit_shared_memory",
+           "fused_experts", "gemv_experts", "get_default_config", "get_default_gemv_config",
+           "grouped_gemm", "max_padded_rows", "moe_align_block_size", "moe_tile_smem_bytes",
+           "quantize_activations_fp8", "use_gemv_path"]

@@ -119,6 +119,27 @@ def test_align_kernel_equals_the_torch_twin(t, k, e, block_m):
             assert g_.cpu().tolist() == w_.tolist()
 
 
+def test_tiles_fall_back_where_shared_memory_is_short():
+    # The sweep's largest tiles (prefill 128 x 128, FP8 and bf16) take 144 KB by the estimate:
+    # they fit an H200 / H100 (232,448 bytes opt-in) and an A100 (166,912), not an sm89 (101,376).
+    from mla_kernels.fused_moe import fit_shared_memory, moe_tile_smem_bytes
+
+    big = MoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    assert moe_tile_smem_bytes(big, 2) == 3 * (128 * 64 + 2 * 64 * 128) * 2 == 147456
+    fp8 = big._replace(block_k=128)
+    assert moe_tile_smem_bytes(fp8, 1) == 147456
+    for cfg, eb in ((big, 2), (fp8, 1)):
+        assert fit_shared_memory(cfg, eb, 232448) is cfg
+        assert fit_shared_memory(cfg, eb, 166912) is cfg
+        assert fit_shared_memory(cfg, eb, None) is cfg  # unknown: unchanged
+        small = fit_shared_memory(cfg, eb, 101376)
+        assert (small.block_m, small.block_n, small.num_stages) == (128, 64, 2)
+        assert small.block_k == 128 // eb and moe_tile_smem_bytes(small, eb) <= 65536
+    wide_k = MoEConfig(block_m=32, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
+    assert moe_tile_smem_bytes(wide_k, 2) == 122880
+    assert fit_shared_memory(wide_k, 2, 101376).block_k == 64
+
+
 def test_align_of_no_rows():
     sorted_ids, expert_ids, used = moe_align_block_size(
         torch.zeros(0, 6, dtype=torch.long, device=DEV), 64, 16)
