@@ -188,11 +188,14 @@ def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
 
 
 def warm_up(eng: Engine, prompts: list[list[int]]) -> None:
-    """Before a timed run of `prompts`: its first 128 prompts, 8 new tokens each. Their first
-    prefill fills a whole chunk, as the run's first step will, so the kernels the JIT
-    compiles for that size are not compiled inside the timed run (with a 16-prompt warm-up,
-    the first step of a 2,000-request V2-Lite run took 1.1 s in bf16 and 2.3 s with FP8)."""
-    n = min(128, len(prompts))
+    """Before a timed run of `prompts`: its first 256 prompts, 8 new tokens each. Their first
+    two prefills are the run's first two steps (the same prompts in the same order fill the
+    same chunks), so the kernels the JIT compiles for those sizes are not compiled inside the
+    timed run. With a 16-prompt warm-up the first step of a 2,000-request V2-Lite run took
+    1.1 s in bf16 and 2.3 s with FP8; with 128 prompts (the first chunk only) the second step
+    of FP8 / FP8 runs on a fresh machine still took 1.4 s, triton compiling a kernel
+    (docs/benchmarks.md, "Grouped-GEMM tiles, the router's GEMM")."""
+    n = min(256, len(prompts))
     run_requests(eng, prompts[:n], [8] * n)
 
 
