@@ -25,7 +25,10 @@ samples from softmax(logits). E for a seeded row comes from the row's own genera
 per step), so its tokens do not depend on batch mates, batch position or batch size; unseeded
 rows share the sampler's generator.
 
-Logprobs are of the raw logits (log_softmax before any processing), fp32.
+Logprobs are of the raw logits (log_softmax before any processing), fp32. On CUDA, a batch of
+greedy rows whose logits no step changed takes its tokens, logsumexp and logprobs from one
+kernel (`mla_kernels.sampling.greedy_with_logprob`, one read of the logits instead of about six
+torch passes); same tokens, logprobs equal up to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -179,6 +182,14 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Req],
     return out
 
 
+# Rows from which an all-greedy CUDA batch takes `mla_kernels.sampling.greedy_with_logprob`
+# (one program per row: fewer rows leave most SMs idle while each program walks its whole row,
+# where torch's passes spread every row over the GPU). The torch passes it replaces took about
+# 0.43 ms at bs 512 on an H200 (docs/benchmarks.md, "Grouped-GEMM tiles, the router's GEMM");
+# the kernel itself and this threshold are not measured yet.
+FUSED_GREEDY_MIN_ROWS = 128
+
+
 class Sampler:
     """Samples one token per request from fp32 logits [bs, V] (see the module docstring).
 
@@ -247,16 +258,23 @@ class Sampler:
         processed = process_logits(raw, reqs, self.eos_token_ids)
         params = [r.sampling_params for r in reqs]
         sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
-        if len(sampled) == len(reqs):
-            next_ids = self._draw(processed, reqs)
-        else:
-            next_ids = processed.argmax(dim=-1)
-            if sampled:
-                idx = _on(sampled, processed.device)
-                next_ids[idx] = self._draw(processed[idx], [reqs[i] for i in sampled])
+        if (processed is raw and not sampled and raw.is_cuda and raw.stride(1) == 1
+                and raw.shape[0] >= FUSED_GREEDY_MIN_ROWS and not torch.compiler.is_compiling()):
+            # all greedy on unprocessed logits: argmax, logsumexp and the chosen logprob in
+            # one read of the logits (`mla_kernels.sampling`), the same values as below
+            from mla_kernels.sampling import greedy_with_logprob
 
-        lse = torch.logsumexp(raw, dim=-1)
-        chosen_lp = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1) - lse
+            next_ids, chosen_lp, lse = greedy_with_logprob(raw)
+        else:
+            if len(sampled) == len(reqs):
+                next_ids = self._draw(processed, reqs)
+            else:
+                next_ids = processed.argmax(dim=-1)
+                if sampled:
+                    idx = _on(sampled, processed.device)
+                    next_ids[idx] = self._draw(processed[idx], [reqs[i] for i in sampled])
+            lse = torch.logsumexp(raw, dim=-1)
+            chosen_lp = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1) - lse
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         top_vals = top_ids = None
         if want:

@@ -1,0 +1,104 @@
+"""`mla_kernels.sampling.greedy_with_logprob` against torch in float64 (CPU: triton's
+interpreter; GPU: also the sampler's fused branch against its torch path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_backend  # noqa: F401  (registers the `mla_kernels` alias)
+from mla_kernels.sampling import greedy_with_logprob
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    xd = x.double()
+    ids = torch.argmax(xd, dim=-1)
+    lse = torch.logsumexp(xd, dim=-1)
+    return ids, xd.gather(1, ids.unsqueeze(1)).squeeze(1) - lse, lse
+
+
+def _check(x: torch.Tensor) -> None:
+    ids, lp, lse = greedy_with_logprob(x)
+    rid, rlp, rlse = _reference(x)
+    assert ids.dtype == torch.int64 and lp.dtype == torch.float32 and lse.dtype == torch.float32
+    assert torch.equal(ids.cpu(), rid.cpu())
+    torch.testing.assert_close(lp.double().cpu(), rlp.cpu(), rtol=1e-5, atol=1e-5,
+                               equal_nan=True)
+    torch.testing.assert_close(lse.double().cpu(), rlse.cpu(), rtol=1e-5, atol=1e-5,
+                               equal_nan=True)
+
+
+@pytest.mark.parametrize("bs,v", [(1, 7), (3, 1000), (4, 4096), (2, 10_000)])
+def test_random_rows(bs, v):
+    g = torch.Generator().manual_seed(bs * v)
+    _check((torch.randn(bs, v, generator=g) * 4).to(DEV))
+
+
+def test_ties_take_the_first_column_across_blocks():
+    x = torch.zeros(3, 9000)
+    x[0, 5000] = x[0, 8999] = 2.0  # two blocks of 4,096: the earlier block's column wins
+    x[1, 17] = x[1, 4113] = 3.0  # same lane in two blocks
+    x[2, 4095] = x[2, 4096] = 1.0  # adjacent columns on either side of a block edge
+    ids, _, _ = greedy_with_logprob(x.to(DEV))
+    assert ids.tolist() == [5000, 17, 4095]
+    _check(x.to(DEV))
+
+
+def test_masked_nan_and_empty_rows_follow_torch():
+    x = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
+    x[0, :] = float("-inf")  # torch: index 0, logsumexp -inf, logprob NaN
+    x[1, 3:] = float("-inf")  # min_tokens-style masking
+    x[2, 40] = float("nan")
+    x[2, 200] = float("nan")  # torch.argmax: the first NaN
+    ids, lp, lse = greedy_with_logprob(x.to(DEV))
+    assert ids.tolist()[:3] == [0, int(torch.argmax(x[1])), 40]
+    assert lse[0].item() == float("-inf") and lp[0].isnan() and lp[2].isnan()
+    _check(x.to(DEV))
+
+
+def test_padded_row_stride_and_bf16():
+    g = torch.Generator().manual_seed(2)
+    padded = torch.randn(5, 1100, generator=g).to(DEV)
+    _check(padded[:, :1030])  # rows 1,100 apart, 1,030 columns read
+    _check((torch.randn(3, 515, generator=g) * 2).to(torch.bfloat16).to(DEV))
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="bs, V>0"):
+        greedy_with_logprob(torch.zeros(3))
+    with pytest.raises(ValueError, match="contiguous"):
+        greedy_with_logprob(torch.zeros(4, 6).t())
+    ids, lp, lse = greedy_with_logprob(torch.zeros(0, 5, device=DEV))
+    assert ids.shape == lp.shape == lse.shape == (0,)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampler_fused_branch_matches_the_torch_path(monkeypatch):
+    import mla_kernels.sampling as sampling_mod
+    from mla_backend.model_executor.sampler import Sampler
+    from mla_backend.request import Req, SamplingParams
+
+    from mla_backend.model_executor.sampler import FUSED_GREEDY_MIN_ROWS
+
+    vocab, bs = 102_400, max(256, FUSED_GREEDY_MIN_ROWS)
+    logits = torch.randn(bs, vocab + 64, generator=torch.Generator().manual_seed(3)).cuda() * 5
+    reqs = [Req(rid=str(i), origin_input_ids=[1, 2, 3],
+                sampling_params=SamplingParams(temperature=0.0, max_new_tokens=4,
+                                               logprobs=2 if i % 7 == 0 else None))
+            for i in range(bs)]
+    calls = []
+    monkeypatch.setattr(sampling_mod, "greedy_with_logprob",
+                        lambda x: calls.append(x.shape) or greedy_with_logprob(x))
+    sampler = Sampler(set(), vocab, "cuda")
+    fused = sampler.sample(logits, reqs)
+    assert calls == [(bs, vocab)]  # the fused branch ran
+    raw = logits[:, :vocab].double()
+    ids = raw.argmax(-1)
+    lp = raw.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(raw, -1)
+    assert fused.next_token_ids == ids.tolist()
+    torch.testing.assert_close(torch.tensor(fused.token_logprobs, dtype=torch.float64),
+                               lp.cpu(), rtol=1e-5, atol=1e-5)
+    assert all((d is None) == (i % 7 != 0) for i, d in enumerate(fused.top_logprobs))
