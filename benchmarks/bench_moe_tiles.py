@@ -32,8 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mla_backend  # noqa: E402,F401  (registers the `mla_kernels` alias)
-from bench_fused_moe import bench, graph_of, quantize_experts  # noqa: E402
-from mla_backend.layers.moe import select_experts  # noqa: E402
+from bench_fused_moe import bench, graph_of, make_problem, quantize_experts  # noqa: E402
 from mla_kernels.fp8_quant import quantize_per_token  # noqa: E402
 from mla_kernels.fused_moe import (MoEConfig, get_default_config, grouped_gemm,  # noqa: E402
                                    moe_align_block_size)
@@ -53,12 +52,9 @@ def space(dtype: str, t: int) -> list[MoEConfig]:
 
 
 def problem(dtype: str, t: int, seed: int = 0) -> dict:
-    """x [t, H] bf16, w13 [E, 2I, H], w2 [E, H, I] (bf16 or FP8 with [E] scales), routing."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(t, H, generator=g, device="cuda").bfloat16()
-    w13 = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H ** 0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, generator=g, device="cuda") / I ** 0.5).bfloat16()
-    tw, ids = select_experts(torch.randn(t, E, generator=g, device="cuda"), K)
+    """`bench_fused_moe.make_problem`'s bf16 x, w13, w2 and routing, the weights quantized to FP8
+    with [E] scales when dtype is "fp8"."""
+    x, w13, w2, tw, ids = make_problem(t, H, I, E, K, torch.bfloat16, "cuda", seed)
     p = dict(x=x, tw=tw.reshape(-1).float().contiguous(), ids=ids)
     if dtype == "fp8":
         p["w13"], p["s13"] = quantize_experts(w13)

@@ -59,6 +59,7 @@ graph; the path is chosen from shapes only.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -112,7 +113,8 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
     Returns:
         a MoEConfig.
     """
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
         return _INTERPRETER_CONFIG
     bk = 128 if fp8 else 64
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
@@ -126,7 +128,7 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
     else:
         cfg = MoEConfig(block_m=128, block_n=128, block_k=bk, group_m=8, num_warps=8,
                         num_stages=3)
-    return fit_shared_memory(cfg, 1 if fp8 else 2, _max_shared_memory(torch.device(device)))
+    return fit_shared_memory(cfg, 1 if fp8 else 2, _max_shared_memory(device))
 
 
 def moe_tile_smem_bytes(config: MoEConfig, elem_bytes: int) -> int:
@@ -148,17 +150,12 @@ def fit_shared_memory(config: MoEConfig, elem_bytes: int, max_bytes: int | None)
                            num_stages=2)
 
 
-_SMEM_CACHE: dict[int, int | None] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _max_shared_memory(device: torch.device) -> int | None:
     """Opt-in shared memory per block of a CUDA device, in bytes (None when torch does not
     report it); read once per device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMEM_CACHE:
-        props = torch.cuda.get_device_properties(index)
-        _SMEM_CACHE[index] = getattr(props, "shared_memory_per_block_optin", None)
-    return _SMEM_CACHE[index]
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin",
+                   None)
 
 
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:

@@ -317,7 +317,7 @@ class RouterGate(ReplicatedLinear):
     output (`torch.mm(..., out_dtype=torch.float32)`): the products of two bf16 values are
     exact in fp32 and are summed in fp32, as `F.linear(x.float(), weight)` does, but without
     the cast of x and the fp32 SIMT GEMM (a bs-512 H200 profile lists two fp32 SIMT kernels
-    of 9.2 and 5.9 us and a 9 us copy per MoE layer, the router's among them;
+    of 9.0 and 5.8 us per MoE layer and 28 9-us copies per step, the router's among them;
     docs/benchmarks.md, "Grouped-GEMM tiles, the router's GEMM"). The sums may differ from
     the fp32 GEMM's in the last bits (another summation order).
     """

@@ -266,13 +266,7 @@ class Sampler:
 
             next_ids, chosen_lp, lse = greedy_with_logprob(raw)
         else:
-            if len(sampled) == len(reqs):
-                next_ids = self._draw(processed, reqs)
-            else:
-                next_ids = processed.argmax(dim=-1)
-                if sampled:
-                    idx = _on(sampled, processed.device)
-                    next_ids[idx] = self._draw(processed[idx], [reqs[i] for i in sampled])
+            next_ids = self._next_ids(processed, reqs, sampled)
             lse = torch.logsumexp(raw, dim=-1)
             chosen_lp = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1) - lse
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -294,6 +288,18 @@ class Sampler:
             event.record()
         return LaunchedSample(next_ids, host, event, [params[i].logprobs or 0 for i in want],
                               want)
+
+    def _next_ids(self, processed: torch.Tensor, reqs: Sequence[Req],
+                  sampled: list[int]) -> torch.Tensor:
+        """int64 [bs]: the argmax of `processed` for greedy rows, a draw (`_draw`) for the rows
+        listed in `sampled`."""
+        if len(sampled) == len(reqs):
+            return self._draw(processed, reqs)
+        next_ids = processed.argmax(dim=-1)
+        if sampled:
+            idx = _on(sampled, processed.device)
+            next_ids[idx] = self._draw(processed[idx], [reqs[i] for i in sampled])
+        return next_ids
 
     @staticmethod
     def resolve(launched: "LaunchedSample") -> SampleOutput:
