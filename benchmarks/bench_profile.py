@@ -29,6 +29,8 @@ Sections (`--sections`):
   `prefill_min_free_rows`. `--window START COUNT` also profiles steps START .. START+COUNT-1 of
   the run (torch.profiler for the GPU's kernel time, cProfile for the host's Python functions):
   the GPU's busy share of those steps' wall time and the top host functions.
+  `--prefill-host N` cProfiles the host side of the run's first N prefill steps after its
+  eighth (functions by own and cumulative time, ms per step).
 
 `--quantization fp8 --kv-cache-dtype fp8_e4m3` profiles the FP8 engine (issue 6).
 
@@ -362,6 +364,65 @@ class CompileLog:
         self.events.append((name, 1000 * (time.perf_counter() - self._t0), self.step()))
 
 
+class PrefillHost:
+    """Host profile of prefill steps only: wraps `eng.step` (an instance attribute shadowing
+    the method) with a fresh cProfile per step from step `skip` on, and keeps the statistics of
+    the first `count` steps that scheduled a prefill / extend batch (`is_prefill()`, asked after
+    the step). Under the overlap schedule such a step launches the prefill and then waits for
+    the previous decode batch's tokens, so its wall time is the prefill's host work plus that
+    wait (the prefill's own GPU time shows in the next step)."""
+
+    def __init__(self, eng, skip: int, count: int, is_prefill) -> None:
+        import cProfile
+
+        self.count, self.n = count, 0
+        self.walls: list[float] = []
+        self.stats = None
+        inner = eng.step
+
+        def step():
+            self.n += 1
+            if self.n < skip or len(self.walls) >= count:
+                return inner()
+            prof = cProfile.Profile()
+            t = time.perf_counter()
+            prof.enable()
+            outs = inner()
+            prof.disable()
+            dt = time.perf_counter() - t
+            if is_prefill():
+                import pstats
+
+                self.walls.append(dt)
+                if self.stats is None:
+                    self.stats = pstats.Stats(prof)
+                else:
+                    self.stats.add(prof)
+            return outs
+
+        eng.step = step
+
+    def report(self, top: int) -> dict:
+        """Print and return: wall ms per profiled prefill step and the top host functions by
+        own time and by cumulative time (ms per step)."""
+        if not self.walls:
+            log("prefill host profile: no prefill step after the skipped ones")
+            return {}
+        n = len(self.walls)
+        wall = 1000 * sum(self.walls) / n
+        items = self.stats.stats.items()  # type: ignore[union-attr]
+        out = {"steps": n, "wall_ms": wall}
+        for key, col in (("own", 2), ("cumulative", 3)):
+            funcs = sorted(items, key=lambda kv: -kv[1][col])[:top]
+            rows = [[f"{os.path.basename(f)}:{line}({name})", v[1], 1000 * v[2] / n,
+                     1000 * v[3] / n] for (f, line, name), v in funcs]
+            table(f"Host side of {n} prefill steps of the run (cProfile on): {wall:.2f} ms per "
+                  f"step; functions by {key} time",
+                  ["function", "calls", "own ms/step", "cumulative ms/step"], rows)
+            out[key] = rows
+        return out
+
+
 def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
     pairs = load_length_pairs(args.lengths, args.num_requests, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -394,6 +455,9 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
     eng.scheduler.get_next_batch = get_next_batch
     log_rows: list[tuple[str, int, int, float]] = []
     window = StepWindow(eng, *args.window) if args.window else None
+    pre_host = (PrefillHost(eng, 8, args.prefill_host,
+                            lambda: bool(batches) and batches[-1][0] == "prefill")
+                if args.prefill_host else None)
 
     def on_step(dt: float, _outs: list) -> None:
         if batches:
@@ -407,6 +471,8 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
     release()
     if window is not None:
         res["window"] = window.report(args.top)
+    if pre_host is not None:
+        res["prefill_host"] = pre_host.report(args.top)
     total = r["seconds"]
     edges = [e for e in (1, 16, 64, 128, 256, 512, 1024, 4096)]
     groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0.0])
@@ -485,6 +551,9 @@ def main() -> None:
     ap.add_argument("--shape-overrides", default="{}")
     ap.add_argument("--window", type=int, nargs=2, default=None, metavar=("START", "COUNT"),
                     help="steps: profile these steps of the run (GPU kernels and host)")
+    ap.add_argument("--prefill-host", type=int, default=0, metavar="N",
+                    help="steps: also cProfile the host side of the run's first N prefill "
+                         "steps after its eighth step (wall ms per step, top functions)")
     ap.add_argument("--overlap-schedule", default="auto", choices=["auto", "true", "false"])
     ap.add_argument("--gc-unfreeze", action="store_true",
                     help="steps: undo the engine's gc.freeze of its start-up objects "

@@ -8,7 +8,12 @@ broadcast subtraction, exp, sum, log) plus a gather: five or six passes over [bs
 docs/benchmarks.md, "Grouped-GEMM tiles, the router's GEMM"). `greedy_with_logprob` reads each
 row once: per lane a running maximum with its first index, and an online softmax sum
 (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018), combined across lanes
-at the end.
+at the end. From SPLIT_MAX_ROWS rows one program reads a whole row (`_greedy_logprob_kernel`);
+below, several programs each read a range of whole blocks of it (`_greedy_partial_kernel`) and
+a second launch combines their partials per row (`_greedy_combine_kernel`: the first column of
+the largest maximum, the max-shifted sum of the partial sums). H200, V 102,400: 9.5 us at bs 1,
+94 us at bs 512, against 72 and 442 us for torch (docs/benchmarks.md, "The sampler in one pass,
+measured").
 
 Same results as torch: the index is the first position of the row's maximum (torch.argmax's
 rule), or the first NaN when the row has one (torch.argmax treats NaN as the maximum); the
@@ -25,23 +30,32 @@ import triton.language as tl
 
 # Columns a program reads per step (fp32: 16 KB).
 GREEDY_BLOCK = 4096
+# Row splits: below SPLIT_MAX_ROWS rows each row is read by several programs (about
+# SPLIT_TARGET_PROGRAMS in all, at most MAX_SPLITS per row, at least one BLOCK of columns each)
+# whose partials a second launch combines; one program per row leaves most of the GPU idle at
+# small batches. H200, V 102,400 fp32, µs one program per row -> split (docs/benchmarks.md, "The
+# sampler in one pass, measured"): bs 1 35.2 -> 9.4 (32 splits), bs 64 39.4 -> 25.7 (8),
+# bs 128 43.6 -> 39.3 (4), but bs 192 50.3 -> 57.8 and bs 256 53.0 -> 61.0 (2).
+SPLIT_MAX_ROWS = 160
+SPLIT_TARGET_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
+MAX_SPLITS = 64
 
 
-@triton.jit(do_not_specialize=["V"])
-def _greedy_logprob_kernel(logits_ptr, stride_row, V, next_ptr, lp_ptr, lse_ptr,
-                           BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride_row
+@triton.jit
+def _scan_columns(base, lo, hi, BLOCK: tl.constexpr):
+    """Columns [lo, hi) of one row (base: the row's first element): (max, first column of the
+    max, first NaN column or INT32_MAX, softmax max m, sum of exp(x - m)); m = -inf and sum 0
+    when every column is -inf."""
     lane = tl.arange(0, BLOCK)
     neg_inf = float("-inf")
     m = tl.full([BLOCK], neg_inf, tl.float32)  # per-lane running max
     s = tl.zeros([BLOCK], dtype=tl.float32)  # per-lane sum of exp(x - m)
     best = tl.full([BLOCK], neg_inf, tl.float32)  # per-lane max and its first column
-    best_idx = lane
+    best_idx = lo + lane
     first_nan = tl.full([BLOCK], 2147483647, tl.int32)
-    for start in range(0, V, BLOCK):
+    for start in range(lo, hi, BLOCK):
         cols = start + lane
-        x = tl.load(base + cols, mask=cols < V, other=neg_inf).to(tl.float32)
+        x = tl.load(base + cols, mask=cols < hi, other=neg_inf).to(tl.float32)
         take = x > best  # strict: a lane keeps the first column of its maximum
         best = tl.where(take, x, best)
         best_idx = tl.where(take, cols, best_idx)
@@ -54,10 +68,14 @@ def _greedy_logprob_kernel(logits_ptr, stride_row, V, next_ptr, lp_ptr, lse_ptr,
     row_max = tl.max(best, axis=0)
     idx = tl.min(tl.where(best == row_max, best_idx, 2147483647), axis=0)
     nan_idx = tl.min(first_nan, axis=0)
-    has_nan = nan_idx != 2147483647
-    idx = tl.where(has_nan, nan_idx, idx)
     big_m = tl.max(m, axis=0)
     total = tl.sum(tl.where(m != neg_inf, s * tl.exp(m - big_m), 0.0), axis=0)
+    return row_max, idx, nan_idx, big_m, total
+
+
+@triton.jit
+def _finish_row(base, row, idx, nan_idx, big_m, total, next_ptr, lp_ptr, lse_ptr):
+    idx = tl.where(nan_idx != 2147483647, nan_idx, idx)  # torch.argmax: the first NaN
     lse = big_m + tl.log(total)
     chosen = tl.load(base + idx).to(tl.float32)
     tl.store(next_ptr + row, idx.to(tl.int64))
@@ -65,26 +83,104 @@ def _greedy_logprob_kernel(logits_ptr, stride_row, V, next_ptr, lp_ptr, lse_ptr,
     tl.store(lse_ptr + row, lse)
 
 
-def greedy_with_logprob(logits: torch.Tensor
+@triton.jit(do_not_specialize=["V"])
+def _greedy_logprob_kernel(logits_ptr, stride_row, V, next_ptr, lp_ptr, lse_ptr,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    _, idx, nan_idx, big_m, total = _scan_columns(base, 0, V, BLOCK)
+    _finish_row(base, row, idx, nan_idx, big_m, total, next_ptr, lp_ptr, lse_ptr)
+
+
+@triton.jit(do_not_specialize=["V", "chunk"])
+def _greedy_partial_kernel(logits_ptr, stride_row, V, chunk, part_f_ptr, part_i_ptr,
+                           SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    # program (row, split): columns [split * chunk, min(V, (split + 1) * chunk)) -> partials
+    # [row, split, :] = (max, softmax max, sum) float32 and (first column of the max, first NaN)
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    base = logits_ptr + row * stride_row
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, V)
+    row_max, idx, nan_idx, big_m, total = _scan_columns(base, lo, hi, BLOCK)
+    p = (row * SPLITS + split) * 3
+    tl.store(part_f_ptr + p, row_max)
+    tl.store(part_f_ptr + p + 1, big_m)
+    tl.store(part_f_ptr + p + 2, total)
+    q = (row * SPLITS + split) * 2
+    tl.store(part_i_ptr + q, idx)
+    tl.store(part_i_ptr + q + 1, nan_idx)
+
+
+@triton.jit
+def _greedy_combine_kernel(logits_ptr, stride_row, part_f_ptr, part_i_ptr, next_ptr, lp_ptr,
+                           lse_ptr, SPLITS: tl.constexpr):
+    # one program per row: the SPLITS partials -> argmax (first column of the max, or the first
+    # NaN), logsumexp (max-shifted sum of the splits' sums), the chosen logprob
+    row = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, SPLITS)
+    pf = part_f_ptr + (row * SPLITS + sp) * 3
+    pi = part_i_ptr + (row * SPLITS + sp) * 2
+    best = tl.load(pf)
+    m = tl.load(pf + 1)
+    s = tl.load(pf + 2)
+    idx_s = tl.load(pi)
+    nan_s = tl.load(pi + 1)
+    row_max = tl.max(best, axis=0)
+    idx = tl.min(tl.where(best == row_max, idx_s, 2147483647), axis=0)
+    nan_idx = tl.min(nan_s, axis=0)
+    big_m = tl.max(m, axis=0)
+    total = tl.sum(tl.where(m != float("-inf"), s * tl.exp(m - big_m), 0.0), axis=0)
+    base = logits_ptr + row * stride_row
+    _finish_row(base, row, idx, nan_idx, big_m, total, next_ptr, lp_ptr, lse_ptr)
+
+
+def _num_splits(bs: int, v: int, block: int, target_programs: int) -> int:
+    """Programs per row: 1 from SPLIT_MAX_ROWS rows, else enough for about `target_programs`
+    in all (a power of two: the combine kernel's tl.arange), at least one BLOCK of columns each
+    and at most MAX_SPLITS."""
+    if bs >= SPLIT_MAX_ROWS:
+        return 1
+    want = min(-(-target_programs // bs), -(-v // block), MAX_SPLITS)
+    return 1 if want <= 1 else triton.next_power_of_2(want)
+
+
+def plan_batch_sizes(max_rows: int, v: int) -> list[int]:
+    """The smallest batch size of each launch plan `greedy_with_logprob` can take for 1 ..
+    max_rows rows of V columns (one per distinct `_num_splits`, ascending): running those once
+    compiles every kernel variant a batch of at most max_rows rows can need."""
+    block = min(GREEDY_BLOCK, triton.next_power_of_2(max(v, 1)))
+    seen: dict[int, int] = {}
+    for bs in range(1, max(1, min(max_rows, SPLIT_MAX_ROWS)) + 1):
+        seen.setdefault(_num_splits(bs, v, block, SPLIT_TARGET_PROGRAMS), bs)
+    return sorted(seen.values())
+
+
+def greedy_with_logprob(logits: torch.Tensor, splits: int | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(argmax, logprob of the argmax, logsumexp) per row, one launch.
+    """(argmax, logprob of the argmax, logsumexp) per row: one launch (one program per row), or
+    below SPLIT_TARGET_PROGRAMS rows two (several programs per row, then a combine per row).
 
     Args:
         logits: [bs, V] float32/bfloat16/float16 with a contiguous last dim (any row stride:
             a `[:, :V]` view of padded logits is fine), on CUDA or, under triton's interpreter,
             the CPU.
+        splits: programs per row (a power of two, or 1); default from the batch size
+            (`_num_splits`). A split that starts past V reads nothing.
     Returns:
         (next_ids int64 [bs], logprob float32 [bs], lse float32 [bs]) = (logits.argmax(-1),
         logits[r, next] - lse[r], logsumexp(logits[r]) in fp32); see the module docstring for
         NaN and -inf rows.
     Raises:
-        ValueError: logits not 2-D, V == 0, or a strided last dim.
+        ValueError: logits not 2-D, V == 0, a strided last dim, or splits not a power of two.
     """
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"greedy_with_logprob: logits must be [bs, V>0], got "
                          f"{tuple(logits.shape)}")
     if logits.stride(1) != 1:
         raise ValueError("greedy_with_logprob: the last dim must be contiguous")
+    if splits is not None and (splits < 1 or splits & (splits - 1)):
+        raise ValueError(f"greedy_with_logprob: splits must be a power of two, got {splits}")
     bs, v = logits.shape
     next_ids = torch.empty(bs, dtype=torch.int64, device=logits.device)
     logprob = torch.empty(bs, dtype=torch.float32, device=logits.device)
@@ -92,9 +188,22 @@ def greedy_with_logprob(logits: torch.Tensor
     if bs == 0:
         return next_ids, logprob, lse
     block = min(GREEDY_BLOCK, triton.next_power_of_2(v))
-    _greedy_logprob_kernel[(bs,)](logits, logits.stride(0), v, next_ids, logprob, lse,
-                                  BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    warps = 8 if block >= 2048 else 4
+    splits = _num_splits(bs, v, block, SPLIT_TARGET_PROGRAMS) if splits is None else splits
+    if splits <= 1:
+        _greedy_logprob_kernel[(bs,)](logits, logits.stride(0), v, next_ids, logprob, lse,
+                                      BLOCK=block, num_warps=warps)
+        return next_ids, logprob, lse
+    chunk = -(-v // splits)
+    chunk = -(-chunk // block) * block  # whole blocks per split; the last split may be short
+    part_f = torch.empty(bs, splits, 3, dtype=torch.float32, device=logits.device)
+    part_i = torch.empty(bs, splits, 2, dtype=torch.int32, device=logits.device)
+    _greedy_partial_kernel[(bs, splits)](logits, logits.stride(0), v, chunk, part_f, part_i,
+                                         SPLITS=splits, BLOCK=block, num_warps=warps)
+    _greedy_combine_kernel[(bs,)](logits, logits.stride(0), part_f, part_i, next_ids, logprob,
+                                  lse, SPLITS=splits, num_warps=1)
     return next_ids, logprob, lse
 
 
-__all__ = ["GREEDY_BLOCK", "greedy_with_logprob"]
+__all__ = ["GREEDY_BLOCK", "MAX_SPLITS", "SPLIT_MAX_ROWS", "SPLIT_TARGET_PROGRAMS",
+           "greedy_with_logprob", "plan_batch_sizes"]

@@ -220,6 +220,7 @@ class Engine:
             context_len=self.context_len,
         )
         self.sampler = Sampler(eos, self.vocab_size, self.runner.device, seed=config.runner.seed)
+        self.sampler.warm_up(self.runner.max_running_requests)  # CUDA: compile its kernels now
         overlap = config.scheduler.overlap_schedule
         # `overlap_schedule` resolved (off with tensor parallelism: the workers get host copies
         # of the inputs); may be switched between steps (benchmarks do).

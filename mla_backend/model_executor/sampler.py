@@ -182,12 +182,11 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Req],
     return out
 
 
-# Rows from which an all-greedy CUDA batch takes `mla_kernels.sampling.greedy_with_logprob`
-# (one program per row: fewer rows leave most SMs idle while each program walks its whole row,
-# where torch's passes spread every row over the GPU). The torch passes it replaces took about
-# 0.43 ms at bs 512 on an H200 (docs/benchmarks.md, "Grouped-GEMM tiles, the router's GEMM");
-# the kernel itself and this threshold are not measured yet.
-FUSED_GREEDY_MIN_ROWS = 128
+# Rows from which an all-greedy CUDA batch takes `mla_kernels.sampling.greedy_with_logprob`.
+# On an H200 (V 102,400 fp32, graph replay; `benchmarks/bench_sampling.py`, docs/benchmarks.md
+# "The sampler in one pass, measured") the kernel beat torch's passes at every batch size timed:
+# 35.8 vs 74.1 us at bs 1, 44.0 vs 172.7 at bs 128, 93.9 vs 442.2 at bs 512.
+FUSED_GREEDY_MIN_ROWS = 1
 
 
 class Sampler:
@@ -206,6 +205,22 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+
+    @torch.no_grad()
+    def warm_up(self, max_rows: int) -> int:
+        """On CUDA, run the one-pass greedy kernel once per launch plan a batch of up to
+        `max_rows` rows can take (`mla_kernels.sampling.plan_batch_sizes`), so that triton
+        compiles them now rather than inside the first requests' steps (each variant is a JIT
+        compile of a fraction of a second on a machine without triton's disk cache). Returns
+        the number of plans run (0 off CUDA)."""
+        if self.device.type != "cuda" or max_rows < FUSED_GREEDY_MIN_ROWS:
+            return 0
+        from mla_kernels.sampling import greedy_with_logprob, plan_batch_sizes
+
+        sizes = plan_batch_sizes(max_rows, self.vocab_size)
+        for bs in sizes:
+            greedy_with_logprob(torch.zeros(bs, self.vocab_size, device=self.device))
+        return len(sizes)
 
     def _row_generator(self, req: Req) -> torch.Generator | None:
         seed = req.sampling_params.seed

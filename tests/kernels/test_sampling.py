@@ -19,8 +19,8 @@ def _reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return ids, xd.gather(1, ids.unsqueeze(1)).squeeze(1) - lse, lse
 
 
-def _check(x: torch.Tensor) -> None:
-    ids, lp, lse = greedy_with_logprob(x)
+def _check(x: torch.Tensor, splits: int | None = None) -> None:
+    ids, lp, lse = greedy_with_logprob(x, splits)
     rid, rlp, rlse = _reference(x)
     assert ids.dtype == torch.int64 and lp.dtype == torch.float32 and lse.dtype == torch.float32
     assert torch.equal(ids.cpu(), rid.cpu())
@@ -65,25 +65,76 @@ def test_padded_row_stride_and_bf16():
     _check((torch.randn(3, 515, generator=g) * 2).to(torch.bfloat16).to(DEV))
 
 
+@pytest.mark.parametrize("splits", [2, 4, 8])
+def test_split_rows_equal_the_reference(splits, monkeypatch):
+    """Several programs per row (small batches) and the combine, with 512-column blocks so that
+    3,000 columns fill several splits: random rows, a tie between the first and the last split
+    (the earlier column wins), NaNs in two splits, an all -inf row, leading splits of only
+    -inf, and splits past the row's end (8 splits of 512 columns over 3,000)."""
+    import mla_kernels.sampling as sampling_mod
+
+    monkeypatch.setattr(sampling_mod, "GREEDY_BLOCK", 512)
+    g = torch.Generator().manual_seed(splits)
+    x = torch.randn(5, 3000, generator=g) * 3
+    x[1, 100] = x[1, 2900] = 50.0  # tie in the first and the last split
+    x[2, 2999] = float("nan")
+    x[2, 2500] = float("nan")
+    x[3, :] = float("-inf")
+    x[4, :2000] = float("-inf")  # the first splits hold only -inf
+    ids, lp, lse = greedy_with_logprob(x.to(DEV), splits)
+    assert ids.tolist()[1:4] == [100, 2500, 0]
+    assert lse[3].item() == float("-inf") and lp[3].isnan()
+    _check(x.to(DEV), splits)
+    # the default plan splits small batches: bs 1 with a DeepSeek-size row
+    _check(torch.randn(1, 102_400, generator=g).to(DEV))
+
+
+def test_split_plan():
+    from mla_kernels.sampling import MAX_SPLITS, _num_splits
+
+    assert _num_splits(160, 102_400, 4096, 264) == 1  # SPLIT_MAX_ROWS: one program each
+    assert _num_splits(1, 102_400, 4096, 264) == 32  # 25 blocks of columns -> 32 (pow 2)
+    assert _num_splits(64, 102_400, 4096, 264) == 8  # cdiv(264, 64) = 5 -> 8
+    assert _num_splits(128, 102_400, 4096, 264) == 4  # cdiv(264, 128) = 3 -> 4
+    assert _num_splits(1, 10**7, 4096, 264) == MAX_SPLITS
+    assert _num_splits(3, 1000, 1024, 264) == 1  # one block per row: nothing to split
+
+
+def test_plan_batch_sizes_cover_every_plan():
+    from mla_kernels.sampling import (GREEDY_BLOCK, SPLIT_MAX_ROWS, SPLIT_TARGET_PROGRAMS,
+                                      _num_splits, plan_batch_sizes)
+
+    v = 102_400
+    sizes = plan_batch_sizes(512, v)
+    plans = [_num_splits(b, v, GREEDY_BLOCK, SPLIT_TARGET_PROGRAMS) for b in sizes]
+    every = {_num_splits(b, v, GREEDY_BLOCK, SPLIT_TARGET_PROGRAMS) for b in range(1, 513)}
+    assert sorted(plans, reverse=True) == plans and set(plans) == every and 1 in plans
+    assert sizes[0] == 1 and sizes[-1] == SPLIT_MAX_ROWS
+    assert sizes == [1, 17, 33, 66, 132, 160]  # 32, 16, 8, 4, 2 splits, then one program
+    assert plan_batch_sizes(16, v) == [1]  # up to 16 rows: 25 blocks per row -> 32 splits
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="bs, V>0"):
         greedy_with_logprob(torch.zeros(3))
     with pytest.raises(ValueError, match="contiguous"):
         greedy_with_logprob(torch.zeros(4, 6).t())
+    with pytest.raises(ValueError, match="power of two"):
+        greedy_with_logprob(torch.zeros(4, 6), splits=3)
     ids, lp, lse = greedy_with_logprob(torch.zeros(0, 5, device=DEV))
     assert ids.shape == lp.shape == lse.shape == (0,)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_sampler_fused_branch_matches_the_torch_path(monkeypatch):
+@pytest.mark.parametrize("bs", [3, 100, 256])  # 32 and 4 splits per row, one program per row
+def test_sampler_fused_branch_matches_the_torch_path(monkeypatch, bs):
     import mla_kernels.sampling as sampling_mod
-    from mla_backend.model_executor.sampler import Sampler
+    from mla_backend.model_executor.sampler import FUSED_GREEDY_MIN_ROWS, Sampler
     from mla_backend.request import Req, SamplingParams
 
-    from mla_backend.model_executor.sampler import FUSED_GREEDY_MIN_ROWS
-
-    vocab, bs = 102_400, max(256, FUSED_GREEDY_MIN_ROWS)
+    vocab = 102_400
+    assert bs >= FUSED_GREEDY_MIN_ROWS
     logits = torch.randn(bs, vocab + 64, generator=torch.Generator().manual_seed(3)).cuda() * 5
     reqs = [Req(rid=str(i), origin_input_ids=[1, 2, 3],
                 sampling_params=SamplingParams(temperature=0.0, max_new_tokens=4,
@@ -93,6 +144,9 @@ def test_sampler_fused_branch_matches_the_torch_path(monkeypatch):
     monkeypatch.setattr(sampling_mod, "greedy_with_logprob",
                         lambda x: calls.append(x.shape) or greedy_with_logprob(x))
     sampler = Sampler(set(), vocab, "cuda")
+    assert sampler.warm_up(512) == 6  # the launch plans of 1 .. 512 rows, compiled once
+    assert len(calls) == 6
+    calls.clear()
     fused = sampler.sample(logits, reqs)
     assert calls == [(bs, vocab)]  # the fused branch ran
     raw = logits[:, :vocab].double()
