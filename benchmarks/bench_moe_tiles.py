@@ -13,9 +13,12 @@ specialized, so one token count per BLOCK_M range compiles it), then each GEMM i
 CUDA graph and its replay timed (median of `triton.testing.do_bench`, µs) in this process. Per
 (dtype, T) it prints the six fastest configs of each GEMM, the time of `get_default_config`'s
 pick, and the best single config for both. Configs that do not fit (shared memory) are skipped.
-MoEConfig fields are printed as (block_m, block_n, block_k, group_m, num_warps, num_stages).
+MoEConfig fields are printed as (block_m, block_n, block_k, group_m, num_warps, num_stages,
+b_desc). `--b-desc on|both` also times (or only times) each config with the weight tiles loaded
+through a tensor descriptor (`MoEConfig.b_desc`, TMA on Hopper).
 
     PYTHONPATH=. python3 benchmarks/bench_moe_tiles.py [--tokens 256 512 3072] [--dtypes fp8 bf16]
+        [--b-desc off|on|both]
 """
 
 from __future__ import annotations
@@ -40,15 +43,17 @@ from mla_kernels.fused_moe import (MoEConfig, get_default_config, grouped_gemm, 
 H, I, E, K = 2048, 1408, 64, 6
 
 
-def space(dtype: str, t: int) -> list[MoEConfig]:
+def space(dtype: str, t: int, b_desc: str = "off") -> list[MoEConfig]:
     """The configs timed at T tokens: decode sizes (T*k/E <= 96) BLOCK_M 16/32/64, prefill
-    64/128; BLOCK_K 128/256 for FP8 (one byte per element), 64/128 for bf16."""
+    64/128; BLOCK_K 128/256 for FP8 (one byte per element), 64/128 for bf16; weight tiles by
+    pointer loads (b_desc "off"), through a tensor descriptor ("on") or both ("both")."""
     bms = [16, 32, 64] if t * K / E <= 96 else [64, 128]
     bks = [128, 256] if dtype == "fp8" else [64, 128]
+    descs = {"off": [False], "on": [True], "both": [False, True]}[b_desc]
     return [MoEConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8 if bm >= 32 else 1,
-                      num_warps=w, num_stages=s)
-            for bm, bn, bk, w, s in itertools.product(bms, [64, 128, 256], bks, [4, 8],
-                                                      [3, 4, 5])]
+                      num_warps=w, num_stages=s, b_desc=d)
+            for d, bm, bn, bk, w, s in itertools.product(descs, bms, [64, 128, 256], bks, [4, 8],
+                                                         [3, 4, 5])]
 
 
 def problem(dtype: str, t: int, seed: int = 0) -> dict:
@@ -109,6 +114,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 512, 3072])
     ap.add_argument("--dtypes", nargs="+", choices=["fp8", "bf16"], default=["fp8", "bf16"])
     ap.add_argument("--workers", type=int, default=12, help="compile processes")
+    ap.add_argument("--b-desc", choices=["off", "on", "both"], default="off",
+                    help="weight tiles by pointer loads, a tensor descriptor (TMA), or both")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_moe_tiles: needs a CUDA GPU", file=sys.stderr)
@@ -116,7 +123,7 @@ def main() -> int:
     seen, jobs = set(), []
     for d in args.dtypes:
         for t in args.tokens:
-            for c in space(d, t):
+            for c in space(d, t, args.b_desc):
                 if (d, tuple(c)) not in seen:
                     seen.add((d, tuple(c)))
                     jobs.append((d, t, tuple(c)))
@@ -130,7 +137,7 @@ def main() -> int:
             p = problem(d, t)
             default = tuple(get_default_config(t, K, E, "cuda", fp8=(d == "fp8")))
             rows = []
-            for cfg in space(d, t):
+            for cfg in space(d, t, args.b_desc):
                 try:
                     times = [1000 * bench(graph_of(f).replay, 5, 25) for f in gemms(p, t, cfg)]
                 except Exception:  # noqa: BLE001  (does not fit)

@@ -77,6 +77,10 @@ class MoEConfig(NamedTuple):
     block_n: output columns per program. block_k: reduction step.
     group_m: row blocks visited together per column block (L2 reuse of weight tiles).
     num_warps, num_stages: triton launch options (ignored by the interpreter).
+    b_desc: load the weight tiles through a tensor descriptor (`TensorDescriptor`: on Hopper a
+        TMA copy per tile) instead of per-thread pointer loads; the gathered activation rows
+        keep pointer loads. Off in every default config: not yet timed on a GPU
+        (`benchmarks/bench_moe_tiles.py --b-desc`).
     """
 
     block_m: int
@@ -85,6 +89,7 @@ class MoEConfig(NamedTuple):
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    b_desc: bool = False
 
 
 # Under triton's interpreter (CPU tests) small tiles keep each program cheap and exercise masking.
@@ -323,19 +328,23 @@ def _tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 # tile config serves every batch size instead of a JIT compile for each new pattern.
 @triton.jit(do_not_specialize=["num_rows", "num_blocks_m"])
 def _grouped_gemm_kernel(
-    A, B, C, TopkWeights, SortedTokenIds, ExpertIds, NumTokensPostPadded, AScale, BScale,
+    A, B, C, TopkWeights, SortedTokenIds, ExpertIds, NumTokensPostPadded, AScale, BScale, BDesc,
     N, K, num_rows, a_row_div, num_blocks_m, up_offset, group_n, group_k, up_scale_offset,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     FUSE_SILU_MUL: tl.constexpr, MUL_ROUTING_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8_DOT: tl.constexpr,
+    B_DESC: tl.constexpr,
 ):
     # QUANT: 0 = a, B in one float dtype; 1 = FP8 B with one scale per expert (BScale[e]) and
     # one activation scale per a row (AScale[a_row * stride_asm]; stride 0: one for all),
     # applied after the K loop; 2 = FP8 B with block scales
     # BScale[e, n // group_n, k // group_k] and per-(row, K group) activation scales
     # AScale[a_row, k // group_k], applied per K step (BLOCK_K divides group_k).
+    # B_DESC: weight tiles through BDesc, a descriptor over B [E, N (2N fused), K] with block
+    # [1, BLOCK_N, BLOCK_K]; out-of-range elements read as 0, a gate tile's columns past N read
+    # up rows, and both are masked at the store like the pointer path's.
     # Program -> (row block, column block), GROUP_M row blocks at a time so consecutive programs
     # reuse a column block of one expert's weights from L2.
     pid = tl.program_id(0)
@@ -368,10 +377,15 @@ def _grouped_gemm_kernel(
             up_ptrs = b_ptrs + up_offset  # up rows follow the N gate rows
             bsu_ptrs = bs_ptrs + up_scale_offset  # and their scale rows the gate's
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        expert32 = expert.to(tl.int32)
+        n0 = pid_n * BLOCK_N
         for kb in range(tl.cdiv(K, BLOCK_K)):
             mask_k = offs_k < K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if B_DESC:
+                b = BDesc.load([expert32, n0, kb * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+            else:
+                b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             if QUANT == 2:
                 g = (kb * BLOCK_K) // group_k
                 a_s = tl.load(as_ptrs + g * stride_ask, mask=mask_m, other=0.0)
@@ -384,7 +398,10 @@ def _grouped_gemm_kernel(
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
             if FUSE_SILU_MUL:
-                bu = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                if B_DESC:
+                    bu = BDesc.load([expert32, N + n0, kb * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+                else:
+                    bu = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
                 if QUANT == 2:
                     bu_s = tl.load(bsu_ptrs + g * stride_bsk, mask=mask_n, other=0.0)
                     part_up = _tile_dot(a, bu, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
@@ -490,6 +507,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
     num_blocks_m = expert_ids.shape[0]
     if num_blocks_m == 0 or n == 0:
         return c
+    b_desc = _weight_descriptor(w, config) if config.b_desc else None
     grid = (num_blocks_m * triton.cdiv(n, config.block_n),)
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     weights = topk_weights if topk_weights is not None else c  # unused pointer when not weighted
@@ -502,6 +520,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
         a_strides, w_strides = (0, 0), (0, 0, 0)
     _grouped_gemm_kernel[grid](
         a, w, c, weights, sorted_token_ids, expert_ids, num_tokens_post_padded, a_scale, w_scale,
+        b_desc if b_desc is not None else w,  # w: an unused pointer
         n, k, num_rows, a_row_div, num_blocks_m, n * w.stride(1), group_n, group_k,
         up_scale_offset,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
@@ -509,10 +528,24 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
         FUSE_SILU_MUL=fuse_silu_mul, MUL_ROUTING_WEIGHT=topk_weights is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_PRECISION=precision, QUANT=quant,
-        FP8_DOT=bool(quant) and _fp8_dot_ok(a, w),
+        FP8_DOT=bool(quant) and _fp8_dot_ok(a, w), B_DESC=b_desc is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return c
+
+
+def _weight_descriptor(w: torch.Tensor, config: MoEConfig):
+    """A `TensorDescriptor` over w [E, N', K] with block [1, block_n, block_k], or None where
+    a descriptor cannot address w (TMA needs a contiguous last dim, 16-byte aligned base and
+    strides, and 16 bytes or more per block row)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    size = w.element_size()
+    if (w.stride(2) != 1 or (w.data_ptr() % 16) or any((st * size) % 16 for st in w.stride()[:2])
+            or config.block_k * size < 16):
+        return None
+    return TensorDescriptor(w, list(w.shape), list(w.stride()),
+                            [1, config.block_n, config.block_k])
 
 
 # ------------------------------------------------------------------ GEMV path (small batches)

@@ -300,6 +300,35 @@ def test_fused_experts_empty_and_single_expert():
         torch.testing.assert_close(out, fused_experts_ref(x, w13, w2, weights, ids), **FP32)
 
 
+@pytest.mark.parametrize("cfg", [MoEConfig(16, 32, 32, 4, b_desc=True),  # masks in N and K
+                                 MoEConfig(16, 64, 16, 1, b_desc=True)])  # one N tile > I, H
+@pytest.mark.parametrize("t,e,k", [(3, 4, 2), (17, 8, 2)])
+def test_sorted_path_weight_descriptor(cfg, t, e, k):
+    """Weight tiles through a tensor descriptor (`MoEConfig.b_desc`; TMA on Hopper): the same
+    result as the pointer loads and the reference, with tiles past N and K (the gate tile's
+    columns past I read up rows there; the store masks them)."""
+    x, w13, w2, weights, ids = _problem(t, e, k, seed=40 + t)
+    assert fused_moe_mod._weight_descriptor(w13, cfg) is not None
+    assert fused_moe_mod._weight_descriptor(w2, cfg) is not None
+    out = fused_experts(x, w13, w2, weights, ids, config=cfg, path="sorted")
+    torch.testing.assert_close(out, fused_experts_ref(x, w13, w2, weights, ids), **FP32)
+    pointers = fused_experts(x, w13, w2, weights, ids, config=cfg._replace(b_desc=False),
+                             path="sorted")
+    torch.testing.assert_close(out, pointers, **FP32)
+
+
+def test_weight_descriptor_falls_back_where_tma_cannot_address():
+    """A row of 45 fp32 (180 bytes, not a multiple of 16) or a strided last dim: no descriptor,
+    and the kernel takes the pointer loads (still correct)."""
+    cfg = MoEConfig(16, 32, 32, 4, b_desc=True)
+    x, w13, w2, weights, ids = _problem(5, 4, 2, h=45, seed=11)
+    assert fused_moe_mod._weight_descriptor(w13, cfg) is None
+    assert fused_moe_mod._weight_descriptor(w13.transpose(1, 2).contiguous().transpose(1, 2),
+                                            cfg) is None
+    out = fused_experts(x, w13, w2, weights, ids, config=cfg, path="sorted")
+    torch.testing.assert_close(out, fused_experts_ref(x, w13, w2, weights, ids), **FP32)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_fused_experts_no_tokens(path):
     x, w13, w2, weights, ids = _problem(0, 4, 2)

@@ -137,6 +137,24 @@ def test_fp8_kernel_block_128_ragged(path):
 
 
 @pytest.mark.parametrize("block", [None, BLOCK], ids=["per_tensor", "block32"])
+def test_fp8_weight_descriptor(block):
+    """FP8 weight tiles through a tensor descriptor (`MoEConfig.b_desc`), H 80 / I 48 (FP8 rows
+    of a multiple of 16 bytes, which a descriptor needs): equal to the twin and to the pointer
+    loads, both scale kinds."""
+    from mla_kernels.fused_moe import MoEConfig, _weight_descriptor
+
+    cfg = MoEConfig(16, 32, 32, 4, b_desc=True)
+    x, q13, q2, topw, ids, s13, s2 = problem(9, 4, 2, block, h=80, inter=48, seed=21)
+    assert _weight_descriptor(q13, cfg) is not None and _weight_descriptor(q2, cfg) is not None
+    out = run(x, q13, q2, topw, ids, s13, s2, block, path="sorted", config=cfg)
+    torch.testing.assert_close(out, fused_experts_fp8_ref(x, q13, q2, topw, ids, s13, s2, block),
+                               **FP32)
+    pointers = run(x, q13, q2, topw, ids, s13, s2, block, path="sorted",
+                   config=cfg._replace(b_desc=False))
+    torch.testing.assert_close(out, pointers, **FP32)
+
+
+@pytest.mark.parametrize("block", [None, BLOCK], ids=["per_tensor", "block32"])
 def test_fp8_close_to_unquantized_and_activation_quant_off(block):
     x, q13, q2, topw, ids, s13, s2 = problem(12, 8, 2, block, seed=3)
     from mla_kernels.reference import dequant_experts_ref
