@@ -453,7 +453,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
             block_m = config.block_m.
         num_rows: T*k, the sentinel value of sorted_token_ids.
         a_row_div: k for the first GEMM (rows are (token, slot) pairs over x), 1 for the second.
-        config: tile sizes.
+        config: tile sizes; with `config.b_desc` the weight tiles load through a tensor
+            descriptor (`_weight_descriptor`), or through pointers where none can address w.
         fuse_silu_mul: c = silu(a @ gate^T) * (a @ up^T) instead.
         topk_weights: optional [num_rows] contiguous fp32 routing weights multiplied into row r.
         a_scale, w_scale, block_shape: required with FP8 w (float8_e4m3fn), refused without;
@@ -534,15 +535,17 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
     return c
 
 
-def _weight_descriptor(w: torch.Tensor, config: MoEConfig):
+def _weight_descriptor(w: torch.Tensor,
+                       config: MoEConfig) -> "TensorDescriptor | None":  # noqa: F821
     """A `TensorDescriptor` over w [E, N', K] with block [1, block_n, block_k], or None where
     a descriptor cannot address w (TMA needs a contiguous last dim, 16-byte aligned base and
-    strides, and 16 bytes or more per block row)."""
+    strides, and 16 bytes or more per block row) or w is empty. Built per call (the host
+    encodes it at each launch; a CUDA graph keeps the encoded copy)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     size = w.element_size()
-    if (w.stride(2) != 1 or (w.data_ptr() % 16) or any((st * size) % 16 for st in w.stride()[:2])
-            or config.block_k * size < 16):
+    if (w.numel() == 0 or w.stride(2) != 1 or (w.data_ptr() % 16)
+            or any((st * size) % 16 for st in w.stride()[:2]) or config.block_k * size < 16):
         return None
     return TensorDescriptor(w, list(w.shape), list(w.stride()),
                             [1, config.block_n, config.block_k])

@@ -8,8 +8,9 @@ broadcast subtraction, exp, sum, log) plus a gather: five or six passes over [bs
 docs/benchmarks.md, "Grouped-GEMM tiles, the router's GEMM"). `greedy_with_logprob` reads each
 row once: per lane a running maximum with its first index, and an online softmax sum
 (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018), combined across lanes
-at the end. From SPLIT_MAX_ROWS rows one program reads a whole row (`_greedy_logprob_kernel`);
-below, several programs each read a range of whole blocks of it (`_greedy_partial_kernel`) and
+at the end. From SPLIT_MAX_ROWS rows (or for rows of one block) one program reads a whole row
+(`_greedy_logprob_kernel`); below, several programs each read a range of whole blocks of it
+(`_greedy_partial_kernel`) and
 a second launch combines their partials per row (`_greedy_combine_kernel`: the first column of
 the largest maximum, the max-shifted sum of the partial sums). H200, V 102,400: 9.5 us at bs 1,
 94 us at bs 512, against 72 and 442 us for torch (docs/benchmarks.md, "The sampler in one pass,
@@ -30,12 +31,14 @@ import triton.language as tl
 
 # Columns a program reads per step (fp32: 16 KB).
 GREEDY_BLOCK = 4096
-# Row splits: below SPLIT_MAX_ROWS rows each row is read by several programs (about
-# SPLIT_TARGET_PROGRAMS in all, at most MAX_SPLITS per row, at least one BLOCK of columns each)
-# whose partials a second launch combines; one program per row leaves most of the GPU idle at
-# small batches. H200, V 102,400 fp32, µs one program per row -> split (docs/benchmarks.md, "The
-# sampler in one pass, measured"): bs 1 35.2 -> 9.4 (32 splits), bs 64 39.4 -> 25.7 (8),
-# bs 128 43.6 -> 39.3 (4), but bs 192 50.3 -> 57.8 and bs 256 53.0 -> 61.0 (2).
+# Row splits: below SPLIT_MAX_ROWS rows (and for rows longer than one BLOCK) each row is read by
+# several programs whose partials a second launch combines; one program per row leaves most of
+# the GPU idle at small batches. Splits per row: cdiv(SPLIT_TARGET_PROGRAMS, bs), at most the
+# row's BLOCKs and MAX_SPLITS, rounded up to a power of two (the combine's tl.arange); each split
+# starts at a whole BLOCK, so the rounding can leave the last splits empty (they read nothing).
+# H200, V 102,400 fp32, µs, one program per row -> split (docs/benchmarks.md, "The sampler in one
+# pass, measured", call 4): bs 1 35.7 -> 9.5 (32 splits), bs 64 39.7 -> 26.0 (8), bs 128
+# 44.4 -> 39.9 (4); in call 3 two splits lost at bs 192 (50.3 -> 57.8) and 256 (53.0 -> 61.0).
 SPLIT_MAX_ROWS = 160
 SPLIT_TARGET_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
 MAX_SPLITS = 64
@@ -136,9 +139,9 @@ def _greedy_combine_kernel(logits_ptr, stride_row, part_f_ptr, part_i_ptr, next_
 
 
 def _num_splits(bs: int, v: int, block: int, target_programs: int) -> int:
-    """Programs per row: 1 from SPLIT_MAX_ROWS rows, else enough for about `target_programs`
-    in all (a power of two: the combine kernel's tl.arange), at least one BLOCK of columns each
-    and at most MAX_SPLITS."""
+    """Programs per row: 1 from SPLIT_MAX_ROWS rows, else cdiv(target_programs, bs) capped by
+    the row's blocks (cdiv(v, block)) and MAX_SPLITS, rounded up to a power of two (the combine
+    kernel's tl.arange); 1 when the cap is 1."""
     if bs >= SPLIT_MAX_ROWS:
         return 1
     want = min(-(-target_programs // bs), -(-v // block), MAX_SPLITS)
@@ -158,29 +161,32 @@ def plan_batch_sizes(max_rows: int, v: int) -> list[int]:
 
 def greedy_with_logprob(logits: torch.Tensor, splits: int | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(argmax, logprob of the argmax, logsumexp) per row: one launch (one program per row), or
-    below SPLIT_TARGET_PROGRAMS rows two (several programs per row, then a combine per row).
+    """(argmax, logprob of the argmax, logsumexp) per row: one launch (one program per row), or,
+    below SPLIT_MAX_ROWS rows of more than GREEDY_BLOCK columns, two (several programs per row,
+    then a combine per row; `_num_splits`).
 
     Args:
         logits: [bs, V] float32/bfloat16/float16 with a contiguous last dim (any row stride:
             a `[:, :V]` view of padded logits is fine), on CUDA or, under triton's interpreter,
             the CPU.
-        splits: programs per row (a power of two, or 1); default from the batch size
-            (`_num_splits`). A split that starts past V reads nothing.
+        splits: programs per row (a power of two from 1 to MAX_SPLITS); default from the batch
+            size (`_num_splits`). A split that starts past V reads nothing.
     Returns:
         (next_ids int64 [bs], logprob float32 [bs], lse float32 [bs]) = (logits.argmax(-1),
         logits[r, next] - lse[r], logsumexp(logits[r]) in fp32); see the module docstring for
         NaN and -inf rows.
     Raises:
-        ValueError: logits not 2-D, V == 0, a strided last dim, or splits not a power of two.
+        ValueError: logits not 2-D, V == 0, a strided last dim, or splits not a power of two
+            up to MAX_SPLITS.
     """
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"greedy_with_logprob: logits must be [bs, V>0], got "
                          f"{tuple(logits.shape)}")
     if logits.stride(1) != 1:
         raise ValueError("greedy_with_logprob: the last dim must be contiguous")
-    if splits is not None and (splits < 1 or splits & (splits - 1)):
-        raise ValueError(f"greedy_with_logprob: splits must be a power of two, got {splits}")
+    if splits is not None and (splits < 1 or splits & (splits - 1) or splits > MAX_SPLITS):
+        raise ValueError(f"greedy_with_logprob: splits must be a power of two <= {MAX_SPLITS}, "
+                         f"got {splits}")
     bs, v = logits.shape
     next_ids = torch.empty(bs, dtype=torch.int64, device=logits.device)
     logprob = torch.empty(bs, dtype=torch.float32, device=logits.device)

@@ -26,9 +26,9 @@ per step), so its tokens do not depend on batch mates, batch position or batch s
 rows share the sampler's generator.
 
 Logprobs are of the raw logits (log_softmax before any processing), fp32. On CUDA, a batch of
-greedy rows whose logits no step changed takes its tokens, logsumexp and logprobs from one
-kernel (`mla_kernels.sampling.greedy_with_logprob`, one read of the logits instead of about six
-torch passes); same tokens, logprobs equal up to fp32 summation order.
+greedy rows whose logits no step changed takes its tokens, logsumexp and logprobs from
+`mla_kernels.sampling.greedy_with_logprob` (one read of the logits in one or two launches instead
+of about six torch passes); same tokens, logprobs equal up to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -184,8 +184,9 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Req],
 
 # Rows from which an all-greedy CUDA batch takes `mla_kernels.sampling.greedy_with_logprob`.
 # On an H200 (V 102,400 fp32, graph replay; `benchmarks/bench_sampling.py`, docs/benchmarks.md
-# "The sampler in one pass, measured") the kernel beat torch's passes at every batch size timed:
-# 35.8 vs 74.1 us at bs 1, 44.0 vs 172.7 at bs 128, 93.9 vs 442.2 at bs 512.
+# "The sampler in one pass, measured", call 4) the kernel with one program per row beat torch's
+# passes at every batch size timed: 35.7 vs 71.9 us at bs 1, 44.4 vs 174.0 at bs 128, 93.8 vs
+# 442.0 at bs 512 (its default plan splits small batches' rows: 9.5 us at bs 1).
 FUSED_GREEDY_MIN_ROWS = 1
 
 

@@ -303,14 +303,17 @@ def test_fused_experts_empty_and_single_expert():
 @pytest.mark.parametrize("cfg", [MoEConfig(16, 32, 32, 4, b_desc=True),  # masks in N and K
                                  MoEConfig(16, 64, 16, 1, b_desc=True)])  # one N tile > I, H
 @pytest.mark.parametrize("t,e,k", [(3, 4, 2), (17, 8, 2)])
-def test_sorted_path_weight_descriptor(cfg, t, e, k):
+def test_sorted_path_weight_descriptor(cfg, t, e, k, monkeypatch):
     """Weight tiles through a tensor descriptor (`MoEConfig.b_desc`; TMA on Hopper): the same
     result as the pointer loads and the reference, with tiles past N and K (the gate tile's
-    columns past I read up rows there; the store masks them)."""
+    columns past I read up rows there; the store masks them). Both GEMMs get a descriptor."""
     x, w13, w2, weights, ids = _problem(t, e, k, seed=40 + t)
-    assert fused_moe_mod._weight_descriptor(w13, cfg) is not None
-    assert fused_moe_mod._weight_descriptor(w2, cfg) is not None
+    made = []
+    real = fused_moe_mod._weight_descriptor
+    monkeypatch.setattr(fused_moe_mod, "_weight_descriptor",
+                        lambda w, c: made.append(real(w, c)) or made[-1])
     out = fused_experts(x, w13, w2, weights, ids, config=cfg, path="sorted")
+    assert len(made) == 2 and all(d is not None for d in made)
     torch.testing.assert_close(out, fused_experts_ref(x, w13, w2, weights, ids), **FP32)
     pointers = fused_experts(x, w13, w2, weights, ids, config=cfg._replace(b_desc=False),
                              path="sorted")

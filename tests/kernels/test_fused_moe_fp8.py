@@ -137,16 +137,23 @@ def test_fp8_kernel_block_128_ragged(path):
 
 
 @pytest.mark.parametrize("block", [None, BLOCK], ids=["per_tensor", "block32"])
-def test_fp8_weight_descriptor(block):
+def test_fp8_weight_descriptor(block, monkeypatch):
     """FP8 weight tiles through a tensor descriptor (`MoEConfig.b_desc`), H 80 / I 48 (FP8 rows
     of a multiple of 16 bytes, which a descriptor needs): equal to the twin and to the pointer
-    loads, both scale kinds."""
-    from mla_kernels.fused_moe import MoEConfig, _weight_descriptor
+    loads, both scale kinds. BLOCK_K 64: with 32-wide scale blocks the kernel's K step becomes
+    32, and so does the descriptor's block."""
+    import mla_kernels.fused_moe as fused_moe_mod
+    from mla_kernels.fused_moe import MoEConfig
 
-    cfg = MoEConfig(16, 32, 32, 4, b_desc=True)
+    cfg = MoEConfig(16, 32, 64, 4, b_desc=True)
     x, q13, q2, topw, ids, s13, s2 = problem(9, 4, 2, block, h=80, inter=48, seed=21)
-    assert _weight_descriptor(q13, cfg) is not None and _weight_descriptor(q2, cfg) is not None
+    made = []
+    real = fused_moe_mod._weight_descriptor
+    monkeypatch.setattr(fused_moe_mod, "_weight_descriptor",
+                        lambda w, c: made.append((real(w, c), c.block_k)) or made[-1][0])
     out = run(x, q13, q2, topw, ids, s13, s2, block, path="sorted", config=cfg)
+    assert len(made) == 2 and all(d is not None for d, _ in made)
+    assert [bk for _, bk in made] == [64 if block is None else 32] * 2
     torch.testing.assert_close(out, fused_experts_fp8_ref(x, q13, q2, topw, ids, s13, s2, block),
                                **FP32)
     pointers = run(x, q13, q2, topw, ids, s13, s2, block, path="sorted",

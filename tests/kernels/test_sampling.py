@@ -30,39 +30,48 @@ def _check(x: torch.Tensor, splits: int | None = None) -> None:
                                equal_nan=True)
 
 
+# splits None: the default plan (several programs per row below SPLIT_MAX_ROWS rows of more
+# than one block); 1: one program per row (the plan from SPLIT_MAX_ROWS rows)
+SPLITS = pytest.mark.parametrize("splits", [None, 1], ids=["plan", "one_program"])
+
+
+@SPLITS
 @pytest.mark.parametrize("bs,v", [(1, 7), (3, 1000), (4, 4096), (2, 10_000)])
-def test_random_rows(bs, v):
+def test_random_rows(bs, v, splits):
     g = torch.Generator().manual_seed(bs * v)
-    _check((torch.randn(bs, v, generator=g) * 4).to(DEV))
+    _check((torch.randn(bs, v, generator=g) * 4).to(DEV), splits)
 
 
-def test_ties_take_the_first_column_across_blocks():
+@SPLITS
+def test_ties_take_the_first_column_across_blocks(splits):
     x = torch.zeros(3, 9000)
     x[0, 5000] = x[0, 8999] = 2.0  # two blocks of 4,096: the earlier block's column wins
     x[1, 17] = x[1, 4113] = 3.0  # same lane in two blocks
     x[2, 4095] = x[2, 4096] = 1.0  # adjacent columns on either side of a block edge
-    ids, _, _ = greedy_with_logprob(x.to(DEV))
+    ids, _, _ = greedy_with_logprob(x.to(DEV), splits)
     assert ids.tolist() == [5000, 17, 4095]
-    _check(x.to(DEV))
+    _check(x.to(DEV), splits)
 
 
-def test_masked_nan_and_empty_rows_follow_torch():
+@SPLITS
+def test_masked_nan_and_empty_rows_follow_torch(splits):
     x = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
     x[0, :] = float("-inf")  # torch: index 0, logsumexp -inf, logprob NaN
     x[1, 3:] = float("-inf")  # min_tokens-style masking
     x[2, 40] = float("nan")
     x[2, 200] = float("nan")  # torch.argmax: the first NaN
-    ids, lp, lse = greedy_with_logprob(x.to(DEV))
+    ids, lp, lse = greedy_with_logprob(x.to(DEV), splits)
     assert ids.tolist()[:3] == [0, int(torch.argmax(x[1])), 40]
     assert lse[0].item() == float("-inf") and lp[0].isnan() and lp[2].isnan()
-    _check(x.to(DEV))
+    _check(x.to(DEV), splits)
 
 
-def test_padded_row_stride_and_bf16():
+@SPLITS
+def test_padded_row_stride_and_bf16(splits):
     g = torch.Generator().manual_seed(2)
-    padded = torch.randn(5, 1100, generator=g).to(DEV)
-    _check(padded[:, :1030])  # rows 1,100 apart, 1,030 columns read
-    _check((torch.randn(3, 515, generator=g) * 2).to(torch.bfloat16).to(DEV))
+    padded = torch.randn(5, 9100, generator=g).to(DEV)
+    _check(padded[:, :9030], splits)  # rows 9,100 apart, 9,030 columns (3 blocks) read
+    _check((torch.randn(3, 515, generator=g) * 2).to(torch.bfloat16).to(DEV), splits)
 
 
 @pytest.mark.parametrize("splits", [2, 4, 8])
@@ -121,6 +130,8 @@ def test_bad_input():
         greedy_with_logprob(torch.zeros(4, 6).t())
     with pytest.raises(ValueError, match="power of two"):
         greedy_with_logprob(torch.zeros(4, 6), splits=3)
+    with pytest.raises(ValueError, match="power of two"):
+        greedy_with_logprob(torch.zeros(4, 6), splits=128)
     ids, lp, lse = greedy_with_logprob(torch.zeros(0, 5, device=DEV))
     assert ids.shape == lp.shape == lse.shape == (0,)
 
