@@ -142,6 +142,18 @@ def profile_decode(eng, bs: int, prompt: int, steps: int, vocab: int) -> dict:
             "by_name": {k: [v[0] / steps, v[1] / 1000 / steps] for k, v in by_name.items()}}
 
 
+HOST_COLUMNS = ["function", "calls", "own ms/step", "cumulative ms/step"]
+
+
+def host_rows(stats, steps: int, key: str, top: int) -> list[list[Any]]:
+    """The `top` functions of a pstats.Stats by "own" or "cumulative" time, as HOST_COLUMNS rows
+    (milliseconds per step over `steps` steps)."""
+    col = {"own": 2, "cumulative": 3}[key]
+    funcs = sorted(stats.stats.items(), key=lambda kv: -kv[1][col])[:top]
+    return [[f"{os.path.basename(f)}:{line}({name})", v[1], 1000 * v[2] / steps,
+             1000 * v[3] / steps] for (f, line, name), v in funcs]
+
+
 class StepWindow:
     """Profiles steps [start, start + count) of an engine's run: wraps `eng.step` (an instance
     attribute shadowing the method) with torch.profiler (GPU kernels) and cProfile (host)."""
@@ -193,14 +205,11 @@ class StepWindow:
         evs = _kernel_events(self.prof, bs_.DEVICE)
         wall = 1000 * sum(self.walls) / self.count
         kern = sum(us for _, us in evs) / 1000 / self.count
-        stats = pstats.Stats(self.host)
-        funcs = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
-        rows = [[f"{os.path.basename(f)}:{line}({name})", 1000 * tt / self.count,
-                 1000 * ct / self.count] for (f, line, name), (_, _, tt, ct, _) in funcs]
+        rows = host_rows(pstats.Stats(self.host), self.count, "own", top)
         table(f"Steps {self.start}-{self.start + self.count - 1} of the run: {wall:.2f} ms per "
               f"step, GPU kernels {kern:.2f} ms ({100 * kern / wall:.0f}% busy), "
               f"{sum(self.batches) / self.count:.0f} outputs per step; host functions",
-              ["function", "own ms/step", "cumulative ms/step"], rows)
+              HOST_COLUMNS, rows)
         return {"start": self.start, "count": self.count, "wall_ms": wall, "kernel_ms": kern,
                 "outputs_per_step": sum(self.batches) / self.count, "host_top": rows}
 
@@ -410,16 +419,11 @@ class PrefillHost:
             return {}
         n = len(self.walls)
         wall = 1000 * sum(self.walls) / n
-        items = self.stats.stats.items()  # type: ignore[union-attr]
         out = {"steps": n, "wall_ms": wall}
-        for key, col in (("own", 2), ("cumulative", 3)):
-            funcs = sorted(items, key=lambda kv: -kv[1][col])[:top]
-            rows = [[f"{os.path.basename(f)}:{line}({name})", v[1], 1000 * v[2] / n,
-                     1000 * v[3] / n] for (f, line, name), v in funcs]
+        for key in ("own", "cumulative"):
+            out[key] = host_rows(self.stats, n, key, top)
             table(f"Host side of {n} prefill steps of the run (cProfile on): {wall:.2f} ms per "
-                  f"step; functions by {key} time",
-                  ["function", "calls", "own ms/step", "cumulative ms/step"], rows)
-            out[key] = rows
+                  f"step; functions by {key} time", HOST_COLUMNS, out[key])
         return out
 
 

@@ -10,11 +10,10 @@ row once: per lane a running maximum with its first index, and an online softmax
 (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018), combined across lanes
 at the end. From SPLIT_MAX_ROWS rows (or for rows of one block) one program reads a whole row
 (`_greedy_logprob_kernel`); below, several programs each read a range of whole blocks of it
-(`_greedy_partial_kernel`) and
-a second launch combines their partials per row (`_greedy_combine_kernel`: the first column of
-the largest maximum, the max-shifted sum of the partial sums). H200, V 102,400: 9.5 us at bs 1,
-94 us at bs 512, against 72 and 442 us for torch (docs/benchmarks.md, "The sampler in one pass,
-measured").
+(`_greedy_partial_kernel`) and a second launch combines their partials per row
+(`_greedy_combine_kernel`: the first column of the largest maximum, the max-shifted sum of the
+partial sums). H200, V 102,400: 9.5 us at bs 1, 94 us at bs 512, against 72 and 442 us for
+torch (docs/benchmarks.md, "The sampler in one pass, measured").
 
 Same results as torch: the index is the first position of the row's maximum (torch.argmax's
 rule), or the first NaN when the row has one (torch.argmax treats NaN as the maximum); the
@@ -138,24 +137,30 @@ def _greedy_combine_kernel(logits_ptr, stride_row, part_f_ptr, part_i_ptr, next_
     _finish_row(base, row, idx, nan_idx, big_m, total, next_ptr, lp_ptr, lse_ptr)
 
 
-def _num_splits(bs: int, v: int, block: int, target_programs: int) -> int:
-    """Programs per row: 1 from SPLIT_MAX_ROWS rows, else cdiv(target_programs, bs) capped by
-    the row's blocks (cdiv(v, block)) and MAX_SPLITS, rounded up to a power of two (the combine
-    kernel's tl.arange); 1 when the cap is 1."""
+def _block(v: int) -> int:
+    """Columns a program reads per step for rows of v columns: GREEDY_BLOCK, or v rounded up
+    to a power of two when that is smaller."""
+    return min(GREEDY_BLOCK, triton.next_power_of_2(max(v, 1)))
+
+
+def num_splits(bs: int, v: int) -> int:
+    """Programs per row `greedy_with_logprob` launches for bs rows of v columns by default: 1
+    from SPLIT_MAX_ROWS rows, else cdiv(SPLIT_TARGET_PROGRAMS, bs) capped by the row's blocks
+    and MAX_SPLITS, rounded up to a power of two (the combine kernel's tl.arange); 1 when the
+    cap is 1."""
     if bs >= SPLIT_MAX_ROWS:
         return 1
-    want = min(-(-target_programs // bs), -(-v // block), MAX_SPLITS)
+    want = min(-(-SPLIT_TARGET_PROGRAMS // bs), -(-v // _block(v)), MAX_SPLITS)
     return 1 if want <= 1 else triton.next_power_of_2(want)
 
 
 def plan_batch_sizes(max_rows: int, v: int) -> list[int]:
     """The smallest batch size of each launch plan `greedy_with_logprob` can take for 1 ..
-    max_rows rows of V columns (one per distinct `_num_splits`, ascending): running those once
+    max_rows rows of V columns (one per distinct `num_splits`, ascending): running those once
     compiles every kernel variant a batch of at most max_rows rows can need."""
-    block = min(GREEDY_BLOCK, triton.next_power_of_2(max(v, 1)))
     seen: dict[int, int] = {}
     for bs in range(1, max(1, min(max_rows, SPLIT_MAX_ROWS)) + 1):
-        seen.setdefault(_num_splits(bs, v, block, SPLIT_TARGET_PROGRAMS), bs)
+        seen.setdefault(num_splits(bs, v), bs)
     return sorted(seen.values())
 
 
@@ -163,14 +168,14 @@ def greedy_with_logprob(logits: torch.Tensor, splits: int | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(argmax, logprob of the argmax, logsumexp) per row: one launch (one program per row), or,
     below SPLIT_MAX_ROWS rows of more than GREEDY_BLOCK columns, two (several programs per row,
-    then a combine per row; `_num_splits`).
+    then a combine per row; `num_splits`).
 
     Args:
         logits: [bs, V] float32/bfloat16/float16 with a contiguous last dim (any row stride:
             a `[:, :V]` view of padded logits is fine), on CUDA or, under triton's interpreter,
             the CPU.
         splits: programs per row (a power of two from 1 to MAX_SPLITS); default from the batch
-            size (`_num_splits`). A split that starts past V reads nothing.
+            size (`num_splits`). A split that starts past V reads nothing.
     Returns:
         (next_ids int64 [bs], logprob float32 [bs], lse float32 [bs]) = (logits.argmax(-1),
         logits[r, next] - lse[r], logsumexp(logits[r]) in fp32); see the module docstring for
@@ -193,9 +198,9 @@ def greedy_with_logprob(logits: torch.Tensor, splits: int | None = None
     lse = torch.empty(bs, dtype=torch.float32, device=logits.device)
     if bs == 0:
         return next_ids, logprob, lse
-    block = min(GREEDY_BLOCK, triton.next_power_of_2(v))
+    block = _block(v)
     warps = 8 if block >= 2048 else 4
-    splits = _num_splits(bs, v, block, SPLIT_TARGET_PROGRAMS) if splits is None else splits
+    splits = num_splits(bs, v) if splits is None else splits
     if splits <= 1:
         _greedy_logprob_kernel[(bs,)](logits, logits.stride(0), v, next_ids, logprob, lse,
                                       BLOCK=block, num_warps=warps)
@@ -212,4 +217,4 @@ def greedy_with_logprob(logits: torch.Tensor, splits: int | None = None
 
 
 __all__ = ["GREEDY_BLOCK", "MAX_SPLITS", "SPLIT_MAX_ROWS", "SPLIT_TARGET_PROGRAMS",
-           "greedy_with_logprob", "plan_batch_sizes"]
+           "greedy_with_logprob", "num_splits", "plan_batch_sizes"]

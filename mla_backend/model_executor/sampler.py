@@ -182,12 +182,6 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Req],
     return out
 
 
-# Rows from which an all-greedy CUDA batch takes `mla_kernels.sampling.greedy_with_logprob`.
-# On an H200 (V 102,400 fp32, graph replay; `benchmarks/bench_sampling.py`, docs/benchmarks.md
-# "The sampler in one pass, measured", call 4) the kernel with one program per row beat torch's
-# passes at every batch size timed: 35.7 vs 71.9 us at bs 1, 44.4 vs 174.0 at bs 128, 93.8 vs
-# 442.0 at bs 512 (its default plan splits small batches' rows: 9.5 us at bs 1).
-FUSED_GREEDY_MIN_ROWS = 1
 
 
 class Sampler:
@@ -214,7 +208,7 @@ class Sampler:
         compiles them now rather than inside the first requests' steps (each variant is a JIT
         compile of a fraction of a second on a machine without triton's disk cache). Returns
         the number of plans run (0 off CUDA)."""
-        if self.device.type != "cuda" or max_rows < FUSED_GREEDY_MIN_ROWS:
+        if self.device.type != "cuda" or max_rows < 1:
             return 0
         from mla_kernels.sampling import greedy_with_logprob, plan_batch_sizes
 
@@ -275,9 +269,11 @@ class Sampler:
         params = [r.sampling_params for r in reqs]
         sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
         if (processed is raw and not sampled and raw.is_cuda and raw.stride(1) == 1
-                and raw.shape[0] >= FUSED_GREEDY_MIN_ROWS and not torch.compiler.is_compiling()):
+                and not torch.compiler.is_compiling()):
             # all greedy on unprocessed logits: argmax, logsumexp and the chosen logprob in
-            # one read of the logits (`mla_kernels.sampling`), the same values as below
+            # one read of the logits (`mla_kernels.sampling`), the same values as below; on an
+            # H200 faster than torch's passes at every batch size (V 102,400: 9.5 vs 71.9 us at
+            # bs 1, 94 vs 442 at bs 512; `benchmarks/bench_sampling.py`)
             from mla_kernels.sampling import greedy_with_logprob
 
             next_ids, chosen_lp, lse = greedy_with_logprob(raw)

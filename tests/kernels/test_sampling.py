@@ -99,24 +99,23 @@ def test_split_rows_equal_the_reference(splits, monkeypatch):
 
 
 def test_split_plan():
-    from mla_kernels.sampling import MAX_SPLITS, _num_splits
+    from mla_kernels.sampling import MAX_SPLITS, num_splits
 
-    assert _num_splits(160, 102_400, 4096, 264) == 1  # SPLIT_MAX_ROWS: one program each
-    assert _num_splits(1, 102_400, 4096, 264) == 32  # 25 blocks of columns -> 32 (pow 2)
-    assert _num_splits(64, 102_400, 4096, 264) == 8  # cdiv(264, 64) = 5 -> 8
-    assert _num_splits(128, 102_400, 4096, 264) == 4  # cdiv(264, 128) = 3 -> 4
-    assert _num_splits(1, 10**7, 4096, 264) == MAX_SPLITS
-    assert _num_splits(3, 1000, 1024, 264) == 1  # one block per row: nothing to split
+    assert num_splits(160, 102_400) == 1  # SPLIT_MAX_ROWS: one program each
+    assert num_splits(1, 102_400) == 32  # 25 blocks of columns -> 32 (pow 2)
+    assert num_splits(64, 102_400) == 8  # cdiv(264, 64) = 5 -> 8
+    assert num_splits(128, 102_400) == 4  # cdiv(264, 128) = 3 -> 4
+    assert num_splits(1, 10**7) == MAX_SPLITS
+    assert num_splits(3, 1000) == 1  # one block per row: nothing to split
 
 
 def test_plan_batch_sizes_cover_every_plan():
-    from mla_kernels.sampling import (GREEDY_BLOCK, SPLIT_MAX_ROWS, SPLIT_TARGET_PROGRAMS,
-                                      _num_splits, plan_batch_sizes)
+    from mla_kernels.sampling import SPLIT_MAX_ROWS, num_splits, plan_batch_sizes
 
     v = 102_400
     sizes = plan_batch_sizes(512, v)
-    plans = [_num_splits(b, v, GREEDY_BLOCK, SPLIT_TARGET_PROGRAMS) for b in sizes]
-    every = {_num_splits(b, v, GREEDY_BLOCK, SPLIT_TARGET_PROGRAMS) for b in range(1, 513)}
+    plans = [num_splits(b, v) for b in sizes]
+    every = {num_splits(b, v) for b in range(1, 513)}
     assert sorted(plans, reverse=True) == plans and set(plans) == every and 1 in plans
     assert sizes[0] == 1 and sizes[-1] == SPLIT_MAX_ROWS
     assert sizes == [1, 17, 33, 66, 132, 160]  # 32, 16, 8, 4, 2 splits, then one program
@@ -141,11 +140,10 @@ def test_bad_input():
 @pytest.mark.parametrize("bs", [3, 100, 256])  # 32 and 4 splits per row, one program per row
 def test_sampler_fused_branch_matches_the_torch_path(monkeypatch, bs):
     import mla_kernels.sampling as sampling_mod
-    from mla_backend.model_executor.sampler import FUSED_GREEDY_MIN_ROWS, Sampler
+    from mla_backend.model_executor.sampler import Sampler
     from mla_backend.request import Req, SamplingParams
 
     vocab = 102_400
-    assert bs >= FUSED_GREEDY_MIN_ROWS
     logits = torch.randn(bs, vocab + 64, generator=torch.Generator().manual_seed(3)).cuda() * 5
     reqs = [Req(rid=str(i), origin_input_ids=[1, 2, 3],
                 sampling_params=SamplingParams(temperature=0.0, max_new_tokens=4,
