@@ -25,6 +25,9 @@ pointless at prefill sizes).
     # FP8 experts (per expert per tensor scales, dynamic activations), sorted-path tile sweep:
     PYTHONPATH=. python3 benchmarks/bench_fused_moe.py --fp8 --tokens 64 512 --paths sorted \\
         --no-loop --tol 0.25 --sorted-block-n 64 128 --sorted-block-k 64 128 --sorted-warps 4 8
+    # the down GEMM's tiles (its own default, or the first GEMM's):
+    PYTHONPATH=. python3 benchmarks/bench_fused_moe.py --fp8 --tokens 512 1024 --paths sorted \\
+        --no-loop --tol 0.25 --down-tiles same default
 
 With --fp8 the loop reference runs on the dequantized weights, so "max abs diff" is the FP8
 activation-quantization error (random O(1) outputs), not a kernel error.
@@ -117,8 +120,24 @@ def sorted_configs(args: argparse.Namespace, t: int, k: int, e: int) -> list[MoE
     fields = {"block_m": "block_m", "block_n": "block_n", "block_k": "block_k",
               "num_warps": "warps", "num_stages": "stages"}
     choices = {f: getattr(args, "sorted_" + a) or [getattr(base, f)] for f, a in fields.items()}
+    choices["b_desc"] = [bool(v) for v in args.sorted_b_desc] if args.sorted_b_desc else \
+        [base.b_desc]
     return [base._replace(**dict(zip(choices, vals)))
             for vals in itertools.product(*choices.values())]
+
+
+def sorted_runs(args: argparse.Namespace, t: int, k: int, e: int) -> list[tuple]:
+    """(config, down_config) pairs of the sorted path: each first-GEMM config with each
+    --down-tiles choice ("same": its own tiles; "default": `get_default_config(down=True)`,
+    when its block_m matches)."""
+    down_default = get_default_config(t, k, e, "cuda", fp8=args.fp8, down=True)
+    out = []
+    for cfg in sorted_configs(args, t, k, e):
+        downs = {cfg if d == "same" else down_default for d in args.down_tiles
+                 if d == "same" or down_default.block_m == cfg.block_m}
+        for down in sorted(downs, key=lambda c: c != cfg):
+            out.append((cfg, down))
+    return out
 
 
 def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,10 +146,15 @@ def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
 
 
-def describe(path: str, cfg) -> str:
+def describe(path: str, cfg, down=None) -> str:
     if path == "sorted":
-        return (f"BM{cfg.block_m} BN{cfg.block_n} BK{cfg.block_k} w{cfg.num_warps} "
-                f"s{cfg.num_stages}")
+        def tiles(c) -> str:
+            return (f"BM{c.block_m} BN{c.block_n} BK{c.block_k} w{c.num_warps} "
+                    f"s{c.num_stages}{' desc' if c.b_desc else ''}")
+        text = tiles(cfg)
+        if down is not None and down != cfg:
+            text += " / down " + tiles(down)
+        return text
     return (f"up BN{cfg.block_n} BK{cfg.block_k} w{cfg.num_warps} / down BN{cfg.down_block_n} "
             f"BK{cfg.down_block_k} w{cfg.down_num_warps} / s{cfg.num_stages}")
 
@@ -162,9 +186,14 @@ def main(argv: list[str] | None = None) -> int:
         sweep.add_argument(flag, dest="gemv_" + field, type=int, nargs="+", default=None,
                            help=what)
     ssweep = ap.add_argument_group("sorted-path tile sweep (each takes one or more values)")
-    for a in ("block_m", "block_n", "block_k", "warps", "stages"):
+    for a in ("block_m", "block_n", "block_k", "warps", "stages", "b_desc"):
         ssweep.add_argument("--sorted-" + a.replace("_", "-"), dest="sorted_" + a, type=int,
                             nargs="+", default=None)
+    ssweep.add_argument("--down-tiles", nargs="+", choices=["same", "default"],
+                        default=["default"],
+                        help="the down GEMM's tiles: the first GEMM's (same) or "
+                             "get_default_config(down=True) (default)")
+
     ap.add_argument("--fp8", action="store_true",
                     help="FP8 experts, per-expert per-tensor scales (dynamic activations)")
     ap.add_argument("--no-loop", action="store_true", help="skip timing the per-expert loop")
@@ -222,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         auto = "gemv" if use_gemv_path(t, k) else "sorted"
         runs: list[tuple[str, object]] = []
         if "sorted" in args.paths:
-            runs += [("sorted", cfg) for cfg in sorted_configs(args, t, k, e)]
+            runs += [("sorted", run) for run in sorted_runs(args, t, k, e)]
         if "gemv" in args.paths and t * k <= args.gemv_max_rows:
             runs += [("gemv", cfg) for cfg in gemv_configs(args, k)]
         decode_form = args.shared or args.route != "none" or args.cold
@@ -233,7 +262,12 @@ def main(argv: list[str] | None = None) -> int:
                 failed |= not _bench_decode_form(args, cfg, x, w13, w2, k)
             continue
         for path, cfg in runs:
-            kw = {"config": cfg} if path == "sorted" else {"gemv_config": cfg}
+            down = None
+            if path == "sorted":
+                cfg, down = cfg
+                kw = {"config": cfg, "down_config": down}
+            else:
+                kw = {"gemv_config": cfg}
             kw.update(fp8_kw)
 
             def call(x=x, w13=w13, w2=w2, weights=weights, ids=ids, out=out, path=path, kw=kw
@@ -251,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                 del graph
             best_ms = fused_ms if args.no_graph else graph_ms
             label = f"{path} (auto)" if path == auto else path
-            print(f"| {t} | {label} | {describe(path, cfg)} | {n_used} | {diff:.2e} "
+            print(f"| {t} | {label} | {describe(path, cfg, down)} | {n_used} "
+                  f"| {diff:.2e} "
                   f"| {fused_ms * 1e3:.1f} | {graph_ms * 1e3:.1f} | {loop_ms * 1e3:.1f} "
                   f"| {loop_ms / best_ms:.1f}x | {nbytes / (best_ms * 1e-3) / 1e9:.0f} |",
                   flush=True)

@@ -79,8 +79,8 @@ class MoEConfig(NamedTuple):
     num_warps, num_stages: triton launch options (ignored by the interpreter).
     b_desc: load the weight tiles through a tensor descriptor (`TensorDescriptor`: on Hopper a
         TMA copy per tile) instead of per-thread pointer loads; the gathered activation rows
-        keep pointer loads. Off in every default config: not yet timed on a GPU
-        (`benchmarks/bench_moe_tiles.py --b-desc`).
+        keep pointer loads (`benchmarks/bench_moe_tiles.py --b-desc`). On in the FP8 down
+        GEMM's decode tiles only (`get_default_config(down=True)`).
     """
 
     block_m: int
@@ -97,7 +97,8 @@ _INTERPRETER_CONFIG = MoEConfig(block_m=16, block_n=32, block_k=32, group_m=4)
 
 
 def get_default_config(num_tokens: int, top_k: int, num_experts: int,
-                       device: torch.device | str, fp8: bool = False) -> MoEConfig:
+                       device: torch.device | str, fp8: bool = False,
+                       down: bool = False) -> MoEConfig:
     """Tile config for a call, chosen from shapes only (so it is fixed for a captured graph).
 
     On CUDA, BLOCK_M follows the average rows per expert, T*k/E: small decode batches (a few
@@ -112,9 +113,15 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
     T 512 395 -> 310, T 3072 897 -> 797 (the earlier defaults -> these; docs/benchmarks.md,
     "Grouped-GEMM tiles"). A GPU with less shared memory per block than the tiles take gets
     narrower ones (`fit_shared_memory`). On other devices (the interpreter) small tiles.
+    The second (down) GEMM may take other tiles of the same BLOCK_M (`down`): with FP8 weights
+    from 17 to 256 rows per expert, 128-wide N blocks whose weight tiles load through a tensor
+    descriptor (TMA). Each GEMM alone (`bench_moe_tiles.py --b-desc both`, H200, 2026-12-03):
+    63.8 / 82.5 us against 66.7 / 90.5 at T 512 / 1,024; the whole call (graph replay,
+    `bench_fused_moe.py --down-tiles same default`) at T 256 / 512 / 768 / 1,024: 190.7 /
+    203.9 / 254.8 / 282.4 us against 193.6 / 206.5 / 266.4 / 291.4.
     Args:
         num_tokens: T. top_k: k. num_experts: E. device: where the tensors live. fp8: the
-            weights are float8_e4m3fn.
+            weights are float8_e4m3fn. down: the tiles of the second GEMM.
     Returns:
         a MoEConfig.
     """
@@ -129,7 +136,9 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
         cfg = MoEConfig(block_m=32, block_n=64, block_k=128, group_m=8, num_warps=4,
                         num_stages=3)
     elif rows_per_expert <= 256:
-        cfg = MoEConfig(block_m=64, block_n=64, block_k=bk, group_m=8, num_warps=4, num_stages=3)
+        wide = down and fp8
+        cfg = MoEConfig(block_m=64, block_n=128 if wide else 64, block_k=bk, group_m=8,
+                        num_warps=4, num_stages=3, b_desc=wide)
     else:
         cfg = MoEConfig(block_m=128, block_n=128, block_k=bk, group_m=8, num_warps=8,
                         num_stages=3)
@@ -830,7 +839,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   block_shape: tuple[int, int] | None = None,
                   activation_quant: bool = True, shared_w13: torch.Tensor | None = None,
                   shared_w2: torch.Tensor | None = None,
-                  x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  down_config: MoEConfig | None = None) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), SiLU-gated experts:
     expert_e(v) = w2[e] @ (silu(w13[e, :I] @ v) * (w13[e, I:] @ v)), plus, when shared_w13 /
     shared_w2 are given, the shared experts' SiLU-gated MLP of x[t] (DeepSeek's
@@ -862,6 +872,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         topk_ids: [T, k] int32/int64, each in [0, E) (not checked on the host).
         out: optional [T, H] destination of x's dtype.
         config: sorted-path tile sizes (default `get_default_config(T, k, E, x.device, fp8)`).
+        down_config: the second (down) GEMM's tiles, block_m equal to config's (default: config
+            when config is given, else `get_default_config(..., down=True)`).
         gemv_config: GEMV-path tile sizes (default `get_default_gemv_config(k, x.device)`).
         path: "auto" (GEMV when T*k <= GEMV_MAX_ROWS, see `use_gemv_path`; else sorted),
             "gemv" or "sorted" (forced, for tests and benchmarks). Chosen from shapes only.
@@ -887,7 +899,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         ValueError: shapes or dtypes do not fit together, unknown path, GEMV tiles not powers
             of two, FP8 weights without fitting scales (or scales without FP8 weights), shared
             experts of the wrong shape or dtype, with FP8 weights or off the GEMV path, an
-            x_fp8 (when used) not of x's shape.
+            x_fp8 (when used) not of x's shape, a down_config of another block_m.
     """
     if path not in ("auto", "gemv", "sorted"):
         raise ValueError(f"fused_experts: path must be 'auto', 'gemv' or 'sorted', got {path!r}")
@@ -933,6 +945,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError("fused_experts: shared experts are folded on the GEMV path only "
                          f"(T={t}, k={top_k}, S={n_shared}, path {path!r})")
     cfg = config or get_default_config(t, top_k, e, x.device, fp8=fp8)
+    cfg2 = down_config or (cfg if config is not None
+                           else get_default_config(t, top_k, e, x.device, fp8=fp8, down=True))
+    if cfg2.block_m != cfg.block_m:
+        raise ValueError(f"fused_experts: down_config.block_m {cfg2.block_m} != config.block_m "
+                         f"{cfg.block_m} (both GEMMs read one sorted row order)")
     group = None if block_shape is None else block_shape[1]
     sorted_ids, expert_ids, used = moe_align_block_size(topk_ids, e, cfg.block_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
@@ -943,7 +960,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  block_shape=block_shape)
     y = torch.empty((num_rows, h), dtype=x.dtype, device=x.device)  # [T*k, H]
     a2, a2_scale = _quantize(h_act, fp8, group, activation_quant)
-    grouped_gemm(a2, w2, y, sorted_ids, expert_ids, used, num_rows, 1, cfg,
+    grouped_gemm(a2, w2, y, sorted_ids, expert_ids, used, num_rows, 1, cfg2,
                  topk_weights=weights, a_scale=a2_scale, w_scale=w2_scale,
                  block_shape=block_shape)
     torch.sum(y.view(t, top_k, h), dim=1, out=out)

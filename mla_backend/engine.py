@@ -220,7 +220,10 @@ class Engine:
             context_len=self.context_len,
         )
         self.sampler = Sampler(eos, self.vocab_size, self.runner.device, seed=config.runner.seed)
-        self.sampler.warm_up(self.runner.max_running_requests)  # CUDA: compile its kernels now
+        # CUDA: compile its kernels now, for eager (fp32) and graph-replay (model dtype) logits
+        cgr = self.runner.cuda_graph_runner
+        self.sampler.warm_up(self.runner.max_running_requests,
+                             (torch.float32,) + ((cgr.logits.dtype,) if cgr is not None else ()))
         overlap = config.scheduler.overlap_schedule
         # `overlap_schedule` resolved (off with tensor parallelism: the workers get host copies
         # of the inputs); may be switched between steps (benchmarks do).
@@ -394,7 +397,7 @@ class Engine:
             idx = torch.tensor([batch.future_rows, src], dtype=torch.int64).to(
                 fb.input_ids.device, non_blocking=True)  # no wait for `prev` to finish
             fb.input_ids[idx[0]] = prev.sample.next_ids[idx[1]]
-        logits = self.runner.forward(fb)  # [bs, V] fp32
+        logits = self.runner.forward(fb)  # [bs, V]: fp32, or the model dtype (graph replay)
         rows = [i for i, m in enumerate(batch.sample_mask) if m]
         sample = None
         if len(rows) == len(batch.reqs):  # every row samples (decode): no gather

@@ -62,9 +62,13 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] -> logits [n, vocab_size] fp32."""
-        return F.linear(hidden, self.weight).float()
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [n, hidden_size] -> logits [n, vocab_size], computed in the weight's dtype:
+        fp32 (converted), or written into out [n, vocab_size] (contiguous; of the weight's
+        dtype: the GEMM writes it, no extra pass; else converted into it)."""
+        if out is not None and out.dtype == self.weight.dtype and out.is_contiguous():
+            return torch.mm(hidden, self.weight.t(), out=out)
+        return _to_fp32(F.linear(hidden, self.weight), out)
 
 
 
@@ -163,15 +167,20 @@ class ParallelLMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(per, hidden_size), requires_grad=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] fp32, the full vocabulary on every
-        rank (local [n, V_pad/tp] logits are all-gathered, then the padding is cut off)."""
+        rank (local [n, V_pad/tp] logits are all-gathered, then the padding is cut off); or
+        written into out [n, vocab_size] (any float dtype; of the weight's dtype at TP 1: by
+        the GEMM itself, no extra pass)."""
+        if (self.tp_size == 1 and out is not None and out.dtype == self.weight.dtype
+                and out.is_contiguous() and self.num_embeddings_padded == self.vocab_size):
+            return torch.mm(hidden, self.weight.t(), out=out)
         logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
             if self.num_embeddings_padded != self.vocab_size:
-                logits = logits[..., : self.vocab_size].contiguous()
-        return logits.float()
+                logits = logits[..., : self.vocab_size]
+        return _to_fp32(logits, out)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """Copy this rank's rows of the full HF `lm_head.weight` [V, hidden_size] into `param`
@@ -200,6 +209,14 @@ def _load_vocab_rows(layer: VocabParallelEmbedding | ParallelLMHead, param: nn.P
     n = max(0, min(layer.vocab_end_index, vocab) - start)
     param.data[:n].copy_(loaded.narrow(0, start, n))
     param.data[n:].zero_()
+
+
+def _to_fp32(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """logits [n, V] (any float dtype, any strides) as a contiguous fp32 tensor, or copied into
+    out (converted to out's dtype in the same pass)."""
+    if out is None:
+        return logits.float().contiguous()
+    return out.copy_(logits)
 
 
 def select_logit_rows(hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:

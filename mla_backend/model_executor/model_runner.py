@@ -397,8 +397,10 @@ class ModelRunner:
             self.tp_workers.check_alive()
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Run the model: fp32 logits [bs, V] (or [T, V] with `return_all_logits`).
-        Decode batches of up to `cuda_graph_runner.max_bs` rows replay a CUDA graph.
+        """Run the model: logits [bs, V] (or [T, V] with `return_all_logits`), fp32.
+        Decode batches of up to `cuda_graph_runner.max_bs` rows replay a CUDA graph; their
+        logits are in the model dtype (the fp32 logits are those values converted) and valid
+        until the next replay (`CudaGraphRunner.replay`).
 
         Raises:
             TpWorkerError: with workers (TP > 1 started here), a worker is dead or this step

@@ -56,6 +56,9 @@ class SampleOutput:
     top_logprobs: list[dict[int, float] | None]
 
 
+# logits dtypes the one-pass greedy kernel reads as they are
+_GREEDY_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 def is_greedy(params: SamplingParams) -> bool:
     """True when the request's next token is the argmax of its penalized logits."""
     return params.temperature < GREEDY_TEMPERATURE_EPS or params.top_k == 1
@@ -152,6 +155,23 @@ def apply_temperature_and_filters(logits: torch.Tensor,
     return out
 
 
+def _penalize(params: Sequence[SamplingParams]) -> bool:
+    return any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+               or p.frequency_penalty != 0.0 for p in params)
+
+
+def _mask_min(reqs: Sequence[Req]) -> bool:
+    return any(len(r.output_ids) + r.num_inflight_tokens < r.sampling_params.min_new_tokens
+               for r in reqs)
+
+
+def needs_processing(reqs: Sequence[Req]) -> bool:
+    """Whether `process_logits` would change the logits of these requests (penalties, the
+    min_new_tokens mask, or a non-greedy row); False: each token is the raw argmax."""
+    params = [r.sampling_params for r in reqs]
+    return _penalize(params) or _mask_min(reqs) or not all(is_greedy(p) for p in params)
+
+
 def process_logits(logits: torch.Tensor, reqs: Sequence[Req],
                    eos_token_ids: set[int]) -> torch.Tensor:
     """Steps 1-4 of the module docstring on logits [bs, V] fp32; returns a new tensor, or
@@ -161,10 +181,8 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Req],
     Non-greedy rows are also tempered and filtered; their token is a draw from softmax(row).
     """
     params = [r.sampling_params for r in reqs]
-    penalize = any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                   or p.frequency_penalty != 0.0 for p in params)
-    mask_min = any(len(r.output_ids) + r.num_inflight_tokens < r.sampling_params.min_new_tokens
-                   for r in reqs)
+    penalize = _penalize(params)
+    mask_min = _mask_min(reqs)
     sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
     if not (penalize or mask_min or sampled):
         return logits
@@ -202,20 +220,24 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     @torch.no_grad()
-    def warm_up(self, max_rows: int) -> int:
+    def warm_up(self, max_rows: int,
+                dtypes: Sequence[torch.dtype] = (torch.float32,)) -> int:
         """On CUDA, run the one-pass greedy kernel once per launch plan a batch of up to
-        `max_rows` rows can take (`mla_kernels.sampling.plan_batch_sizes`), so that triton
-        compiles them now rather than inside the first requests' steps (each variant is a JIT
-        compile of a fraction of a second on a machine without triton's disk cache). Returns
-        the number of plans run (0 off CUDA)."""
+        `max_rows` rows can take (`mla_kernels.sampling.plan_batch_sizes`) and per logits
+        dtype in `dtypes` (each is a triton variant: fp32 from eager forwards, the model dtype
+        from CUDA graph replays), so that triton compiles them now rather than inside the
+        first requests' steps (each variant is a JIT compile of a fraction of a second on a
+        machine without triton's disk cache). Returns the number of plans run (0 off CUDA)."""
         if self.device.type != "cuda" or max_rows < 1:
             return 0
         from mla_kernels.sampling import greedy_with_logprob, plan_batch_sizes
 
         sizes = plan_batch_sizes(max_rows, self.vocab_size)
-        for bs in sizes:
-            greedy_with_logprob(torch.zeros(bs, self.vocab_size, device=self.device))
-        return len(sizes)
+        for dtype in dict.fromkeys(dtypes):
+            for bs in sizes:
+                greedy_with_logprob(torch.zeros(bs, self.vocab_size, device=self.device,
+                                                dtype=dtype))
+        return len(sizes) * len(dict.fromkeys(dtypes))
 
     def _row_generator(self, req: Req) -> torch.Generator | None:
         seed = req.sampling_params.seed
@@ -264,20 +286,24 @@ class Sampler:
             raise ValueError(f"logits must be [{len(reqs)}, V], got {tuple(logits.shape)}")
         if logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits have {logits.shape[1]} columns < vocab {self.vocab_size}")
-        raw = logits[:, : self.vocab_size].float()
-        processed = process_logits(raw, reqs, self.eos_token_ids)
+        view = logits[:, : self.vocab_size]
         params = [r.sampling_params for r in reqs]
-        sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
-        if (processed is raw and not sampled and raw.is_cuda and raw.stride(1) == 1
-                and not torch.compiler.is_compiling()):
+        if (view.is_cuda and view.stride(1) == 1 and view.dtype in _GREEDY_KERNEL_DTYPES
+                and not torch.compiler.is_compiling() and not needs_processing(reqs)):
             # all greedy on unprocessed logits: argmax, logsumexp and the chosen logprob in
-            # one read of the logits (`mla_kernels.sampling`), the same values as below; on an
-            # H200 faster than torch's passes at every batch size (V 102,400: 9.5 vs 71.9 us at
-            # bs 1, 94 vs 442 at bs 512; `benchmarks/bench_sampling.py`)
+            # one read of the logits (`mla_kernels.sampling`), the same values as below (16-bit
+            # logits, as a CUDA graph replay gives them, are read as they are: their fp32 form
+            # is the same values); on an H200 faster than torch's passes at every batch size
+            # (V 102,400: 9.5 vs 71.9 us at bs 1, 94 vs 442 at bs 512;
+            # `benchmarks/bench_sampling.py`)
             from mla_kernels.sampling import greedy_with_logprob
 
-            next_ids, chosen_lp, lse = greedy_with_logprob(raw)
+            next_ids, chosen_lp, lse = greedy_with_logprob(view)
+            raw = view
         else:
+            raw = view.float()
+            processed = process_logits(raw, reqs, self.eos_token_ids)
+            sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
             next_ids = self._next_ids(processed, reqs, sampled)
             lse = torch.logsumexp(raw, dim=-1)
             chosen_lp = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1) - lse
@@ -287,7 +313,7 @@ class Sampler:
             kmax = min(max(params[i].logprobs or 0 for i in want), self.vocab_size)
             if kmax > 0:
                 idx = _on(want, raw.device)
-                vals, top_ids = raw[idx].topk(kmax, dim=-1)
+                vals, top_ids = raw[idx].float().topk(kmax, dim=-1)
                 top_vals = vals - lse[idx].unsqueeze(1)
         host = [next_ids, chosen_lp] + ([top_vals, top_ids] if top_vals is not None else [])
         event = None

@@ -542,9 +542,11 @@ class DeepseekV2ForCausalLM(nn.Module):
         """input_ids [T] int64, positions [T] int64 -> hidden [T, hidden] after the final norm."""
         return self.model(input_ids, positions, forward_batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> logits [n, vocab] fp32."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab] fp32, or written into out [n, vocab] (the
+        CUDA graphs' static buffer, of the model dtype: `ParallelLMHead.forward`)."""
+        return self.lm_head(hidden, out)
 
     def kv_pool_layout(self) -> dict:
         """The KV pool this model needs: MLA latent pool, or MHA per-head pool (disable_mla)."""

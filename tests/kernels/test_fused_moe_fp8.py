@@ -137,6 +137,29 @@ def test_fp8_kernel_block_128_ragged(path):
 
 
 @pytest.mark.parametrize("block", [None, BLOCK], ids=["per_tensor", "block32"])
+def test_fp8_down_gemm_takes_its_own_tiles(block, monkeypatch):
+    """`fused_experts(down_config=)`: the down GEMM with other N / K tiles than the gate/up GEMM
+    (same block_m) still equals the twin, and the tiles reach the second launch; a down_config
+    of another block_m is refused (both GEMMs walk one sorted row order)."""
+    import mla_kernels.fused_moe as fused_moe_mod
+    from mla_kernels.fused_moe import MoEConfig
+
+    x, q13, q2, topw, ids, s13, s2 = problem(9, 4, 2, block, seed=17)
+    cfg, down = MoEConfig(16, 32, 32, 4), MoEConfig(16, 64, 16, 1)
+    seen = []
+    real = fused_moe_mod.grouped_gemm
+    monkeypatch.setattr(fused_moe_mod, "grouped_gemm",
+                        lambda *a, **kw: seen.append(a[8]) or real(*a, **kw))
+    out = run(x, q13, q2, topw, ids, s13, s2, block, path="sorted", config=cfg, down_config=down)
+    assert seen == [cfg, down]
+    torch.testing.assert_close(out, fused_experts_fp8_ref(x, q13, q2, topw, ids, s13, s2, block),
+                               **FP32)
+    with pytest.raises(ValueError, match="block_m"):
+        run(x, q13, q2, topw, ids, s13, s2, block, path="sorted", config=cfg,
+            down_config=down._replace(block_m=32))
+
+
+@pytest.mark.parametrize("block", [None, BLOCK], ids=["per_tensor", "block32"])
 def test_fp8_weight_descriptor(block, monkeypatch):
     """FP8 weight tiles through a tensor descriptor (`MoEConfig.b_desc`), H 80 / I 48 (FP8 rows
     of a multiple of 16 bytes, which a descriptor needs): equal to the twin and to the pointer
@@ -262,3 +285,23 @@ def test_gpu_fp8_fused_experts_cuda_graph(block, path):
         torch.cuda.synchronize()
         ref = fused_experts_fp8_ref(x, q13, q2, topw, ids, s13, s2, block)
         assert _rel_max(out, ref) <= 2e-2
+
+
+def test_default_down_tiles(monkeypatch):
+    """The FP8 down GEMM's default tiles differ from the gate/up GEMM's only at 17-256 rows per
+    expert (128-wide N blocks through a descriptor, the H200 sweep's pick); bf16, small and
+    prefill sizes keep one config for both."""
+    import mla_kernels.fused_moe as fused_moe_mod
+    from mla_kernels.fused_moe import MoEConfig, get_default_config
+
+    monkeypatch.setattr(fused_moe_mod, "_max_shared_memory", lambda device: 232448)  # H200
+    for t in (512, 1024):
+        up = get_default_config(t, 6, 64, "cuda", fp8=True)
+        down = get_default_config(t, 6, 64, "cuda", fp8=True, down=True)
+        assert up == MoEConfig(64, 64, 128, 8, 4, 3, False)
+        assert down == MoEConfig(64, 128, 128, 8, 4, 3, True)
+    for t, fp8 in ((512, False), (64, True), (4096, True), (4096, False)):
+        assert (get_default_config(t, 6, 64, "cuda", fp8=fp8, down=True)
+                == get_default_config(t, 6, 64, "cuda", fp8=fp8))
+    assert get_default_config(512, 6, 64, "cpu", fp8=True, down=True) == \
+        get_default_config(512, 6, 64, "cpu", fp8=True)

@@ -165,3 +165,44 @@ def test_sampler_fused_branch_matches_the_torch_path(monkeypatch, bs):
     torch.testing.assert_close(torch.tensor(fused.token_logprobs, dtype=torch.float64),
                                lp.cpu(), rtol=1e-5, atol=1e-5)
     assert all((d is None) == (i % 7 != 0) for i, d in enumerate(fused.top_logprobs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sampler_reads_16bit_logits_as_their_fp32_form(monkeypatch, dtype):
+    """A CUDA graph replay hands the sampler logits in the model dtype: the greedy branch reads
+    them as they are (no fp32 copy) and gives what their fp32 form gives, bit for bit (the
+    same values); the torch branch (a penalty) converts them first; the warm-up compiles both
+    dtypes' variants."""
+    import mla_kernels.sampling as sampling_mod
+    from mla_backend.model_executor.sampler import Sampler
+    from mla_backend.request import Req, SamplingParams
+
+    vocab, bs = 102_400, 40
+    low = (torch.randn(bs, vocab, generator=torch.Generator().manual_seed(5)) * 5).to(dtype)
+    low = low.cuda()
+
+    def reqs(**kw):
+        return [Req(rid=str(i), origin_input_ids=[1, 2, 3],
+                    sampling_params=SamplingParams(temperature=0.0, max_new_tokens=4,
+                                                   logprobs=3 if i % 5 == 0 else None, **kw))
+                for i in range(bs)]
+
+    calls = []
+    monkeypatch.setattr(sampling_mod, "greedy_with_logprob",
+                        lambda x: calls.append(x.dtype) or greedy_with_logprob(x))
+    sampler = Sampler(set(), vocab, "cuda")
+    assert sampler.warm_up(64, (torch.float32, dtype)) == 2 * 3
+    assert calls.count(dtype) == 3
+    calls.clear()
+    got, want = sampler.sample(low, reqs()), sampler.sample(low.float(), reqs())
+    assert calls == [dtype, torch.float32]
+    assert got.next_token_ids == want.next_token_ids
+    assert got.token_logprobs == want.token_logprobs
+    assert got.top_logprobs == want.top_logprobs
+    calls.clear()
+    pen = sampler.sample(low, reqs(repetition_penalty=1.3))
+    assert calls == []  # processed logits: the torch branch, on the fp32 form
+    assert pen.next_token_ids == sampler.sample(low.float(), reqs(repetition_penalty=1.3)
+                                                ).next_token_ids
