@@ -5,14 +5,16 @@ the backend supports graphs and `disable_cuda_graph` is off). At start-up it cap
 batch-size bucket (1, 2, 4, 8, then steps of 8 up to `cuda_graph_max_bs`, capped at the pool's
 request rows), largest first, all sharing one graph memory pool, over static input buffers:
 `input_ids`, `positions`, `req_pool_indices`, `seq_lens`, `out_cache_loc` ([max_bs] int64 each).
-A graph runs embedding → decoder layers → final norm → LM head and copies the logits into rows
-[:bs] of one static fp32 [max_bs, vocab] buffer shared by all buckets; sampling stays outside.
+A graph runs embedding → decoder layers → final norm → LM head, whose GEMM writes the logits
+into rows [:bs] of one static [max_bs, vocab] buffer in the model dtype shared by all buckets;
+sampling stays outside.
 
 Per decode step (`replay`): the live batch (raw_bs rows) is copied into the static buffers, the
 rows up to the bucket are padded (request row 0, seq_len 1, written to the sink slot 0, so they
 never touch a real slot), the backend's metadata (the decode split plan) is recomputed into its
 static buffer outside the graph, the graph is replayed, and the first raw_bs logit rows are
-copied out before returning (the static buffer is overwritten by the next replay).
+returned as a view of the static buffer, without a copy: they hold until the next replay
+overwrites them, so whatever reads them (the sampler) queues its work before that replay.
 
 With `enable_torch_compile`, buckets <= `torch_compile_max_bs` capture the model's forward wrapped
 in `torch.compile(mode=torch_compile_mode, dynamic=False)` (default

@@ -20,7 +20,7 @@ Memory plan on CUDA (`max_total_tokens` unset): after the weights are loaded, th
 resulting capacity in tokens is logged at start-up and kept in `max_total_num_tokens`.
 
 Per step the engine turns a `ScheduleBatch` into a `ForwardBatch` (`make_forward_batch`) and calls
-`forward`, which returns fp32 logits.
+`forward`, which returns the logits (fp32; from a CUDA graph replay in the model dtype).
 """
 
 from __future__ import annotations

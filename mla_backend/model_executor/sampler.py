@@ -1,6 +1,8 @@
 """Sampler: turns a batch's last-position logits into next tokens and their logprobs.
 
-Input: fp32 logits [bs, V] from `ModelRunner.forward` (one row per request, batch order) and the
+Input: logits [bs, V] from `ModelRunner.forward` (one row per request, batch order; fp32, or
+16-bit from a CUDA graph replay: the greedy kernel reads those as they are, every other path
+converts them to fp32 first) and the
 batch's `Req`s, of which it reads `sampling_params`, `origin_input_ids`, `output_ids` and
 `num_inflight_tokens`.
 Output: `SampleOutput` (host lists) for the engine, which appends the tokens to `req.output_ids`
@@ -203,7 +205,8 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Req],
 
 
 class Sampler:
-    """Samples one token per request from fp32 logits [bs, V] (see the module docstring).
+    """Samples one token per request from logits [bs, V] (fp32 or 16-bit; see the module
+    docstring).
 
     eos_token_ids: ids masked by min_new_tokens (stopping on them is the engine's job);
     vocab_size: V (logits with more columns, e.g. padded, are cut to V; fewer raise ValueError);

@@ -106,7 +106,9 @@ def test_bs1_decode_fast_paths_equal_generic(model_dirs, dtype, monkeypatch):
     prompts = [[5, 17, 99, 3, 250, 7, 12]]
     rows, lens = _prefill(runner, prompts)
     fb = _decode_batch(runner, rows, lens, [prompts[0][-1]])
-    fast = runner.forward(fb)  # graph replay (bs 1 bucket)
+    fast = runner.forward(fb)  # graph replay (bs 1 bucket): logits in the model dtype
+    assert fast.dtype == runner.dtype
+    fast = fast.float()
     assert calls["fold"] > 0 and calls["prologue"] > 0
     assert (calls["bmm_gemv"] > 0) == (dtype == "bfloat16")
     runner.cuda_graph_runner = None
@@ -142,6 +144,9 @@ def test_replay_logits_equal_eager(model_dirs, model, dtype, bs):
     runner.cuda_graph_runner = cgr
     graph = runner.forward(fb)  # rewrites the same K/V values at the same slots
     assert graph.shape == eager.shape == (bs, runner.vocab_size)
+    # a replay's logits are the lm_head's output in the model dtype, eager ones fp32
+    assert graph.dtype == runner.dtype and eager.dtype == torch.float32
+    graph = graph.float()
     tol = 1e-4 if dtype == "float32" else 2e-2
     torch.testing.assert_close(graph, eager, atol=tol, rtol=tol)
     assert torch.equal(graph.argmax(-1), eager.argmax(-1))
@@ -189,7 +194,7 @@ def test_torch_compile_no_recompilation(model_dirs):
         for r in (runner, eager_runner):
             rows, lens = _prefill(r, prompts)
             fb = _decode_batch(r, rows, lens, [p[-1] for p in prompts])
-            got.append(r.forward(fb))
+            got.append(r.forward(fb).float())  # the replay's are bf16
             r.req_to_token_pool.free(rows)
         # bf16: inductor's fused native ops round differently from our kernels (measured
         # max |diff| 0.041 on logits of std ~3).
