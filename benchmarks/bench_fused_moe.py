@@ -133,10 +133,16 @@ def sorted_runs(args: argparse.Namespace, t: int, k: int, e: int) -> list[tuple]
     `get_default_config(down=True)`, when its block_m matches) and each --intermediate-quant
     (FP8 only; bf16 takes the first)."""
     down_default = get_default_config(t, k, e, "cuda", fp8=args.fp8, down=True)
+    swept = any(getattr(args, "sorted_" + a) for a in ("block_m", "block_n", "block_k", "warps",
+                                                       "stages", "b_desc"))
+    choice = args.down_tiles or (["same"] if swept else ["default"])
     out = []
     for cfg in sorted_configs(args, t, k, e):
-        downs = {cfg if d == "same" else down_default for d in args.down_tiles
-                 if d == "same" or down_default.block_m == cfg.block_m}
+        if "default" in choice and down_default.block_m != cfg.block_m:
+            print(f"(T {t}: the default down tiles need BM{down_default.block_m}; "
+                  f"BM{cfg.block_m} times its own tiles for both GEMMs)", flush=True)
+        downs = {cfg if d == "same" or down_default.block_m != cfg.block_m else down_default
+                 for d in choice}
         for down in sorted(downs, key=lambda c: c != cfg):
             out += [(cfg, down, iq) for iq in
                     (args.intermediate_quant if args.fp8 else args.intermediate_quant[:1])]
@@ -192,10 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     for a in ("block_m", "block_n", "block_k", "warps", "stages", "b_desc"):
         ssweep.add_argument("--sorted-" + a.replace("_", "-"), dest="sorted_" + a, type=int,
                             nargs="+", default=None)
-    ssweep.add_argument("--down-tiles", nargs="+", choices=["same", "default"],
-                        default=["default"],
+    ssweep.add_argument("--down-tiles", nargs="+", choices=["same", "default"], default=None,
                         help="the down GEMM's tiles: the first GEMM's (same) or "
-                             "get_default_config(down=True) (default)")
+                             "get_default_config(down=True) (default); without this option "
+                             "'same' when a --sorted-* sweep is given, else 'default'")
     ssweep.add_argument("--intermediate-quant", nargs="+", choices=["pass", "on_load"],
                         default=["pass"],
                         help="FP8: fused_experts(intermediate_quant=) values to time")

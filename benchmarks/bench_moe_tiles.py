@@ -1,7 +1,7 @@
 """Tile sweep of the sorted MoE path's two GEMMs on a CUDA GPU, each GEMM timed alone.
 
 `bench_fused_moe.py --sorted-*` times the whole `fused_experts` call with one config for both
-GEMMs; this script times `mla_kernels.fused_moe.grouped_gemm` for the first GEMM (gate/up with
+GEMMs (`--down-tiles default`: the down GEMM's own default tiles); this script times `mla_kernels.fused_moe.grouped_gemm` for the first GEMM (gate/up with
 the fused SiLU-and-mul, A = x) and the second (down, weighted by the routing weight, A = the
 intermediate) separately, over the cartesian product of BLOCK_M, BLOCK_N, BLOCK_K, warps and
 stages, for bf16 and for FP8 experts (per-expert scales, activations quantized per token as

@@ -80,8 +80,10 @@ class MoEConfig(NamedTuple):
     num_warps, num_stages: triton launch options (ignored by the interpreter).
     b_desc: load the weight tiles through a tensor descriptor (`TensorDescriptor`: on Hopper a
         TMA copy per tile) instead of per-thread pointer loads; the gathered activation rows
-        keep pointer loads (`benchmarks/bench_moe_tiles.py --b-desc`). On in the FP8 down
-        GEMM's decode tiles only (`get_default_config(down=True)`).
+        keep pointer loads (`benchmarks/bench_moe_tiles.py --b-desc`). On by default only in
+        the FP8 down GEMM's tiles from 17 to 256 rows per expert on Hopper
+        (`get_default_config(down=True)`; at V2-Lite's E 64, top-6: T up to ~2,730 tokens,
+        large decode batches and small prefills).
     """
 
     block_m: int
@@ -114,9 +116,9 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
     T 512 395 -> 310, T 3072 897 -> 797 (the earlier defaults -> these; docs/benchmarks.md,
     "Grouped-GEMM tiles"). A GPU with less shared memory per block than the tiles take gets
     narrower ones (`fit_shared_memory`). On other devices (the interpreter) small tiles.
-    The second (down) GEMM may take other tiles of the same BLOCK_M (`down`): with FP8 weights
-    from 17 to 256 rows per expert, 128-wide N blocks whose weight tiles load through a tensor
-    descriptor (TMA). Each GEMM alone (`bench_moe_tiles.py --b-desc both`, H200, 2026-12-03):
+    The second (down) GEMM may take other tiles of the same BLOCK_M (`down`): on Hopper (sm 9.x,
+    where they were timed; TMA), with FP8 weights from 17 to 256 rows per expert, 128-wide N
+    blocks whose weight tiles load through a tensor descriptor. Each GEMM alone (`bench_moe_tiles.py --b-desc both`, H200, 2026-12-03):
     63.8 / 82.5 us against 66.7 / 90.5 at T 512 / 1,024; the whole call (graph replay,
     `bench_fused_moe.py --down-tiles same default`) at T 256 / 512 / 768 / 1,024: 190.7 /
     203.9 / 254.8 / 282.4 us against 193.6 / 206.5 / 266.4 / 291.4.
@@ -137,7 +139,7 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
         cfg = MoEConfig(block_m=32, block_n=64, block_k=128, group_m=8, num_warps=4,
                         num_stages=3)
     elif rows_per_expert <= 256:
-        wide = down and fp8
+        wide = down and fp8 and _compute_capability(device)[0] == 9
         cfg = MoEConfig(block_m=64, block_n=128 if wide else 64, block_k=bk, group_m=8,
                         num_warps=4, num_stages=3, b_desc=wide)
     else:
@@ -163,6 +165,12 @@ def fit_shared_memory(config: MoEConfig, elem_bytes: int, max_bytes: int | None)
         return config
     return config._replace(block_n=64, block_k=min(config.block_k, 128 // elem_bytes),
                            num_stages=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device; read once per device."""
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.lru_cache(maxsize=None)

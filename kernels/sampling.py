@@ -1,7 +1,8 @@
 """Greedy token choice and its logprob in one pass over the logits (the sampler's common case).
 
 `Sampler.launch` (mla_backend/model_executor/sampler.py) needs, per request row of the last
-positions' fp32 logits [bs, V]: the argmax (greedy rows) and the chosen token's logprob
+positions' logits [bs, V] (fp32, or bf16 / fp16 from a CUDA graph replay, read as they are and
+upcast on load): the argmax (greedy rows) and the chosen token's logprob
 logit[chosen] - logsumexp(logits). In torch that is an argmax and a logsumexp (amax, a
 broadcast subtraction, exp, sum, log) plus a gather: five or six passes over [bs, V]
 (V = 102,400 for DeepSeek; on an H200 at bs 512 about 0.43 ms per decode step,

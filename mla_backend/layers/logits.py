@@ -1,7 +1,8 @@
 """Vocabulary embedding, LM head and logit-row selection.
 
 `VocabEmbedding` maps token ids to rows (HF name `embed_tokens.weight`); `LMHead` maps final hidden
-states to fp32 logits (HF name `lm_head.weight`, or the embedding's weight when tied).
+states to logits (HF name `lm_head.weight`, or the embedding's weight when tied): fp32, or written
+into a given `out` (the CUDA graphs' buffer in the model dtype: by the GEMM itself).
 `select_logit_rows` picks the hidden rows that need logits: every new token
 (`return_all_logits`) or the last new token of each request.
 
@@ -9,7 +10,7 @@ Tensor parallel twins (same constructor arguments and forward contract, so a mod
 for the other; identical results at TP size 1): `VocabParallelEmbedding` and `ParallelLMHead` split
 the vocabulary rows across the TP ranks (rank r holds ids [r*V_pad/tp, (r+1)*V_pad/tp), V padded up
 to a multiple of tp with zero rows). The embedding all-reduces (each id's row is non-zero on one
-rank only); the LM head all-gathers, so every rank gets the full fp32 logits [n, V]. Their
+rank only); the LM head all-gathers, so every rank gets the full logits [n, V]. Their
 `weight_loader` takes the full HF tensor [V, hidden] and copies this rank's rows.
 """
 

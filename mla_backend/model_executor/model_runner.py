@@ -397,10 +397,11 @@ class ModelRunner:
             self.tp_workers.check_alive()
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Run the model: logits [bs, V] (or [T, V] with `return_all_logits`), fp32.
-        Decode batches of up to `cuda_graph_runner.max_bs` rows replay a CUDA graph; their
-        logits are in the model dtype (the fp32 logits are those values converted) and valid
-        until the next replay (`CudaGraphRunner.replay`).
+        """Run the model: logits [bs, V] (or [T, V] with `return_all_logits`): fp32 from an
+        eager forward. Decode batches of up to `cuda_graph_runner.max_bs` rows replay a CUDA
+        graph instead; their logits are in the model dtype (an eager run's fp32 logits are
+        those values converted), a view of the graphs' static buffer valid until the next
+        replay (`CudaGraphRunner.replay`): queue whatever reads them before the next forward.
 
         Raises:
             TpWorkerError: with workers (TP > 1 started here), a worker is dead or this step

@@ -281,6 +281,9 @@ class Sampler:
         for it (no host synchronisation on CUDA); `resolve` returns the tokens. The work is
         queued on the current stream, so more device work (the next forward, which may read
         `next_ids`) can be queued before `resolve`. logits: [bs, V'] float, V' >= vocab_size.
+        Every read of the logits is queued (on the current stream) before this returns, and
+        no reference to them is kept: a CUDA graph replay's logits (a view of its static
+        buffer, `CudaGraphRunner.replay`) may be overwritten by the next replay right after.
 
         Raises:
             ValueError: logits not [len(reqs), V'] or V' < vocab_size.

@@ -151,7 +151,11 @@ def _rank_lm_head(w, hidden) -> tuple:
     emb = VocabParallelEmbedding(*w.shape)
     _load(emb, weight=w)
     tied = ParallelLMHead(*w.shape, emb)
-    return head(hidden), tied(hidden), tied.weight is emb.weight
+    # into a given buffer (the CUDA graphs' path): the padded, gathered logits copied in
+    out = torch.full((hidden.shape[0] + 2, w.shape[0]), float("nan"))
+    into = head(hidden, out=out[1:-1])
+    return (head(hidden), tied(hidden), tied.weight is emb.weight,
+            (into.data_ptr() == out[1:-1].data_ptr(), out))
 
 
 def _rank_fail_on_1() -> int:
@@ -269,12 +273,14 @@ def test_parallel_lm_head(tp2):
     w, h = _rand(vocab, hidden, seed=27), _rand(4, hidden, seed=28)
     ref = LMHead(vocab, hidden)
     ref.weight.data.copy_(w)
-    for logits, tied_logits, shares in tp2.run(_rank_lm_head, w, h):
+    for logits, tied_logits, shares, (same, out) in tp2.run(_rank_lm_head, w, h):
         assert logits.shape == (4, vocab) and logits.dtype == torch.float32
         assert logits.is_contiguous()
         torch.testing.assert_close(logits, ref(h), **TOL)
         torch.testing.assert_close(tied_logits, ref(h), **TOL)
         assert shares
+        assert same and torch.equal(out[1:-1], logits)  # rows written in place
+        assert out[0].isnan().all() and out[-1].isnan().all()  # nothing else touched
 
 
 def test_harness_reports_rank_exception_without_hanging():
@@ -348,6 +354,13 @@ def test_tp1_equals_replicated_classes():
             _load(head, weight=table)
         assert head.tied == head_ref.tied
         assert torch.equal(head(x), head_ref(x)) and head(x).dtype == torch.float32
+        # into a buffer: of the weight's dtype the GEMM writes it (TP 1), of another dtype the
+        # logits are converted into it; the same values either way
+        for dtype in (torch.float32, torch.bfloat16):
+            buf = torch.zeros(x.shape[0], 13, dtype=dtype)
+            for h_ in (head, head_ref):
+                assert h_(x, out=buf) is buf
+                assert torch.equal(buf, head_ref(x).to(dtype))
 
 
 def test_shard_layout_of_other_ranks():

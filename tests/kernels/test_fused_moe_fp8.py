@@ -354,12 +354,13 @@ def test_grouped_gemm_row_amax_and_quantization_on_load():
 
 def test_default_down_tiles(monkeypatch):
     """The FP8 down GEMM's default tiles differ from the gate/up GEMM's only at 17-256 rows per
-    expert (128-wide N blocks through a descriptor, the H200 sweep's pick); bf16, small and
-    prefill sizes keep one config for both."""
+    expert on Hopper (128-wide N blocks through a descriptor, the H200 sweep's pick); bf16,
+    small and prefill sizes, and other GPUs keep one config for both."""
     import mla_kernels.fused_moe as fused_moe_mod
     from mla_kernels.fused_moe import MoEConfig, get_default_config
 
     monkeypatch.setattr(fused_moe_mod, "_max_shared_memory", lambda device: 232448)  # H200
+    monkeypatch.setattr(fused_moe_mod, "_compute_capability", lambda device: (9, 0))
     for t in (512, 1024):
         up = get_default_config(t, 6, 64, "cuda", fp8=True)
         down = get_default_config(t, 6, 64, "cuda", fp8=True, down=True)
@@ -370,3 +371,9 @@ def test_default_down_tiles(monkeypatch):
                 == get_default_config(t, 6, 64, "cuda", fp8=fp8))
     assert get_default_config(512, 6, 64, "cpu", fp8=True, down=True) == \
         get_default_config(512, 6, 64, "cpu", fp8=True)
+    # elsewhere (untimed: an sm89 / sm80 GPU) one config for both GEMMs
+    for cap, smem in (((8, 9), 101376), ((8, 0), 166912)):
+        monkeypatch.setattr(fused_moe_mod, "_compute_capability", lambda device, c=cap: c)
+        monkeypatch.setattr(fused_moe_mod, "_max_shared_memory", lambda device, m=smem: m)
+        assert (get_default_config(512, 6, 64, "cuda", fp8=True, down=True)
+                == get_default_config(512, 6, 64, "cuda", fp8=True))
