@@ -118,8 +118,8 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
     narrower ones (`fit_shared_memory`). On other devices (the interpreter) small tiles.
     The second (down) GEMM may take other tiles of the same BLOCK_M (`down`): on Hopper (sm 9.x,
     where they were timed; TMA), with FP8 weights from 17 to 256 rows per expert, 128-wide N
-    blocks whose weight tiles load through a tensor descriptor. Each GEMM alone (`bench_moe_tiles.py --b-desc both`, H200, 2026-12-03):
-    63.8 / 82.5 us against 66.7 / 90.5 at T 512 / 1,024; the whole call (graph replay,
+    blocks whose weight tiles load through a tensor descriptor. Each GEMM alone
+    (`bench_moe_tiles.py --b-desc both`, H200, 2026-12-03): 63.8 / 82.5 us against 66.7 / 90.5 at T 512 / 1,024; the whole call (graph replay,
     `bench_fused_moe.py --down-tiles same default`) at T 256 / 512 / 768 / 1,024: 190.7 /
     203.9 / 254.8 / 282.4 us against 193.6 / 206.5 / 266.4 / 291.4.
     Args:
@@ -584,7 +584,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
         FUSE_SILU_MUL=fuse_silu_mul, MUL_ROUTING_WEIGHT=topk_weights is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_PRECISION=precision, QUANT=quant,
-        FP8_DOT=bool(quant) and (_fp8_dot_ok(a, w) or (a_quant_on_load and _fp8_dot_ok(w, w))),
+        # a_quant_on_load: a becomes fp8 in the kernel, so only w decides
+        FP8_DOT=bool(quant) and _fp8_dot_ok(w if a_quant_on_load else a, w),
         B_DESC=b_desc is not None, ROW_AMAX=c_row_amax is not None, A_ON_LOAD=a_quant_on_load,
         EXACT=not a.is_cuda,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -69,7 +69,7 @@ class LMHead(nn.Module):
         dtype: the GEMM writes it, no extra pass; else converted into it)."""
         if out is not None and out.dtype == self.weight.dtype and out.is_contiguous():
             return torch.mm(hidden, self.weight.t(), out=out)
-        return _to_fp32(F.linear(hidden, self.weight), out)
+        return _logits_out(F.linear(hidden, self.weight), out)
 
 
 
@@ -181,7 +181,7 @@ class ParallelLMHead(nn.Module):
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
             if self.num_embeddings_padded != self.vocab_size:
                 logits = logits[..., : self.vocab_size]
-        return _to_fp32(logits, out)
+        return _logits_out(logits, out)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """Copy this rank's rows of the full HF `lm_head.weight` [V, hidden_size] into `param`
@@ -212,9 +212,9 @@ def _load_vocab_rows(layer: VocabParallelEmbedding | ParallelLMHead, param: nn.P
     param.data[n:].zero_()
 
 
-def _to_fp32(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _logits_out(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """logits [n, V] (any float dtype, any strides) as a contiguous fp32 tensor, or copied into
-    out (converted to out's dtype in the same pass)."""
+    out (converted to out's dtype in the same pass): the LM heads' result."""
     if out is None:
         return logits.float().contiguous()
     return out.copy_(logits)
