@@ -25,10 +25,9 @@ pointless at prefill sizes).
     # FP8 experts (per expert per tensor scales, dynamic activations), sorted-path tile sweep:
     PYTHONPATH=. python3 benchmarks/bench_fused_moe.py --fp8 --tokens 64 512 --paths sorted \\
         --no-loop --tol 0.25 --sorted-block-n 64 128 --sorted-block-k 64 128 --sorted-warps 4 8
-    # the down GEMM's tiles (its own default, or the first GEMM's), and the FP8 intermediate
-    # quantized by a pass between the GEMMs or by the down GEMM as it loads it:
+    # the down GEMM's tiles (its own default, or the first GEMM's):
     PYTHONPATH=. python3 benchmarks/bench_fused_moe.py --fp8 --tokens 512 1024 --paths sorted \\
-        --no-loop --tol 0.25 --down-tiles same default --intermediate-quant pass on_load
+        --no-loop --tol 0.25 --down-tiles same default
 
 With --fp8 the loop reference runs on the dequantized weights, so "max abs diff" is the FP8
 activation-quantization error (random O(1) outputs), not a kernel error.
@@ -128,10 +127,9 @@ def sorted_configs(args: argparse.Namespace, t: int, k: int, e: int) -> list[MoE
 
 
 def sorted_runs(args: argparse.Namespace, t: int, k: int, e: int) -> list[tuple]:
-    """(config, down_config, intermediate_quant) triples of the sorted path: each first-GEMM
-    config with each --down-tiles choice ("same": its own tiles; "default":
-    `get_default_config(down=True)`, when its block_m matches) and each --intermediate-quant
-    (FP8 only; bf16 takes the first)."""
+    """(config, down_config) pairs of the sorted path: each first-GEMM config with each
+    --down-tiles choice ("same": its own tiles; "default": `get_default_config(down=True)`,
+    when its block_m matches)."""
     down_default = get_default_config(t, k, e, "cuda", fp8=args.fp8, down=True)
     swept = any(getattr(args, "sorted_" + a) for a in ("block_m", "block_n", "block_k", "warps",
                                                        "stages", "b_desc"))
@@ -144,8 +142,7 @@ def sorted_runs(args: argparse.Namespace, t: int, k: int, e: int) -> list[tuple]
         downs = {cfg if d == "same" or down_default.block_m != cfg.block_m else down_default
                  for d in choice}
         for down in sorted(downs, key=lambda c: c != cfg):
-            out += [(cfg, down, iq) for iq in
-                    (args.intermediate_quant if args.fp8 else args.intermediate_quant[:1])]
+            out.append((cfg, down))
     return out
 
 
@@ -202,9 +199,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="the down GEMM's tiles: the first GEMM's (same) or "
                              "get_default_config(down=True) (default); without this option "
                              "'same' when a --sorted-* sweep is given, else 'default'")
-    ssweep.add_argument("--intermediate-quant", nargs="+", choices=["pass", "on_load"],
-                        default=["pass"],
-                        help="FP8: fused_experts(intermediate_quant=) values to time")
 
     ap.add_argument("--fp8", action="store_true",
                     help="FP8 experts, per-expert per-tensor scales (dynamic activations)")
@@ -274,10 +268,10 @@ def main(argv: list[str] | None = None) -> int:
                 failed |= not _bench_decode_form(args, cfg, x, w13, w2, k)
             continue
         for path, cfg in runs:
-            down = iq = None
+            down = None
             if path == "sorted":
-                cfg, down, iq = cfg
-                kw = {"config": cfg, "down_config": down, "intermediate_quant": iq}
+                cfg, down = cfg
+                kw = {"config": cfg, "down_config": down}
             else:
                 kw = {"gemv_config": cfg}
             kw.update(fp8_kw)
@@ -297,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 del graph
             best_ms = fused_ms if args.no_graph else graph_ms
             label = f"{path} (auto)" if path == auto else path
-            text = describe(path, cfg, down) + (f" / {iq}" if args.fp8 and iq else "")
-            print(f"| {t} | {label} | {text} | {n_used} "
+            print(f"| {t} | {label} | {describe(path, cfg, down)} | {n_used} "
                   f"| {diff:.2e} "
                   f"| {fused_ms * 1e3:.1f} | {graph_ms * 1e3:.1f} | {loop_ms * 1e3:.1f} "
                   f"| {loop_ms / best_ms:.1f}x | {nbytes / (best_ms * 1e-3) / 1e9:.0f} |",

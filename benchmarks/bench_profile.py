@@ -32,9 +32,7 @@ Sections (`--sections`):
   `--prefill-host N` cProfiles the host side of the run's first N prefill steps after its
   eighth (functions by own and cumulative time, ms per step).
 
-`--quantization fp8 --kv-cache-dtype fp8_e4m3` profiles the FP8 engine (issue 6);
-`--moe-intermediate-quant on_load` makes its MoE quantize the intermediate inside the down GEMM
-(`fused_experts(intermediate_quant=)`) for the whole run.
+`--quantization fp8 --kv-cache-dtype fp8_e4m3` profiles the FP8 engine (issue 6).
 
     PYTHONPATH=. python3 benchmarks/bench_profile.py --model deepseek-v2-lite \
         --tokenizer-dir TOK --sections kernels steps --bs 1 64 --num-requests 800
@@ -564,9 +562,6 @@ def main() -> None:
     ap.add_argument("--gc-unfreeze", action="store_true",
                     help="steps: undo the engine's gc.freeze of its start-up objects "
                          "(engine.freeze_startup_objects) before the run")
-    ap.add_argument("--moe-intermediate-quant", default=None, choices=["pass", "on_load"],
-                    help="FP8 MoE: how the intermediate reaches the down GEMM "
-                         "(fused_moe.DEFAULT_INTERMEDIATE_QUANT for this run)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: smoke-test this script (with --shape-overrides)")
@@ -576,11 +571,6 @@ def main() -> None:
     bs_.DEVICE = args.device
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_profile.py needs a CUDA GPU (or --device cpu for a smoke test)")
-    if args.moe_intermediate_quant:
-        import mla_kernels.fused_moe as fused_moe_mod
-
-        fused_moe_mod.DEFAULT_INTERMEDIATE_QUANT = args.moe_intermediate_quant
-        args.tag += f" [MoE intermediate {args.moe_intermediate_quant}]"
     bs_.ENGINE_SETTINGS.update(quantization=args.quantization,
                                kv_cache_dtype=args.kv_cache_dtype,
                                overlap_schedule=args.overlap_schedule)

@@ -9,9 +9,8 @@ setting it prints registers and spill bytes (ptxas `-v`, `compile_report.ptxas_s
 memory, and the PTX's TMA tensor copies (`cp.async.bulk.tensor`), `cp.async` copies and
 warpgroup MMAs.
 
-    python benchmarks/compile_moe_report.py [--down-on-load] BLOCK_M,BLOCK_N,BLOCK_K,WARPS,STAGES ...
-        (default: 64,64,128,4,3 128,128,128,8,3, the FP8 decode and prefill tiles;
-        --down-on-load: the down GEMM quantizing its bf16 rows as it loads them instead)
+    python benchmarks/compile_moe_report.py BLOCK_M,BLOCK_N,BLOCK_K,WARPS,STAGES ...
+        (default: 64,64,128,4,3 128,128,128,8,3, the FP8 decode and prefill tiles)
 
 Needs triton with its NVIDIA backend (the pip wheel has it); no CUDA device or driver is used.
 """
@@ -35,23 +34,17 @@ import mla_kernels.fused_moe as fm  # noqa: E402
 
 POINTERS = {"A": "*fp8e4nv", "B": "*fp8e4nv", "C": "*bf16", "TopkWeights": "*fp32",
             "SortedTokenIds": "*i32", "ExpertIds": "*i32", "NumTokensPostPadded": "*i32",
-            "AScale": "*fp32", "BScale": "*fp32", "RowAmax": "*fp32"}
+            "AScale": "*fp32", "BScale": "*fp32"}
 
 
-def compile_tile(bm: int, bn: int, bk: int, warps: int, stages: int, desc: bool,
-                 down_on_load: bool = False):
-    """The CompiledKernel of the first GEMM's FP8 decode launch at this tile, or (down_on_load)
-    of the second GEMM quantizing its bf16 A on load (`grouped_gemm(a_quant_on_load=True)`)."""
-    constexprs = dict(FUSE_SILU_MUL=not down_on_load, MUL_ROUTING_WEIGHT=down_on_load,
-                      BLOCK_M=bm, BLOCK_N=bn,
+def compile_tile(bm: int, bn: int, bk: int, warps: int, stages: int, desc: bool):
+    """The CompiledKernel of the first GEMM's FP8 decode launch at this tile."""
+    constexprs = dict(FUSE_SILU_MUL=True, MUL_ROUTING_WEIGHT=False, BLOCK_M=bm, BLOCK_N=bn,
                       BLOCK_K=bk, GROUP_M=8, DOT_PRECISION="tf32", QUANT=1, FP8_DOT=True,
-                      B_DESC=desc, ROW_AMAX=False, A_ON_LOAD=down_on_load, EXACT=False,
-                      stride_ak=1, stride_bk=1, stride_cn=1, stride_ask=0,
+                      B_DESC=desc, stride_ak=1, stride_bk=1, stride_cn=1, stride_ask=0,
                       stride_bsn=0, stride_bsk=0)
     pointers = dict(POINTERS, BDesc=f"tensordesc<fp8e4nv[1, {bn}, {bk}]>" if desc
                     else "*fp8e4nv")
-    if down_on_load:
-        pointers["A"] = "*bf16"
     signature, consts, attrs = jit_signature(fm._grouped_gemm_kernel, pointers, constexprs, (),
                                              ("num_rows", "num_blocks_m", "BDesc"))
     return triton.compile(ASTSource(fm._grouped_gemm_kernel, signature, consts, attrs),
@@ -63,11 +56,10 @@ def main(argv: list[str]) -> None:
     print("| tile (BM, BN, BK, warps, stages) | weight tiles | registers | spill bytes "
           "| shared KB | TMA copies | cp.async | wgmma |")
     print("|---" * 8 + "|")
-    down = bool(argv) and argv[0] == "--down-on-load"
-    for spec in argv[down:] or ["64,64,128,4,3", "128,128,128,8,3"]:
+    for spec in argv or ["64,64,128,4,3", "128,128,128,8,3"]:
         tile = tuple(int(v) for v in spec.split(","))
         for desc in (False, True):
-            k = compile_tile(*tile, desc, down)
+            k = compile_tile(*tile, desc)
             ptx = k.asm["ptx"]
             regs, spills = ptxas_stats(ptx)
             print(f"| {spec} | {'descriptor' if desc else 'pointers'} | {regs} | {spills} | "

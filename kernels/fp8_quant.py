@@ -14,6 +14,13 @@ Math (identical to the torch path): scale = max(amax(|x|) / 448, 1e-12) (`MIN_SC
 floor as `quantization._MIN_SCALE`), q = e4m3(clamp(x / scale, -448, 448)), round to nearest
 even; the divisions are IEEE (`div_rn`), so scale and q equal torch's CPU results bit for bit
 (torch on CUDA multiplies by the reciprocal of 448, so its scale can differ in the last bit).
+Per token, q = e4m3(clamp(x * (1 / scale), ...)) instead: the row's reciprocal rounded once
+(IEEE, `div_rn`), then one rounded multiply per element, what torch computes for
+`x * (1 / scale)` bit for bit. An IEEE division per element made the per-token kernels
+compute-bound: on an H200 the MoE intermediate [3,072, 1,408] took 11.6 us against 4.2 with the
+reciprocal, [36,864, 1,408] 101 against 38 (docs/benchmarks.md, twenty-second session). The
+two differ only where x / scale falls within a rounding of an e4m3 tie (one step; ~0.08% of
+the elements of random bf16 rows, which hit exact ties often).
 
 Launches: 1. `_amax_partials_kernel`, G = min(cdiv(numel, BLOCK), MAX_PARTIALS) programs, each
 grid-strides over blocks and writes max |x| of its blocks to partials[G] (float32). 2.
@@ -126,11 +133,11 @@ def _quant_kernel(x_ptr, q_ptr, part_ptr, scale_ptr, numel, n_parts, D1, D2, s0,
 @triton.jit
 def _quantize_row(x, EXACT: tl.constexpr):
     """One row held whole in registers (float32, masked entries 0) -> (e4m3 row, its scale
-    max(amax / 448, 1e-12)): the per-token quantization every kernel that writes FP8 rows
-    shares (`_per_token_quant_kernel`, and the `fp8_out` of `rmsnorm` and `silu_and_mul`), so
-    their results agree bit for bit."""
+    max(amax / 448, 1e-12)), the row times the IEEE-rounded reciprocal of its scale: the
+    per-token quantization every kernel that writes FP8 rows shares (`_per_token_quant_kernel`,
+    and the `fp8_out` of `rmsnorm` and `silu_and_mul`), so their results agree bit for bit."""
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1e-12)
-    return _to_e4m3(tl.math.div_rn(x, scale), EXACT), scale
+    return _to_e4m3(x * tl.math.div_rn(1.0, scale), EXACT), scale
 
 
 def check_per_token_pair(q: torch.Tensor, scale: torch.Tensor, m: int, k: int,
@@ -167,11 +174,11 @@ def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk,
             x = tl.load(x_row + o.to(tl.int64) * stride_xk, mask=o < K, other=0.0)
             acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
         scale = tl.maximum(tl.math.div_rn(tl.max(acc, axis=0), 448.0), 1e-12)
+        inv = tl.math.div_rn(1.0, scale)
         for start in range(0, K, BLOCK):
             o = start + offs
             x = tl.load(x_row + o.to(tl.int64) * stride_xk, mask=o < K, other=0.0)
-            tl.store(q_row + o, _to_e4m3(tl.math.div_rn(x.to(tl.float32), scale), EXACT),
-                     mask=o < K)
+            tl.store(q_row + o, _to_e4m3(x.to(tl.float32) * inv, EXACT), mask=o < K)
     tl.store(scale_ptr + row, scale)
 
 
@@ -294,24 +301,27 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if k == 0:
         return q, scale.fill_(MIN_SCALE)
     block = min(triton.next_power_of_2(k), PER_TOKEN_MAX_BLOCK)
+    # 2 warps per 2,048 columns: H200, bf16 rows of 1,408 and 2,048 columns, 512 to 36,864 rows,
+    # as fast as or faster than 4 (bench_fp8_epilogue.py)
     _per_token_quant_kernel[(m,)](x, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0),
                             BLOCK=block, ONE_BLOCK=block >= k, EXACT=not x.is_cuda,
-                            num_warps=4 if block <= 2048 else 8)
+                            num_warps=max(1, min(8, block // 1024)))
     return q, scale
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_fp8_per_token`'s result for any x [M, K] float (any strides, any device): the
     kernel on CUDA (float32/bf16/fp16, outside torch.compile), else the same math in torch (the
-    CPU engine, and what torch.compile traces). Bit for bit the kernel's on the CPU; torch on
-    CUDA multiplies by 1/448 instead of dividing, which can differ in the last bit."""
+    CPU engine, and what torch.compile traces): x times the reciprocal of its row's scale. Bit
+    for bit the kernel's on the CPU; torch on CUDA multiplies by 1/448 instead of dividing for
+    the scale, which can differ in the last bit."""
     if x.is_cuda and x.dtype in _KERNEL_DTYPES and not torch.compiler.is_compiling():
         return quantize_fp8_per_token(x)
     xf = x.float()
     if xf.shape[1] == 0:
         return xf.to(FP8_DTYPE), xf.new_full((xf.shape[0], 1), MIN_SCALE)
     scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    return (xf * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "MAX_PARTIALS", "MIN_SCALE", "PER_TOKEN_MAX_BLOCK",

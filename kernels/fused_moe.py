@@ -66,8 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_quant import _to_e4m3
 from .fused_moe_gemv import _gemv_down_kernel, _gemv_gate_up_kernel
+from .moe_sum import moe_sum
 from .pdl import launch_options, use_pdl
 
 
@@ -349,11 +349,11 @@ def _grouped_gemm_kernel(
     A, B, C, TopkWeights, SortedTokenIds, ExpertIds, NumTokensPostPadded, AScale, BScale, BDesc,
     N, K, num_rows, a_row_div, num_blocks_m, up_offset, group_n, group_k, up_scale_offset,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, RowAmax,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     FUSE_SILU_MUL: tl.constexpr, MUL_ROUTING_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8_DOT: tl.constexpr,
-    B_DESC: tl.constexpr, ROW_AMAX: tl.constexpr, A_ON_LOAD: tl.constexpr, EXACT: tl.constexpr,
+    B_DESC: tl.constexpr,
 ):
     # QUANT: 0 = a, B in one float dtype; 1 = FP8 B with one scale per expert (BScale[e]) and
     # one activation scale per a row (AScale[a_row * stride_asm]; stride 0: one for all),
@@ -363,11 +363,6 @@ def _grouped_gemm_kernel(
     # B_DESC: weight tiles through BDesc, a descriptor over B [E, N (2N fused), K] with block
     # [1, BLOCK_N, BLOCK_K]; out-of-range elements read as 0, a gate tile's columns past N read
     # up rows, and both are masked at the store like the pointer path's.
-    # ROW_AMAX: also max |c| of each written row (the values as stored) into RowAmax[row]
-    # (atomic max over the row's column blocks; RowAmax starts at 0).
-    # A_ON_LOAD (QUANT 1): a is float and AScale[a_row * stride_asm] its row's amax; each a tile
-    # is quantized to e4m3 as it is loaded with the row's scale max(amax / 448, 1e-12)
-    # (`fp8_quant.quantize_per_token`'s rule and rounding, EXACT: the interpreter's form).
     # Program -> (row block, column block), GROUP_M row blocks at a time so consecutive programs
     # reuse a column block of one expert's weights from L2.
     pid = tl.program_id(0)
@@ -402,14 +397,9 @@ def _grouped_gemm_kernel(
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         expert32 = expert.to(tl.int32)
         n0 = pid_n * BLOCK_N
-        if A_ON_LOAD:  # the rows' quantization scales, from their amax
-            a_q_scale = tl.maximum(tl.math.div_rn(
-                tl.load(as_ptrs, mask=mask_m, other=0.0).to(tl.float32), 448.0), 1e-12)
         for kb in range(tl.cdiv(K, BLOCK_K)):
             mask_k = offs_k < K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            if A_ON_LOAD:
-                a = _to_e4m3(tl.math.div_rn(a.to(tl.float32), a_q_scale[:, None]), EXACT)
             if B_DESC:
                 b = BDesc.load([expert32, n0, kb * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
             else:
@@ -440,10 +430,7 @@ def _grouped_gemm_kernel(
                 up_ptrs += BLOCK_K * stride_bk
 
         if QUANT == 1:  # one scale for the expert's whole matrix, one per row of A
-            if A_ON_LOAD:
-                a_s = a_q_scale
-            else:
-                a_s = tl.load(as_ptrs, mask=mask_m, other=0.0).to(tl.float32)
+            a_s = tl.load(as_ptrs, mask=mask_m, other=0.0).to(tl.float32)
             s = a_s[:, None] * tl.load(BScale + expert * stride_bse)
             acc = acc * s
             if FUSE_SILU_MUL:
@@ -454,11 +441,7 @@ def _grouped_gemm_kernel(
             w = tl.load(TopkWeights + rows, mask=mask_m, other=0.0).to(tl.float32)
             acc = acc * w[:, None]
         c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
-        out = acc.to(C.dtype.element_ty)
-        if ROW_AMAX:  # columns past N hold 0 (masked weight loads)
-            tl.atomic_max(RowAmax + rows, tl.max(tl.abs(out.to(tl.float32)), axis=1),
-                          mask=mask_m)
-        tl.store(c_ptrs, out, mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -476,9 +459,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
                  config: MoEConfig, fuse_silu_mul: bool = False,
                  topk_weights: torch.Tensor | None = None,
                  a_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-                 block_shape: tuple[int, int] | None = None,
-                 c_row_amax: torch.Tensor | None = None,
-                 a_quant_on_load: bool = False) -> torch.Tensor:
+                 block_shape: tuple[int, int] | None = None) -> torch.Tensor:
     """c[r] = a[r // a_row_div] @ w[expert of r]^T for every sorted row r < num_rows.
 
     Args:
@@ -500,20 +481,12 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
             Blocks (bn, bk), bk a multiple of 16: w_scale
             [E, ceil(N/bn) (x2 with fuse_silu_mul: gate's rows, then up's), ceil(K/bk)],
             a_scale [Ta, ceil(K/bk)]. a: float8_e4m3fn, or a float dtype with scales of 1.
-        c_row_amax: optional float32 [num_rows] contiguous, zeros on entry: also receives max |c|
-            of each written row, over the values as stored (atomic max across column blocks).
-        a_quant_on_load: per-tensor FP8 w only: a is float (not FP8) and a_scale [Ta, 1] holds
-            each row's amax (a `c_row_amax` of the GEMM that wrote a); the kernel quantizes a's
-            tiles to e4m3 as it loads them with scale max(amax / 448, 1e-12) per row: the
-            operands `fp8_quant.quantize_per_token(a)` would give, without that pass.
     Returns:
         c. Without FP8, a, w and c share a dtype (float16, bfloat16 or float32); with FP8, c is
         any of those. Accumulation is fp32; scales are applied to the fp32 sums.
     Raises:
         ValueError: shape mismatch, FP8 weights without both scales (or scales for float
-            weights), a scale of the wrong shape, bk not a multiple of 16, c_row_amax not
-            float32 [num_rows] contiguous, a_quant_on_load without per-tensor FP8 weights or
-            with an FP8 a or a_scale not [Ta, 1].
+            weights), a scale of the wrong shape, or bk not a multiple of 16.
     """
     e, n_w, k = w.shape
     n = n_w // 2 if fuse_silu_mul else n_w
@@ -550,15 +523,6 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
             config = config._replace(block_k=max(block_k, 16))
     elif a_scale is not None or w_scale is not None:
         raise ValueError("grouped_gemm: scales given for unquantized weights")
-    if c_row_amax is not None and (c_row_amax.dtype != torch.float32
-                                   or tuple(c_row_amax.shape) != (num_rows,)
-                                   or not c_row_amax.is_contiguous()):
-        raise ValueError(f"grouped_gemm: c_row_amax must be float32 [{num_rows}] contiguous, got "
-                         f"{c_row_amax.dtype} {tuple(c_row_amax.shape)}")
-    if a_quant_on_load and (quant != 1 or a.dtype == FP8_DTYPE
-                            or tuple(a_scale.shape) != (a.shape[0], 1)):
-        raise ValueError("grouped_gemm: a_quant_on_load needs per-tensor FP8 weights, a float a "
-                         "and its rows' amax as a_scale [Ta, 1]")
     num_blocks_m = expert_ids.shape[0]
     if num_blocks_m == 0 or n == 0:
         return c
@@ -580,14 +544,10 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
         up_scale_offset,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         c.stride(0), c.stride(1), *a_strides, *w_strides,
-        c_row_amax if c_row_amax is not None else c,  # c: an unused pointer
         FUSE_SILU_MUL=fuse_silu_mul, MUL_ROUTING_WEIGHT=topk_weights is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_PRECISION=precision, QUANT=quant,
-        # a_quant_on_load: a becomes fp8 in the kernel, so only w decides
-        FP8_DOT=bool(quant) and _fp8_dot_ok(w if a_quant_on_load else a, w),
-        B_DESC=b_desc is not None, ROW_AMAX=c_row_amax is not None, A_ON_LOAD=a_quant_on_load,
-        EXACT=not a.is_cuda,
+        FP8_DOT=bool(quant) and _fp8_dot_ok(a, w), B_DESC=b_desc is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return c
@@ -879,15 +839,9 @@ def _check_fp8_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tens
     return block_shape
 
 
-# How `fused_experts` hands the per-tensor FP8 MoE's intermediate to the down GEMM when the
-# call does not say ("pass" or "on_load"; `benchmarks/bench_profile.py
-# --moe-intermediate-quant` switches it for a whole engine run).
-DEFAULT_INTERMEDIATE_QUANT = "pass"
-
-
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  out: torch.Tensor | None = None, *,
+                  out: torch.Tensor | None = None, *, add: torch.Tensor | None = None,
                   config: MoEConfig | None = None, gemv_config: GemvConfig | None = None,
                   path: str = "auto", w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None,
@@ -895,8 +849,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   activation_quant: bool = True, shared_w13: torch.Tensor | None = None,
                   shared_w2: torch.Tensor | None = None,
                   x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  down_config: MoEConfig | None = None,
-                  intermediate_quant: str | None = None) -> torch.Tensor:
+                  down_config: MoEConfig | None = None) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), SiLU-gated experts:
     expert_e(v) = w2[e] @ (silu(w13[e, :I] @ v) * (w13[e, I:] @ v)), plus, when shared_w13 /
     shared_w2 are given, the shared experts' SiLU-gated MLP of x[t] (DeepSeek's
@@ -927,17 +880,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         topk_weights: [T, k] float (cast to fp32).
         topk_ids: [T, k] int32/int64, each in [0, E) (not checked on the host).
         out: optional [T, H] destination of x's dtype.
+        add: optional [T, H] added to the result (DeepSeek's shared experts' output, run by the
+            caller): the sorted path adds it in the fp32 sum over k before the one rounding
+            (`moe_sum.moe_sum`), the GEMV path to its rounded output.
         config: sorted-path tile sizes (default `get_default_config(T, k, E, x.device, fp8)`).
         down_config: the second (down) GEMM's tiles, block_m equal to config's (default: config
             when config is given, else `get_default_config(..., down=True)`).
-        intermediate_quant: per-tensor FP8 weights with activation_quant, sorted path: how the
-            [T*k, I] intermediate reaches the down GEMM in FP8. "pass": a per-token
-            quantization launch between the GEMMs (`quantize_activations_fp8`); "on_load": the
-            gate/up GEMM also collects each row's amax (`grouped_gemm(c_row_amax=)`) and the
-            down GEMM quantizes its tiles as it loads them (`a_quant_on_load`): the same FP8
-            operands without the pass. None: `DEFAULT_INTERMEDIATE_QUANT` ("pass": "on_load"
-            is not yet timed on a GPU; benchmarks switch the module default). Ignored
-            elsewhere.
         gemv_config: GEMV-path tile sizes (default `get_default_gemv_config(k, x.device)`).
         path: "auto" (GEMV when T*k <= GEMV_MAX_ROWS, see `use_gemv_path`; else sorted),
             "gemv" or "sorted" (forced, for tests and benchmarks). Chosen from shapes only.
@@ -963,15 +911,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         ValueError: shapes or dtypes do not fit together, unknown path, GEMV tiles not powers
             of two, FP8 weights without fitting scales (or scales without FP8 weights), shared
             experts of the wrong shape or dtype, with FP8 weights or off the GEMV path, an
-            x_fp8 (when used) not of x's shape, a down_config of another block_m, an
-            unknown intermediate_quant.
+            x_fp8 (when used) not of x's shape, an add not [T, H] of x's dtype, a down_config
+            of another block_m.
     """
     if path not in ("auto", "gemv", "sorted"):
         raise ValueError(f"fused_experts: path must be 'auto', 'gemv' or 'sorted', got {path!r}")
-    intermediate_quant = intermediate_quant or DEFAULT_INTERMEDIATE_QUANT
-    if intermediate_quant not in ("pass", "on_load"):
-        raise ValueError(f"fused_experts: intermediate_quant must be 'pass' or 'on_load', got "
-                         f"{intermediate_quant!r}")
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"fused_experts: x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got "
                          f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -1003,13 +947,17 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     top_k = topk_ids.shape[1]
     n_shared = _check_shared(x, w13, w2, shared_w13, shared_w2, fp8)
     num_rows = t * top_k
+    if add is not None and (tuple(add.shape) != (t, h) or add.dtype != x.dtype):
+        raise ValueError(f"fused_experts: add must be [{t}, {h}] {x.dtype}, got "
+                         f"{tuple(add.shape)} {add.dtype}")
     if num_rows == 0 or h == 0:
-        return out.zero_()
+        return out.zero_() if add is None else out.copy_(add)
     if path == "gemv" or (path == "auto" and use_gemv_path(t, top_k + n_shared)):
-        return gemv_experts(x, w13, w2, topk_weights, topk_ids, out,
-                            gemv_config or get_default_gemv_config(top_k + n_shared, x.device),
-                            w13_scale, w2_scale, block_shape, activation_quant,
-                            shared_w13, shared_w2, x_fp8)
+        gemv_experts(x, w13, w2, topk_weights, topk_ids, out,
+                     gemv_config or get_default_gemv_config(top_k + n_shared, x.device),
+                     w13_scale, w2_scale, block_shape, activation_quant,
+                     shared_w13, shared_w2, x_fp8)
+        return out if add is None else out.add_(add)
     if n_shared:
         raise ValueError("fused_experts: shared experts are folded on the GEMV path only "
                          f"(T={t}, k={top_k}, S={n_shared}, path {path!r})")
@@ -1024,27 +972,18 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     h_act = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)  # [T*k, I]
     a1, a1_scale = _quantize(x, fp8, group, activation_quant, x_fp8)
-    # per-tensor FP8 "on_load": the intermediate's row amax comes out of the gate/up GEMM
-    on_load = (intermediate_quant == "on_load" and fp8 and block_shape is None
-               and activation_quant)
-    row_amax = torch.zeros(num_rows, dtype=torch.float32, device=x.device) if on_load else None
     grouped_gemm(a1, w13, h_act, sorted_ids, expert_ids, used, num_rows, top_k, cfg,
                  fuse_silu_mul=True, a_scale=a1_scale, w_scale=w13_scale,
-                 block_shape=block_shape, c_row_amax=row_amax)
+                 block_shape=block_shape)
     y = torch.empty((num_rows, h), dtype=x.dtype, device=x.device)  # [T*k, H]
-    if on_load:
-        a2, a2_scale = h_act, row_amax.view(num_rows, 1)
-    else:
-        a2, a2_scale = _quantize(h_act, fp8, group, activation_quant)
+    a2, a2_scale = _quantize(h_act, fp8, group, activation_quant)
     grouped_gemm(a2, w2, y, sorted_ids, expert_ids, used, num_rows, 1, cfg2,
                  topk_weights=weights, a_scale=a2_scale, w_scale=w2_scale,
-                 block_shape=block_shape, a_quant_on_load=on_load)
-    torch.sum(y.view(t, top_k, h), dim=1, out=out)
-    return out
+                 block_shape=block_shape)
+    return moe_sum(y.view(t, top_k, h), out, add)
 
 
-__all__ = ["DEFAULT_INTERMEDIATE_QUANT", "FP8_DTYPE", "GEMV_MAX_ROWS", "GemvConfig", "MoEConfig",
-           "fit_shared_memory",
+__all__ = ["FP8_DTYPE", "GEMV_MAX_ROWS", "GemvConfig", "MoEConfig", "fit_shared_memory",
            "fused_experts", "gemv_experts", "get_default_config", "get_default_gemv_config",
            "grouped_gemm", "max_padded_rows", "moe_align_block_size", "moe_tile_smem_bytes",
            "quantize_activations_fp8", "use_gemv_path"]

@@ -112,6 +112,15 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(xf[..., :n]) * xf[..., n:]).to(x.dtype)
 
 
+def moe_sum_ref(y: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """Twin of `moe_sum.moe_sum`: y [T, k, H] summed over k (+ add [T, H]) in float32 (float64
+    for float64 inputs), rounded once to y's dtype: [T, H]."""
+    s = _upcast(y).sum(dim=1)
+    if add is not None:
+        s = s + _upcast(add)
+    return s.to(y.dtype)
+
+
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                ) -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T (+ bias [N]) in fp32 (fp64 for fp64 inputs): [T, N]."""
@@ -266,9 +275,10 @@ def block_fp8_matmul_ref(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor
 
 def _quant_act_ref(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
     """Dynamic e4m3 activation quantization then dequantization, float32 [M, K]: one scale per
-    row, max(amax / 448, 1e-12) (group_size None, as `fp8_quant.quantize_per_token`), or per
-    row per group_size columns, max(amax, 1e-10) / 448 (as `per_token_group_quant_fp8`);
-    values saturate at +-448 * scale."""
+    row, max(amax / 448, 1e-12), the row times the reciprocal of its scale (group_size None,
+    as `fp8_quant.quantize_per_token`), or per row per group_size columns, max(amax, 1e-10) /
+    448, the groups divided by their scales (as `per_token_group_quant_fp8`); values saturate
+    at +-448 * scale."""
     xf = x.float()
     m, k = xf.shape
     g = k if group_size is None else group_size
@@ -279,7 +289,10 @@ def _quant_act_ref(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
         scale = (amax / 448.0).clamp(min=1e-12).unsqueeze(-1)  # [m, 1, 1]
     else:
         scale = (amax.clamp(min=1e-10) / 448.0).unsqueeze(-1)  # [m, groups, 1]
-    q = (xp / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    # per row: the kernels' x * (1 / scale), which can differ from x / scale by one e4m3 step
+    # where the quotient sits on a rounding tie (frequent for bf16 rows)
+    scaled = xp * (1.0 / scale) if group_size is None else xp / scale
+    q = scaled.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
     return (q * scale).view(m, groups * g)[:, :k]
 
 
@@ -360,12 +373,13 @@ def quantize_fp8_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     Args:
         x: [M, K] float.
     Returns:
-        (q float8_e4m3fn [M, K] = (x.float() / scale).clamp(-448, 448) cast (round to nearest
-        even); scale float32 [M, 1] = max(amax(|x[m]|) / 448, 1e-12)).
+        (q float8_e4m3fn [M, K] = (x.float() * (1 / scale)).clamp(-448, 448) cast (round to
+        nearest even; the reciprocal and the product each rounded to float32); scale float32
+        [M, 1] = max(amax(|x[m]|) / 448, 1e-12)).
     """
     xf = x.float()
     scale = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
-    return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+    return (xf * (1.0 / scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
 def bmm_fp8_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

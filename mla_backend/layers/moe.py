@@ -22,7 +22,7 @@ with SiLU, then down times the routing weight; no host synchronisation, so it ca
 CUDA graph), elsewhere `experts_forward`, a plain loop over the experts that received tokens (it
 reads the per-expert counts back to the host). `DeepseekV2MoE(fused_moe=True)` forces the fused
 form (on CPU it runs in triton's interpreter, for tests). The shared experts are a `GatedMLP`
-added to the routed output.
+run first; the fused form adds their output inside its top-k combine (`fused_experts(add=)`).
 
 Routed-expert storage is `StackedExperts.quant_method`, chosen from the model's quant config:
 - `UnquantizedMoEMethod`: model dtype (no quantization; also the fallback below);
@@ -454,9 +454,11 @@ class DeepseekV2MoE(nn.Module):
                                           self.routed_scaling_factor)
         use_fused = x.is_cuda if self.fused_moe is None else self.fused_moe
         shared = self._foldable_shared(x) if use_fused else None
-        out = self.experts(x, weights, ids, use_fused, shared=shared, x_fp8=x_fp8)
-        if self.shared_experts is not None and shared is None:
-            out = out + self.shared_experts(x, x_fp8)
+        # The shared experts' output (unless folded into the GEMV launches) is added by the
+        # routed experts' combine, in the same rounding (`moe_sum.moe_sum(add=)`).
+        add = (self.shared_experts(x, x_fp8)
+               if self.shared_experts is not None and shared is None else None)
+        out = self.experts(x, weights, ids, use_fused, shared=shared, x_fp8=x_fp8, add=add)
         # Tensor parallel: each rank holds a slice of every expert's intermediate dim, so routed
         # and shared outputs are partial sums; one all-reduce (a no-op at TP 1).
         return tensor_model_parallel_all_reduce(out)
@@ -493,13 +495,13 @@ SHARED_FOLD_MAX_ROWS = 1
 
 @torch.compiler.disable
 def _fused_experts_opaque(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                          weights: torch.Tensor, ids: torch.Tensor, **fp8: object
+                          weights: torch.Tensor, ids: torch.Tensor, **kwargs: object
                           ) -> torch.Tensor:
     """`mla_kernels.fused_moe.fused_experts`, not traced by torch.compile (inductor compiles the
     router and the shared experts around it)."""
     from mla_kernels.fused_moe import fused_experts
 
-    return fused_experts(x, w13, w2, weights, ids, **fp8)
+    return fused_experts(x, w13, w2, weights, ids, **kwargs)
 
 
 class UnquantizedMoEMethod:
@@ -637,8 +639,9 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 fused: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                x_fp8: PerTokenFp8 | None = None) -> torch.Tensor:
-        """Routed output [T, H] in x's dtype (before any TP all-reduce).
+                x_fp8: PerTokenFp8 | None = None, add: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Routed output [T, H] in x's dtype (before any TP all-reduce), plus `add`.
 
         Args:
             x: [T, H]. topk_weights: [T, k] fp32. topk_ids: [T, k] int64.
@@ -649,6 +652,9 @@ class StackedExperts(nn.Module):
                 inside the fused GEMV launches (fused only; `fused_experts(shared_w13=...)`).
             x_fp8: optional x quantized per token (`fused_experts(x_fp8=)`: used with
                 per-tensor FP8 weights). The loop quantizes x itself, to the same values.
+            add: optional [T, H] in x's dtype (the shared experts' output) added to the routed
+                sum: fused, inside its combine (`fused_experts(add=)`, one rounding); the loop
+                adds it after.
         Raises:
             ValueError: shared weights with fused False.
         """
@@ -658,12 +664,14 @@ class StackedExperts(nn.Module):
                 args = dict(args, shared_w13=shared[0], shared_w2=shared[1], path="gemv")
             if x_fp8 is not None and type(self.quant_method) is Fp8MoEMethod:
                 args = dict(args, x_fp8=x_fp8)
+            if add is not None:
+                args = dict(args, add=add)
             return _fused_experts_opaque(x, self.w13_weight, self.w2_weight, topk_weights,
                                          topk_ids, **args)
         if shared is not None:
             raise ValueError("StackedExperts: shared experts are folded on the fused path only")
-        return experts_forward(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                               **args)
+        out = experts_forward(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, **args)
+        return out if add is None else out + add
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int,
                       shard: str) -> None:

@@ -260,20 +260,6 @@ def test_gpu_fp8_fused_experts_bf16(t, path, block):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("t", [40, 300, 1024])  # BM16, BM64 (the down GEMM's own tiles), BM64
-def test_gpu_fp8_intermediate_on_load_equals_the_pass(t):
-    """bf16 activations at V2-Lite shapes: quantizing the intermediate inside the down GEMM
-    gives the per-token pass's operands, so the same output bit for bit."""
-    x, q13, q2, topw, ids, s13, s2 = problem(t, 64, 6, None, h=2048, inter=1408, seed=t,
-                                             dtype=torch.bfloat16, device="cuda")
-    passed = run(x, q13, q2, topw, ids, s13, s2, None, path="sorted", intermediate_quant="pass")
-    loaded = run(x, q13, q2, topw, ids, s13, s2, None, path="sorted",
-                 intermediate_quant="on_load")
-    assert torch.equal(loaded, passed)
-
-
-@pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("path", ["gemv", "sorted"])
 @pytest.mark.parametrize("block", [None, (128, 128)], ids=["per_tensor", "block128"])
 def test_gpu_fp8_fused_experts_cuda_graph(block, path):
@@ -299,57 +285,6 @@ def test_gpu_fp8_fused_experts_cuda_graph(block, path):
         torch.cuda.synchronize()
         ref = fused_experts_fp8_ref(x, q13, q2, topw, ids, s13, s2, block)
         assert _rel_max(out, ref) <= 2e-2
-
-
-@pytest.mark.parametrize("block", [None, BLOCK], ids=["per_tensor", "block32"])
-@pytest.mark.parametrize("t,e,k", [(5, 4, 2), (17, 8, 2)])
-def test_fp8_intermediate_quantized_on_load_equals_the_pass(t, e, k, block):
-    """`intermediate_quant="on_load"`: the gate/up GEMM collects each intermediate row's amax
-    and the down GEMM quantizes its tiles as it loads them; the operands are exactly the
-    per-token pass's, so the output is bit for bit the "pass" output (per tensor; I 40 leaves a
-    ragged last tile). Block scales ignore the option."""
-    x, q13, q2, topw, ids, s13, s2 = problem(t, e, k, block, seed=31 + t)
-    passed = run(x, q13, q2, topw, ids, s13, s2, block, path="sorted")
-    loaded = run(x, q13, q2, topw, ids, s13, s2, block, path="sorted", intermediate_quant="on_load")
-    assert torch.equal(loaded, passed)
-    assert passed.abs().max() > 0.05
-
-
-def test_grouped_gemm_row_amax_and_quantization_on_load():
-    """The two halves of "on_load" alone: c_row_amax is max |c| per written row (rows of no
-    block untouched), and a_quant_on_load with those amaxes equals the GEMM over
-    `quantize_per_token(a)`; with the amaxes zeroed (scale 1e-12: every value saturates) the
-    result collapses to ~0."""
-    from mla_kernels.fp8_quant import quantize_per_token
-    from mla_kernels.fused_moe import MoEConfig, grouped_gemm, moe_align_block_size
-
-    x, q13, q2, topw, ids, s13, s2 = problem(7, 4, 2, None, seed=9)
-    cfg = MoEConfig(16, 16, 32, 4)
-    rows = ids.numel()
-    sorted_ids, expert_ids, used = moe_align_block_size(ids, 4, cfg.block_m)
-    args = (sorted_ids, expert_ids, used, rows)
-    xq, xs = quantize_per_token(x)
-    h_act, amax = torch.empty(rows, I), torch.zeros(rows)
-    grouped_gemm(xq, q13, h_act, *args, 2, cfg, fuse_silu_mul=True, a_scale=xs, w_scale=s13,
-                 c_row_amax=amax)
-    assert torch.equal(amax, h_act.abs().amax(dim=1))
-    w = topw.reshape(-1).float().contiguous()
-    want = grouped_gemm(*quantize_per_token(h_act)[:1], q2, torch.empty(rows, H), *args, 1, cfg,
-                        topk_weights=w, a_scale=quantize_per_token(h_act)[1], w_scale=s2)
-    got = grouped_gemm(h_act, q2, torch.empty(rows, H), *args, 1, cfg, topk_weights=w,
-                       a_scale=amax[:, None], w_scale=s2, a_quant_on_load=True)
-    assert torch.equal(got, want)
-    off = grouped_gemm(h_act, q2, torch.empty(rows, H), *args, 1, cfg, topk_weights=w,
-                       a_scale=torch.zeros(rows, 1), w_scale=s2, a_quant_on_load=True)
-    assert off.abs().max() < 1e-6 < want.abs().max()  # saturated at +-448 x 1e-12: ~0
-    with pytest.raises(ValueError, match="c_row_amax"):
-        grouped_gemm(xq, q13, h_act, *args, 2, cfg, fuse_silu_mul=True, a_scale=xs,
-                     w_scale=s13, c_row_amax=torch.zeros(rows + 1))
-    with pytest.raises(ValueError, match="a_quant_on_load"):
-        grouped_gemm(quantize_per_token(h_act)[0], q2, torch.empty(rows, H), *args, 1, cfg,
-                     a_scale=amax[:, None], w_scale=s2, a_quant_on_load=True)  # a already FP8
-    with pytest.raises(ValueError, match="intermediate_quant"):
-        run(x, q13, q2, topw, ids, s13, s2, None, intermediate_quant="group")
 
 
 def test_default_down_tiles(monkeypatch):
