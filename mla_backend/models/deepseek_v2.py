@@ -345,21 +345,25 @@ class DeepseekV2Attention(nn.Module):
                                          q_full[..., lora:], k_full[..., lora:])
             return self._absorbed(q_nope, q_full, k_full, forward_batch)
         c_kv = self.kv_a_layernorm(c_kv)  # [T, kv_lora] (the norm reads the strided view)
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1),  # [T,H,r], [T,1,r]
-                                     table=rope_table)
+        # q_pe [T, H, r] rotated in place (a column view of q), k_pe into [T, 1, r]
+        k_rot = k_pe.new_empty(t, 1, self.qk_rope_head_dim)
+        self.rotary_emb.forward_into(positions, q_pe, k_pe.unsqueeze(1), rope_table, q_pe, k_rot)
+        k_pe = k_rot
 
         kv = self.kv_b_proj(c_kv).view(t, heads, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(t, heads, self.qk_rope_head_dim)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, qk_head]
+        # q [T, H, qk_head] is q_nope ‖ q_pe already (the rotary wrote q_pe in place): no copy,
+        # nor of v (a column view of kv); the attention backends take strided q / v views.
+        q = q.view(t, heads, self.qk_head_dim)
         if path == DECOMPRESSED:
             # NOTE: the latent is still cached, so later decodes / prefix hits can absorb.
             latent = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [T, 1, kv_lora + rope]
             forward_batch.token_to_kv_pool.set_kv_buffer(
                 self.layer_id, forward_batch.out_cache_loc, latent, None)
-            o = self.attn_mha(q, k, v.contiguous(), forward_batch, save_kv_cache=False)
+            o = self.attn_mha(q, k, v, forward_batch, save_kv_cache=False)
         else:  # MHA: K/V per head in the MHA pool
-            o = self.attn_mha(q, k, v.contiguous(), forward_batch)
+            o = self.attn_mha(q, k, v, forward_batch)
         return self.o_proj(o)
 
     def _absorbed(self, q_nope: torch.Tensor, q_full: torch.Tensor, k_full: torch.Tensor | None,

@@ -219,7 +219,7 @@ class FlashInferAttnBackend(AttentionBackend):
             w.plan(self._qo_indptr_host, self._qo_indptr_host, layer.num_heads, hkv, dk,
                    head_dim_vo=dv, causal=True, sm_scale=layer.scaling, q_data_type=q.dtype,
                    kv_data_type=k.dtype)
-        return w.run(q, k, v)
+        return w.run(q.contiguous(), k.contiguous(), v.contiguous())  # views: dense copies
 
     def _over_pool(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                    layer: RadixAttention, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
