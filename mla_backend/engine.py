@@ -42,7 +42,7 @@ from mla_backend.request import (
 )
 from mla_backend.scheduler.schedule_batch import ScheduleBatch
 from mla_backend.scheduler.scheduler import Scheduler
-from mla_backend.tokenizer.detokenizer import IncrementalDetokenizer
+from mla_backend.tokenizer.detokenizer import IncrementalDetokenizer, add_batch
 from mla_backend.tokenizer.stop import StopStringMatcher
 
 
@@ -480,16 +480,32 @@ class Engine:
         """Detokenize the committed tokens, match stop strings, and emit the increments of
         streaming requests and the final outputs of finished ones."""
         tokens, self._unflushed = self._unflushed, []
-        for t in tokens:
-            st = self._live.get(t.req.rid)
-            if st is None:  # aborted or failed meanwhile: its final output went out
-                continue
-            self._on_token(st, t)
-            if t.req.finished() or t.req.stream:
-                outputs.append(self._emit(st))
+        start = 0
+        while start < len(tokens):
+            # Tokens of distinct requests (normally all of them: one per request per step) are
+            # detokenized together (`detokenizer.add_batch`), then handled in order.
+            seen: set[str] = set()
+            end = start
+            while end < len(tokens) and tokens[end].req.rid not in seen:
+                seen.add(tokens[end].req.rid)
+                end += 1
+            states = [self._live.get(t.req.rid) for t in tokens[start:end]]
+            todo = [j for j, (st, t) in enumerate(zip(states, tokens[start:end]))
+                    if st is not None and not t.stopped_by_token]
+            deltas = dict(zip(todo, add_batch([states[j].detok for j in todo],
+                                              [[tokens[start + j].token_id] for j in todo])))
+            for j in range(end - start):
+                st, t = states[j], tokens[start + j]
+                if st is None:  # aborted or failed meanwhile: its final output went out
+                    continue
+                self._on_token(st, t, deltas.get(j, ""))
+                if t.req.finished() or t.req.stream:
+                    outputs.append(self._emit(st))
+            start = end
 
-    def _on_token(self, st: _ReqState, t: "_Token") -> None:
-        """Record one committed token in the request's output state: detokenization and stop
+    def _on_token(self, st: _ReqState, t: "_Token", delta: str) -> None:
+        """Record one committed token in the request's output state: its text `delta` (the
+        detokenizer's, already fed the token unless the token stopped the request) and stop
         strings (a matched stop string ends the request with STOP, also over LENGTH)."""
         req, sp = st.req, st.req.sampling_params
         st.unsent_ids.append(t.token_id)
@@ -498,7 +514,6 @@ class Engine:
             st.unsent_top.append(t.top or {})
         by_string = False
         if not t.stopped_by_token:
-            delta = st.detok.add([t.token_id])
             if st.stopper is not None:
                 delta, by_string = st.stopper.feed(delta, can_stop=t.n_out >= sp.min_new_tokens)
                 if by_string:
