@@ -173,6 +173,22 @@ class _ReqState:
     unsent_text: str = ""
 
 
+def _distinct_runs(tokens: list["_Token"]) -> list[list["_Token"]]:
+    """`tokens` cut, in order, into runs in which no request appears twice (one run when every
+    token is of another request, the usual step)."""
+    if len({id(t.req) for t in tokens}) == len(tokens):
+        return [tokens] if tokens else []
+    runs: list[list["_Token"]] = []
+    seen: set[int] = set()
+    for t in tokens:
+        if not runs or id(t.req) in seen:
+            runs.append([])
+            seen = set()
+        runs[-1].append(t)
+        seen.add(id(t.req))
+    return runs
+
+
 def freeze_startup_objects() -> None:
     """Move every object alive now to the garbage collector's permanent generation
     (`gc.freeze`), so that the full collections Python runs while serving no longer walk them.
@@ -480,28 +496,23 @@ class Engine:
         """Detokenize the committed tokens, match stop strings, and emit the increments of
         streaming requests and the final outputs of finished ones."""
         tokens, self._unflushed = self._unflushed, []
-        start = 0
-        while start < len(tokens):
+        live = self._live
+        for seg in _distinct_runs(tokens):
             # Tokens of distinct requests (normally all of them: one per request per step) are
             # detokenized together (`detokenizer.add_batch`), then handled in order.
-            seen: set[str] = set()
-            end = start
-            while end < len(tokens) and tokens[end].req.rid not in seen:
-                seen.add(tokens[end].req.rid)
-                end += 1
-            states = [self._live.get(t.req.rid) for t in tokens[start:end]]
-            todo = [j for j, (st, t) in enumerate(zip(states, tokens[start:end]))
+            states = [live.get(t.req.rid) for t in seg]
+            todo = [j for j, (st, t) in enumerate(zip(states, seg))
                     if st is not None and not t.stopped_by_token]
-            deltas = dict(zip(todo, add_batch([states[j].detok for j in todo],
-                                              [[tokens[start + j].token_id] for j in todo])))
-            for j in range(end - start):
-                st, t = states[j], tokens[start + j]
+            deltas = [""] * len(seg)
+            for j, d in zip(todo, add_batch([states[j].detok for j in todo],
+                                            [[seg[j].token_id] for j in todo])):
+                deltas[j] = d
+            for st, t, delta in zip(states, seg, deltas):
                 if st is None:  # aborted or failed meanwhile: its final output went out
                     continue
-                self._on_token(st, t, deltas.get(j, ""))
+                self._on_token(st, t, delta)
                 if t.req.finished() or t.req.stream:
                     outputs.append(self._emit(st))
-            start = end
 
     def _on_token(self, st: _ReqState, t: "_Token", delta: str) -> None:
         """Record one committed token in the request's output state: its text `delta` (the
