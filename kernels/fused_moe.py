@@ -119,7 +119,8 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
     The second (down) GEMM may take other tiles of the same BLOCK_M (`down`): on Hopper (sm 9.x,
     where they were timed; TMA), with FP8 weights from 17 to 256 rows per expert, 128-wide N
     blocks whose weight tiles load through a tensor descriptor. Each GEMM alone
-    (`bench_moe_tiles.py --b-desc both`, H200, 2026-12-03): 63.8 / 82.5 us against 66.7 / 90.5 at T 512 / 1,024; the whole call (graph replay,
+    (`bench_moe_tiles.py --b-desc both`, H200, 2026-12-03): 63.8 / 82.5 us against 66.7 / 90.5
+    at T 512 / 1,024; the whole call (graph replay,
     `bench_fused_moe.py --down-tiles same default`) at T 256 / 512 / 768 / 1,024: 190.7 /
     203.9 / 254.8 / 282.4 us against 193.6 / 206.5 / 266.4 / 291.4.
     Args:

@@ -42,7 +42,7 @@ from mla_backend.request import (
 )
 from mla_backend.scheduler.schedule_batch import ScheduleBatch
 from mla_backend.scheduler.scheduler import Scheduler
-from mla_backend.tokenizer.detokenizer import IncrementalDetokenizer, add_batch
+from mla_backend.tokenizer.detokenizer import IncrementalDetokenizer
 from mla_backend.tokenizer.stop import StopStringMatcher
 
 
@@ -171,22 +171,6 @@ class _ReqState:
     unsent_logprobs: list[float] = field(default_factory=list)
     unsent_top: list[dict[int, float]] = field(default_factory=list)
     unsent_text: str = ""
-
-
-def _distinct_runs(tokens: list["_Token"]) -> list[list["_Token"]]:
-    """`tokens` cut, in order, into runs in which no request appears twice (one run when every
-    token is of another request, the usual step)."""
-    if len({id(t.req) for t in tokens}) == len(tokens):
-        return [tokens] if tokens else []
-    runs: list[list["_Token"]] = []
-    seen: set[int] = set()
-    for t in tokens:
-        if not runs or id(t.req) in seen:
-            runs.append([])
-            seen = set()
-        runs[-1].append(t)
-        seen.add(id(t.req))
-    return runs
 
 
 def freeze_startup_objects() -> None:
@@ -496,27 +480,16 @@ class Engine:
         """Detokenize the committed tokens, match stop strings, and emit the increments of
         streaming requests and the final outputs of finished ones."""
         tokens, self._unflushed = self._unflushed, []
-        live = self._live
-        for seg in _distinct_runs(tokens):
-            # Tokens of distinct requests (normally all of them: one per request per step) are
-            # detokenized together (`detokenizer.add_batch`), then handled in order.
-            states = [live.get(t.req.rid) for t in seg]
-            todo = [j for j, (st, t) in enumerate(zip(states, seg))
-                    if st is not None and not t.stopped_by_token]
-            deltas = [""] * len(seg)
-            for j, d in zip(todo, add_batch([states[j].detok for j in todo],
-                                            [[seg[j].token_id] for j in todo])):
-                deltas[j] = d
-            for st, t, delta in zip(states, seg, deltas):
-                if st is None:  # aborted or failed meanwhile: its final output went out
-                    continue
-                self._on_token(st, t, delta)
-                if t.req.finished() or t.req.stream:
-                    outputs.append(self._emit(st))
+        for t in tokens:
+            st = self._live.get(t.req.rid)
+            if st is None:  # aborted or failed meanwhile: its final output went out
+                continue
+            self._on_token(st, t)
+            if t.req.finished() or t.req.stream:
+                outputs.append(self._emit(st))
 
-    def _on_token(self, st: _ReqState, t: "_Token", delta: str) -> None:
-        """Record one committed token in the request's output state: its text `delta` (the
-        detokenizer's, already fed the token unless the token stopped the request) and stop
+    def _on_token(self, st: _ReqState, t: "_Token") -> None:
+        """Record one committed token in the request's output state: detokenization and stop
         strings (a matched stop string ends the request with STOP, also over LENGTH)."""
         req, sp = st.req, st.req.sampling_params
         st.unsent_ids.append(t.token_id)
@@ -525,6 +498,7 @@ class Engine:
             st.unsent_top.append(t.top or {})
         by_string = False
         if not t.stopped_by_token:
+            delta = st.detok.add([t.token_id])
             if st.stopper is not None:
                 delta, by_string = st.stopper.feed(delta, can_stop=t.n_out >= sp.min_new_tokens)
                 if by_string:

@@ -229,25 +229,3 @@ def test_engines_freeze_startup_objects_and_release_earlier_garbage(llama_dir):
     assert gone() is None  # eng_b's start-up unfroze and collected it
     assert gc.get_freeze_count() > 10_000
     del eng_a, eng_b
-
-
-def test_flush_runs_keep_order_and_never_repeat_a_request() -> None:
-    """`_flush_tokens` detokenizes a run of tokens together only when no request appears twice
-    in it (a request's second token must see its first one's text): runs in order, split just
-    before a repeated request; one run in the usual step."""
-    from mla_backend.engine import _distinct_runs, _Token
-    from mla_backend.request import Req
-
-    reqs = [Req(rid=f"r{i}", origin_input_ids=[1], sampling_params=SamplingParams())
-            for i in range(3)]
-
-    def tok(i: int, n: int) -> _Token:
-        return _Token(reqs[i], 5, 0.0, None, n, False)
-
-    one = [tok(0, 1), tok(1, 1), tok(2, 1)]
-    assert _distinct_runs(one) == [one]
-    assert _distinct_runs([]) == []
-    seq = [tok(0, 1), tok(1, 1), tok(0, 2), tok(2, 1), tok(2, 2)]
-    runs = _distinct_runs(seq)
-    assert [[t.req.rid for t in r] for r in runs] == [["r0", "r1"], ["r0", "r2"], ["r2"]]
-    assert [t for r in runs for t in r] == seq

@@ -14,9 +14,7 @@ again together with the next token. The windows are decoded with `clean_up_token
 off, so concatenated deltas equal `tokenizer.decode(all_ids, skip_special_tokens=...,
 clean_up_tokenization_spaces=False)`. For transformers' tokenizers-backed classes that do not
 override `_decode`, that call is exactly the Rust `tokenizers.Tokenizer.decode`, which the windows
-call directly (the Python wrapper costs ~10x the decode itself, per token per request), and
-`add_batch` decodes the windows of many requests in two `decode_batch` calls (the engine's
-streaming path: one token per request per step).
+call directly (the Python wrapper costs ~10x the decode itself, per token per request).
 """
 
 from __future__ import annotations
@@ -69,12 +67,11 @@ class IncrementalDetokenizer:
         request ends; later `add` calls continue after it."""
         return self._emit(final=True)
 
-    def _windows(self) -> tuple[list[int], list[int]]:
-        """(prefix ids, prefix + new ids): the two windows whose texts `_advance` compares."""
-        return self.ids[self.prefix_offset:self.read_offset], self.ids[self.prefix_offset:]
-
-    def _advance(self, prefix_text: str, full_text: str, final: bool) -> str:
-        """The new text given the two windows' texts; moves the offsets when it is complete."""
+    def _emit(self, final: bool) -> str:
+        if len(self.ids) == self.read_offset:
+            return ""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset:])
         if len(full_text) <= len(prefix_text):
             return ""
         if full_text.endswith(_REPLACEMENT) and not final:
@@ -83,58 +80,10 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         return full_text[len(prefix_text):]
 
-    def _emit(self, final: bool) -> str:
-        if len(self.ids) == self.read_offset:
-            return ""
-        prefix, full = self._windows()
-        return self._advance(self._decode(prefix), self._decode(full), final)
-
     @property
     def output_ids(self) -> list[int]:
         """The ids fed through `add` (without the prompt)."""
         return self.ids[self.num_prompt_ids:]
-
-
-def add_batch(detoks: Sequence[IncrementalDetokenizer], ids: Sequence[Sequence[int]]
-              ) -> list[str]:
-    """`[d.add(i) for d, i in zip(detoks, ids)]` with the windows decoded in batches: the
-    detokenizers that share a Rust `tokenizers.Tokenizer` and a `skip_special_tokens` setting
-    take two `decode_batch` calls for all of them (one for the prefix windows, one for the full
-    windows) instead of two `decode` calls each; the others decode one by one. The engine feeds
-    every streaming request one token per step, so this turns 2 x batch-size decodes per step
-    into two calls.
-
-    Args:
-        detoks: distinct detokenizers (a detokenizer listed twice would see its second ids
-            before its first text is taken).
-        ids: the new ids of each, in the same order.
-    Returns:
-        The new text of each ("" as `add` returns it).
-    Raises:
-        ValueError: the lists differ in length, or a detokenizer appears twice.
-    """
-    if len(detoks) != len(ids):
-        raise ValueError(f"add_batch: {len(detoks)} detokenizers, {len(ids)} id lists")
-    if len({id(d) for d in detoks}) != len(detoks):
-        raise ValueError("add_batch: a detokenizer appears twice")
-    out = [""] * len(detoks)
-    groups: dict[tuple[int, bool], list[int]] = {}
-    for j, (d, new) in enumerate(zip(detoks, ids)):
-        d.ids += map(int, new)
-        if len(d.ids) == d.read_offset:
-            continue
-        if d._backend is None:
-            out[j] = d._emit(final=False)
-            continue
-        groups.setdefault((id(d._backend), d.skip_special_tokens), []).append(j)
-    for (_, skip), members in groups.items():
-        backend = detoks[members[0]]._backend
-        windows = [detoks[j]._windows() for j in members]
-        prefixes = backend.decode_batch([w[0] for w in windows], skip_special_tokens=skip)
-        fulls = backend.decode_batch([w[1] for w in windows], skip_special_tokens=skip)
-        for j, p, f in zip(members, prefixes, fulls):
-            out[j] = detoks[j]._advance(p, f, final=False)
-    return out
 
 
 _BACKENDS: dict[int, Any] = {}

@@ -1,9 +1,10 @@
 """`mla_kernels.moe_sum.moe_sum` (the routed experts' top-k combine, plus an optional addend)
 against its float32 / float64 twin `reference.moe_sum_ref`.
 
-CPU (CI): the kernel under TRITON_INTERPRET=1 (tests/kernels/conftest.py), float32 inputs against
-the float64 twin; GPU (`gpu` marker): bf16 at DeepSeek-V2-Lite's shape (k 6, H 2048) against the float32
-twin, and against what it replaces (torch.sum over k, then the addition in bf16).
+CPU (CI): the kernel under TRITON_INTERPRET=1 (tests/kernels/conftest.py), float32 inputs
+against the float64 twin; GPU (`gpu` marker): bf16 at DeepSeek-V2-Lite's shape (k 6, H 2048)
+against the float32 twin, and against what it replaces (torch.sum over k, then the addition in
+bf16).
 """
 
 from __future__ import annotations

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
-
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -150,40 +148,3 @@ def test_arbitrary_ids_plus_flush_equal_decode(smollm2_tokenizer, ids: list[int]
     detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
     got = "".join(feed(detok, ids, sizes)) + detok.flush()
     assert got == tok.decode(ids, skip_special_tokens=skip)
-
-
-@given(texts=st.lists(_texts, min_size=1, max_size=5),
-       skip=st.lists(st.booleans(), min_size=5, max_size=5))
-@_settings
-def test_add_batch_equals_adding_one_by_one(smollm2_tokenizer, texts: list[str],
-                                            skip: list[bool]) -> None:
-    """Several requests fed one id per step through `add_batch` (the engine's streaming path:
-    two `decode_batch` calls per group of detokenizers sharing a tokenizer and a
-    skip_special_tokens setting) give the same deltas, step by step, as `add` on twins; a
-    special token mid-stream and split UTF-8 characters included."""
-    from mla_backend.tokenizer.detokenizer import add_batch
-
-    streams = [encode(smollm2_tokenizer, t)[:12] + [IM_END] + encode(smollm2_tokenizer, "世界")
-               for t in texts]
-    batch = [IncrementalDetokenizer(smollm2_tokenizer, skip[i], prompt_ids=[IM_START, 28])
-             for i in range(len(texts))]
-    twins = [IncrementalDetokenizer(smollm2_tokenizer, skip[i], prompt_ids=[IM_START, 28])
-             for i in range(len(texts))]
-    assert batch[0]._backend is not None  # the batched Rust path, not the one-by-one fallback
-    for step in range(max(map(len, streams))):
-        live = [i for i, s in enumerate(streams) if step < len(s)]
-        got = add_batch([batch[i] for i in live], [[streams[i][step]] for i in live])
-        assert got == [twins[i].add([streams[i][step]]) for i in live]
-    assert [d.flush() for d in batch] == [d.flush() for d in twins]
-    assert [d.output_ids for d in batch] == [d.output_ids for d in twins]
-
-
-def test_add_batch_errors(smollm2_tokenizer) -> None:
-    from mla_backend.tokenizer.detokenizer import add_batch
-
-    d = IncrementalDetokenizer(smollm2_tokenizer)
-    with pytest.raises(ValueError, match="appears twice"):
-        add_batch([d, d], [[5], [6]])
-    with pytest.raises(ValueError, match="2 detokenizers, 1 id lists"):
-        add_batch([d, IncrementalDetokenizer(smollm2_tokenizer)], [[5]])
-    assert add_batch([], []) == []

@@ -1,0 +1,91 @@
+"""Host work of one decode step, by part, on the CPU (issue 6: with the overlap schedule a GPU
+decode step takes max(GPU, host), and the host's share grows with the batch).
+
+Runs the engine on the CPU with the tiny DeepSeek checkpoint (`checkpoints/deepseek-v2-tiny`,
+float32), `--requests` streaming greedy requests of 16 prompt tokens submitted at once, and after
+`--warmup` steps times `--steps` steps: the whole `Engine.step` and, wrapped around the engine's
+methods, scheduling (`Scheduler.get_next_batch`), the forward batch
+(`ModelRunner.make_forward_batch`), the forward, the sampler launch, committing the tokens
+(`Engine._commit_tokens`) and detokenizing / emitting them (`Engine._flush_tokens`). The forward
+and the sampler are the CPU's compute here; the other parts are the per-request Python a GPU
+host runs too. Prints one table row of ms per step and the per-request µs of the host parts.
+
+    .venv/bin/python benchmarks/bench_host_step.py [--requests 512] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_suite import table  # noqa: E402
+
+from mla_backend.config import EngineConfig  # noqa: E402
+from mla_backend.engine import Engine  # noqa: E402
+from mla_backend.request import GenerateRequest, SamplingParams  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+HOST_PARTS = ("schedule", "forward batch", "commit", "flush")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(REPO / "checkpoints" / "deepseek-v2-tiny"))
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    eng = Engine(EngineConfig.create(model_path=args.model, dtype="float32", device="cpu",
+                                     max_running_requests=args.requests, context_length=256))
+    spent: dict[str, float] = collections.defaultdict(float)
+
+    def timed(obj: object, name: str, part: str) -> None:
+        inner = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                spent[part] += time.perf_counter() - t
+        setattr(obj, name, wrapper)
+
+    timed(eng.scheduler, "get_next_batch", "schedule")
+    timed(eng.runner, "make_forward_batch", "forward batch")
+    timed(eng.runner, "forward", "forward")
+    timed(eng.sampler, "launch", "sampler")
+    timed(eng, "_commit_tokens", "commit")
+    timed(eng, "_flush_tokens", "flush")
+    gen = torch.Generator().manual_seed(0)
+    for i in range(args.requests):
+        eng.add_request(GenerateRequest(
+            rid=f"h{i}", input_ids=torch.randint(10, 1000, (16,), generator=gen).tolist(),
+            sampling_params=SamplingParams(max_new_tokens=args.warmup + args.steps + 8,
+                                           temperature=0.0, ignore_eos=True), stream=True))
+    for _ in range(args.warmup):
+        eng.step()
+    spent.clear()
+    batch, t0 = 0, time.perf_counter()
+    for _ in range(args.steps):
+        batch = len(eng.step())
+    wall = 1000 * (time.perf_counter() - t0) / args.steps
+    ms = {part: 1000 * s / args.steps for part, s in spent.items()}
+    host = sum(ms.get(p, 0.0) for p in HOST_PARTS)
+    table(f"Decode step on the CPU, {Path(args.model).name}, {batch} streaming requests "
+          f"(ms per step, mean of {args.steps})",
+          ["step", *ms.keys(), "host parts", "host µs per request"],
+          [[round(wall, 2), *(round(v, 2) for v in ms.values()), round(host, 2),
+            round(1000 * host / max(batch, 1), 1)]])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
