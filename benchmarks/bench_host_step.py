@@ -6,7 +6,8 @@ float32), `--requests` streaming greedy requests of 16 prompt tokens submitted a
 `--warmup` steps times `--steps` steps: the whole `Engine.step` and, wrapped around the engine's
 methods, scheduling (`Scheduler.get_next_batch`), the forward batch
 (`ModelRunner.make_forward_batch`), the forward, the sampler launch, committing the tokens
-(`Engine._commit_tokens`) and detokenizing / emitting them (`Engine._flush_tokens`). The forward
+(`Engine._commit_tokens`), handing the batch back (`Scheduler.process_batch_result`) and
+detokenizing / emitting them (`Engine._flush_tokens`). The forward
 and the sampler are the CPU's compute here; the other parts are the per-request Python a GPU
 host runs too. Prints one table row of ms per step and the per-request µs of the host parts.
 
@@ -32,7 +33,7 @@ from mla_backend.engine import Engine  # noqa: E402
 from mla_backend.request import GenerateRequest, SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-HOST_PARTS = ("schedule", "forward batch", "commit", "flush")
+HOST_PARTS = ("schedule", "forward batch", "commit", "release", "flush")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     timed(eng.runner, "forward", "forward")
     timed(eng.sampler, "launch", "sampler")
     timed(eng, "_commit_tokens", "commit")
+    timed(eng.scheduler, "process_batch_result", "release")
     timed(eng, "_flush_tokens", "flush")
     gen = torch.Generator().manual_seed(0)
     for i in range(args.requests):

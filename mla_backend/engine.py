@@ -121,7 +121,7 @@ class GenerateResult:
     error: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Token:
     """A sampled token appended to its request, not yet detokenized and emitted: `n_out` is
     the request's output length with it; `stopped_by_token`: it is an EOS / stop token id that
@@ -159,14 +159,14 @@ def _reads_outputs(req: Req) -> bool:
             or sp.frequency_penalty != 0.0)
 
 
-@dataclass
+@dataclass(slots=True)
 class _ReqState:
-    """Engine-side bookkeeping of a live request (the scheduler's `Req` plus output state)."""
+    """Engine-side bookkeeping of a live request (the scheduler's `Req` plus output state; a
+    non-streaming request's unsent fields gather its whole output until it ends)."""
 
     req: Req
     detok: IncrementalDetokenizer
     stopper: StopStringMatcher | None
-    text: str = ""  # emitted text so far (non-streaming requests get it at the end)
     unsent_ids: list[int] = field(default_factory=list)
     unsent_logprobs: list[float] = field(default_factory=list)
     unsent_top: list[dict[int, float]] = field(default_factory=list)
@@ -480,13 +480,15 @@ class Engine:
         """Detokenize the committed tokens, match stop strings, and emit the increments of
         streaming requests and the final outputs of finished ones."""
         tokens, self._unflushed = self._unflushed, []
+        live, on_token, emit = self._live, self._on_token, self._emit
         for t in tokens:
-            st = self._live.get(t.req.rid)
+            req = t.req
+            st = live.get(req.rid)
             if st is None:  # aborted or failed meanwhile: its final output went out
                 continue
-            self._on_token(st, t)
-            if t.req.finished() or t.req.stream:
-                outputs.append(self._emit(st))
+            on_token(st, t)
+            if req.stream or req.finished_reason is not None:
+                outputs.append(emit(st))
 
     def _on_token(self, st: _ReqState, t: "_Token") -> None:
         """Record one committed token in the request's output state: detokenization and stop
@@ -498,14 +500,15 @@ class Engine:
             st.unsent_top.append(t.top or {})
         by_string = False
         if not t.stopped_by_token:
-            delta = st.detok.add([t.token_id])
+            delta = st.detok.add_token(t.token_id)
             if st.stopper is not None:
                 delta, by_string = st.stopper.feed(delta, can_stop=t.n_out >= sp.min_new_tokens)
                 if by_string:
                     req.finished_reason = FinishReason.STOP
                     # its batch may already be handed back (overlap): released by the scheduler
                     self.scheduler.finish_request(req.rid)
-            st.unsent_text += delta
+            if delta:
+                st.unsent_text += delta
         if req.finished_reason is not None and not by_string:
             # Release text held back for an incomplete UTF-8 char or a possible stop string.
             rest = st.detok.flush()
@@ -515,24 +518,16 @@ class Engine:
 
     def _emit(self, st: _ReqState) -> RequestOutput:
         req = st.req
-        done = req.finished()
-        sp = req.sampling_params
+        reason = req.finished_reason
+        # Positional, in field order: keywords cost ~1.2 µs more per output (CPU machine).
         out = RequestOutput(
-            rid=req.rid,
-            new_token_ids=st.unsent_ids,
-            new_text=st.unsent_text,
-            finished=done,
-            finish_reason=req.finished_reason if done else None,
-            num_input_tokens=len(req.origin_input_ids),
-            num_output_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-            new_logprobs=st.unsent_top if sp.logprobs is not None else None,
-            new_token_logprobs=st.unsent_logprobs,
-            cumulative_logprob=req.cumulative_logprob,
+            req.rid, st.unsent_ids, st.unsent_text, reason is not None, reason,
+            len(req.origin_input_ids), len(req.output_ids), req.cached_tokens,
+            st.unsent_top if req.sampling_params.logprobs is not None else None,
+            st.unsent_logprobs, req.cumulative_logprob,
         )
-        st.text += st.unsent_text
         st.unsent_ids, st.unsent_text, st.unsent_logprobs, st.unsent_top = [], "", [], []
-        if done:
+        if reason is not None:
             self._forget(req.rid)
         return out
 

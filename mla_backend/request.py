@@ -203,6 +203,7 @@ class RequestOutput:
     """One increment of a request's output. Filled by: `Engine.step` / `Engine.abort`.
 
     Streaming consumers concatenate `new_text`; `text` is not repeated in every increment.
+    `Engine._emit` passes the fields positionally: keep their order in step with it.
     """
 
     rid: str

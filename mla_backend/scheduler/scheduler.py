@@ -244,12 +244,14 @@ class Scheduler:
                         self.tree_cache.cache_unfinished_req(req)
                     self.running.append(req)
         else:
-            done = {id(r) for r, fin in zip(batch.reqs, finished)
-                    if fin or r.rid in self._abort_marked}
-            for req in batch.reqs:
-                if id(req) in done and req.rid in self._kv_len:  # (overlap: released once)
-                    self._release(req)
-            self.running = [r for r in self.running if id(r) not in done]
+            marked = self._abort_marked
+            done = [r for r, fin in zip(batch.reqs, finished) if fin or r.rid in marked]
+            if done:
+                for req in done:
+                    if req.rid in self._kv_len:  # (overlap: released once)
+                        self._release(req)
+                gone = {id(r) for r in done}
+                self.running = [r for r in self.running if id(r) not in gone]
         self._release_marked()
 
     # ------------------------------------------------------------------ extend
@@ -366,45 +368,56 @@ class Scheduler:
     def _get_new_batch_decode(self) -> ScheduleBatch | None:
         self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY,
                                    self.min_new_token_ratio)
-        for req in list(self.running):
-            if req.seqlen > self.context_len:
-                self.running.remove(req)
-                self._reject(req, FinishReason.LENGTH)
+        ctx = self.context_len
+        for req in [r for r in self.running if len(r.origin_input_ids) + len(r.output_ids) > ctx]:
+            self.running.remove(req)
+            self._reject(req, FinishReason.LENGTH)
         self._ensure_decode_slots()
         if not self.running:
             return None
-        reqs = list(self.running)
+        # One pass over the running requests (per-request host time bounds the decode step at
+        # large batches: issue 6). With overlap, requests already ended (a stop string found
+        # late, an abort: the outstanding batch's results release them) and those whose
+        # in-flight token is certainly their last are left out.
+        overlap = bool(self._batches)
+        kv_len = self._kv_len
+        reqs: list[Req] = []
         future: list[int] = []
-        if self._batches:  # overlap: leave out requests already ended (a stop string found
-            # late, an abort: the outstanding batch's results release them) and those whose
-            # in-flight token is certainly their last
-            ctx = self.context_len
-            reqs = [r for r in reqs if not r.finished() and (not r.num_inflight_tokens or (
-                len(r.output_ids) + 1 < r.sampling_params.max_new_tokens
-                and r.seqlen + 1 < ctx))]
-            if not reqs:
-                return None
-        slots = self._alloc_slots(len(reqs))
         input_ids, positions, rows, seq_lens = [], [], [], []
-        for i, req in enumerate(reqs):
-            seq_len = req.seqlen
+        for req in self.running:
+            out_ids = req.output_ids
+            seq_len = len(req.origin_input_ids) + len(out_ids)
             if req.num_inflight_tokens:  # its input token is the one still on the GPU
+                if overlap and (req.finished_reason is not None
+                                or len(out_ids) + 1 >= req.sampling_params.max_new_tokens
+                                or seq_len + 1 >= ctx):
+                    continue
                 seq_len += 1
-                future.append(i)
+                future.append(len(reqs))
                 input_ids.append(0)
             else:
-                input_ids.append(req.output_ids[-1] if req.output_ids
-                                 else req.origin_input_ids[-1])
-            assert self._kv_len[req.rid] == seq_len - 1, "decode: KV must lag by one token"
-            self._kv_len[req.rid] = seq_len
+                if overlap and req.finished_reason is not None:
+                    continue
+                input_ids.append(out_ids[-1] if out_ids else req.origin_input_ids[-1])
+            rid = req.rid
+            assert kv_len[rid] == seq_len - 1, "decode: KV must lag by one token"
+            kv_len[rid] = seq_len
+            reqs.append(req)
             positions.append(seq_len - 1)
             rows.append(req.req_pool_idx)
             seq_lens.append(seq_len)
+        if not reqs:
+            return None
+        try:
+            slots = self._alloc_slots(len(reqs))
+        except RuntimeError:  # (cannot happen after _ensure_decode_slots) undo the KV lengths
+            for req, seq_len in zip(reqs, seq_lens):
+                kv_len[req.rid] = seq_len - 1
+            raise
         self.req_to_token_pool.write_positions(rows, positions, slots)
         n = len(reqs)
         return ScheduleBatch(ForwardMode.DECODE, reqs, input_ids, positions, rows, seq_lens,
-                             [s - 1 for s in seq_lens], [1] * n, slots, [True] * n,
-                             future_rows=future)
+                             list(positions), [1] * n, slots, [True] * n, future_rows=future)
 
     def _ensure_decode_slots(self) -> None:
         """Make one free slot per running request: evict, else retract, else (a lone request

@@ -148,3 +148,53 @@ def test_arbitrary_ids_plus_flush_equal_decode(smollm2_tokenizer, ids: list[int]
     detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
     got = "".join(feed(detok, ids, sizes)) + detok.flush()
     assert got == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_library_stream_is_used_with_a_tokenizers_backed_tokenizer(smollm2_tokenizer) -> None:
+    assert IncrementalDetokenizer(smollm2_tokenizer)._stream is not None
+    assert IncrementalDetokenizer(smollm2_tokenizer, use_stream=False)._stream is None
+
+
+@_settings
+@given(
+    prompt=st.lists(st.integers(0, 49151), max_size=12),
+    ids=st.lists(st.one_of(st.integers(0, 16), st.integers(17, 49151)), min_size=1, max_size=30),
+    sizes=_chunk_sizes,
+    skip=st.booleans(),
+    one_at_a_time=st.booleans(),
+)
+def test_library_stream_gives_the_python_windows_deltas(smollm2_tokenizer, prompt: list[int],
+                                                        ids: list[int], sizes: list[int],
+                                                        skip: bool, one_at_a_time: bool) -> None:
+    # Delta for delta (not only concatenated), then the flush, and adds after the flush.
+    tok = smollm2_tokenizer
+    lib = IncrementalDetokenizer(tok, skip, prompt_ids=prompt)
+    py = IncrementalDetokenizer(tok, skip, prompt_ids=prompt, use_stream=False)
+    if one_at_a_time:
+        got = [lib.add_token(i) for i in ids]
+        want = [py.add([i]) for i in ids]
+    else:
+        got, want = feed(lib, ids, sizes), feed(py, ids, sizes)
+    assert got == want
+    assert (lib.prefix_offset, lib.read_offset) == (py.prefix_offset, py.read_offset)
+    assert lib.flush() == py.flush()
+    assert feed(lib, ids[:5]) == feed(py, ids[:5])
+
+
+class _FailingStream:
+    """Stands in for a `DecodeStream` that refuses a window (the library raises when a window's
+    text does not start with the previous one's): every step raises."""
+
+    def step(self, tokenizer, ids):
+        raise RuntimeError("invalid prefix")
+
+
+def test_library_failure_falls_back_to_python_windows(smollm2_tokenizer) -> None:
+    tok = smollm2_tokenizer
+    prompt, gen = encode(tok, "Hello"), encode(tok, " world 😀 and 世界 again")
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    first = [detok.add_token(i) for i in gen[:4]]
+    detok._stream = _FailingStream()
+    rest = [detok.add_token(i) for i in gen[4:7]] + feed(detok, gen[7:], [2])
+    assert detok._stream is None
+    assert "".join(first + rest) + detok.flush() == " world 😀 and 世界 again"
