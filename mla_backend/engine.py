@@ -235,6 +235,7 @@ class Engine:
         self._inbox: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._live: dict[str, _ReqState] = {}  # rid → state, engine thread only
+        self._num_reading_outputs = 0  # live requests with `_reads_outputs`
         self._known_rids: set[str] = set()  # rids accepted and not yet finished (any thread)
         self._rid_lock = threading.Lock()
         self._closed = False
@@ -407,7 +408,8 @@ class Engine:
         reqs = [batch.reqs[i] for i in rows]
         for req in reqs:  # 2 while also in the batch still in flight (`prev`)
             req.num_inflight_tokens += 1
-        overlappable = batch.is_decode() and not any(_reads_outputs(r) for r in reqs)
+        overlappable = batch.is_decode() and not (
+            self._num_reading_outputs and any(_reads_outputs(r) for r in reqs))
         return _Launched(batch, sample, rows, {id(r): j for j, r in enumerate(reqs)},
                          overlappable)
 
@@ -455,25 +457,27 @@ class Engine:
         if launched.sample is None:
             return finished
         out = self.sampler.resolve(launched.sample)
+        reqs, eos, ctx, unflushed = batch.reqs, self.eos_token_ids, self.context_len, self._unflushed
+        tokens, logprobs, tops = out.next_token_ids, out.token_logprobs, out.top_logprobs
         for j, i in enumerate(launched.rows):
-            req = batch.reqs[i]
-            if req.finished():  # aborted, or ended one step before (overlap)
+            req = reqs[i]
+            if req.finished_reason is not None:  # aborted, or ended one step before (overlap)
                 finished[i] = True
                 continue
-            tok = out.next_token_ids[j]
-            req.output_ids.append(tok)
-            req.cumulative_logprob += out.token_logprobs[j]
+            tok, lp = tokens[j], logprobs[j]
+            output_ids = req.output_ids
+            output_ids.append(tok)
+            req.cumulative_logprob += lp
             sp = req.sampling_params
-            n_out = len(req.output_ids)
+            n_out = len(output_ids)
             by_token = n_out >= sp.min_new_tokens and (
-                (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids)
+                (tok in eos and not sp.ignore_eos) or tok in sp.stop_token_ids)
             if by_token:
                 req.finished_reason = FinishReason.STOP  # the stop token's text is not emitted
-            elif n_out >= sp.max_new_tokens or req.seqlen >= self.context_len:
+            elif n_out >= sp.max_new_tokens or len(req.origin_input_ids) + n_out >= ctx:
                 req.finished_reason = FinishReason.LENGTH
-            self._unflushed.append(_Token(req, tok, out.token_logprobs[j], out.top_logprobs[j],
-                                          n_out, by_token))
-            finished[i] = req.finished()
+            unflushed.append(_Token(req, tok, lp, tops[j], n_out, by_token))
+            finished[i] = req.finished_reason is not None
         return finished
 
     def _flush_tokens(self, outputs: list[RequestOutput]) -> None:
@@ -557,6 +561,7 @@ class Engine:
                     if req.sampling_params.stop else None,
                 )
                 self._live[req.rid] = st
+                self._num_reading_outputs += _reads_outputs(req)
                 self.scheduler.add_request(req)
             else:
                 rid = item
@@ -590,7 +595,9 @@ class Engine:
             self.scheduler.process_batch_result(batch, [True] * len(batch.reqs), failed=True)
 
     def _forget(self, rid: str) -> None:
-        self._live.pop(rid, None)
+        st = self._live.pop(rid, None)
+        if st is not None:
+            self._num_reading_outputs -= _reads_outputs(st.req)
         with self._rid_lock:
             self._known_rids.discard(rid)
 

@@ -102,6 +102,7 @@ def test_overlap_outputs_equal_serial(reference, settings, device):
         st = eng.stats()
         assert st["free_slots"] + st["evictable_slots"] == st["total_slots"]
         assert st["running"] == 0 and st["live"] == 0
+        assert eng._num_reading_outputs == 0  # the penalty request was counted, then released
     serial, overlap = results["false"], results["true"]
     if device == "cpu":  # the stop rules were taken from the CPU's serial text: each one hits
         reasons = [r.finish_reason for r in serial]
@@ -218,6 +219,7 @@ def run_workload(mode: str, seed: int) -> dict[str, tuple]:
     st = eng.stats()
     assert st["free_slots"] + st["evictable_slots"] == st["total_slots"]
     assert st["running"] == 0 and st["waiting"] == 0 and st["live"] == 0
+    assert eng._num_reading_outputs == 0  # counted at admission, released with aborts too
     return got
 
 

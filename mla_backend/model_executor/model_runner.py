@@ -338,7 +338,9 @@ class ModelRunner:
         Raises:
             ValueError: inconsistent lengths.
         """
-        seq = [int(x) for x in _as_list(seq_lens)]
+        # Lists as given (Python ints from the scheduler, `tolist()` of tensors): no
+        # per-element conversion (per-request Python bounds large decode steps: issue 6).
+        seq = _as_list(seq_lens)
         if mode.is_decode():
             prefix = [s - 1 for s in seq] if prefix_lens is None else _as_list(prefix_lens)
             ext = [1] * len(seq) if extend_lens is None else _as_list(extend_lens)
@@ -346,11 +348,8 @@ class ModelRunner:
             if prefix_lens is None or extend_lens is None:
                 raise ValueError("EXTEND needs prefix_lens and extend_lens")
             prefix, ext = _as_list(prefix_lens), _as_list(extend_lens)
-        prefix, ext = [int(x) for x in prefix], [int(x) for x in ext]
-        # Per-token lists as given (Python ints from the scheduler, `tolist()` of tensors): no
-        # per-element conversion on the prefill path.
         ids, pos, out_loc = _as_list(input_ids), _as_list(positions), _as_list(out_cache_loc)
-        rows = [int(x) for x in _as_list(req_pool_indices)]
+        rows = _as_list(req_pool_indices)
         num_tokens = len(ids)
         if not (len(prefix) == len(ext) == len(seq) == len(rows)):
             raise ValueError(
