@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 
 from mla_backend.config import EngineConfig
 from mla_backend.distributed.tp_workers import TpWorkerError
+from mla_backend.host_tensors import int64_tensor
 from mla_backend.mem_cache.chunk_cache import ChunkCache
 from mla_backend.mem_cache.radix_cache import RadixCache
 from mla_backend.model_executor.model_runner import ModelRunner
@@ -395,9 +396,10 @@ class Engine:
             if prev is None or prev.sample is None:
                 raise RuntimeError("a decode row waits for a token no batch in flight samples")
             src = [prev.row_of[id(batch.reqs[i])] for i in batch.future_rows]
-            idx = torch.tensor([batch.future_rows, src], dtype=torch.int64).to(
+            n = len(src)
+            idx = int64_tensor(batch.future_rows + src).to(
                 fb.input_ids.device, non_blocking=True)  # no wait for `prev` to finish
-            fb.input_ids[idx[0]] = prev.sample.next_ids[idx[1]]
+            fb.input_ids[idx[:n]] = prev.sample.next_ids[idx[n:]]
         logits = self.runner.forward(fb)  # [bs, V]: fp32, or the model dtype (graph replay)
         rows = [i for i, m in enumerate(batch.sample_mask) if m]
         sample = None

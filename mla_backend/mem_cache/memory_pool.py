@@ -39,6 +39,8 @@ from collections.abc import Sequence
 
 import torch
 
+from mla_backend.host_tensors import int64_tensor
+
 # `CacheConfig.kv_cache_dtype` → storage dtype (None: the model's dtype).
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
@@ -153,13 +155,15 @@ class ReqToTokenPool:
     def write_positions(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
         """req_to_token[rows[i], cols[i]] = slots[i] for every i (slots: [n] integer tensor,
         CPU), both copies; on a device as one scatter."""
-        r = torch.tensor(rows, dtype=torch.int64)
-        c = torch.tensor(cols, dtype=torch.int64)
-        host = slots.to(torch.int32)
-        self.req_to_token_host[r, c] = host
+        n = len(rows)
+        packed = torch.empty(3 * n, dtype=torch.int64)
+        packed[:2 * n] = int64_tensor(rows + cols)  # (one list: one conversion)
+        packed[2 * n:] = slots
+        r, c = packed[:n], packed[n:2 * n]
+        self.req_to_token_host[r, c] = slots.to(torch.int32)
         if self.req_to_token is not self.req_to_token_host:
-            packed = torch.stack([r, c, host.to(torch.int64)]).to(self.device, non_blocking=True)
-            self.req_to_token[packed[0], packed[1]] = packed[2].to(torch.int32)
+            dev = packed.to(self.device, non_blocking=True)
+            self.req_to_token[dev[:n], dev[n:2 * n]] = dev[2 * n:].to(torch.int32)
 
     def read_row(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slots of positions start..end-1 of `row` from the host copy: [end - start] int64

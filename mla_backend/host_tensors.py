@@ -1,0 +1,31 @@
+"""Host-side int64 tensors from Python int lists, fast: the per-step index lists the scheduler
+builds (token ids, positions, slots, rows, lengths: one entry per request or token) become CPU
+tensors here before their one copy to the device.
+
+`torch.tensor(list)` parses a list element by element through its generic sequence path, ~125 ns
+per int on this project's CPU machine (640 µs for the 5,120 ints of a bs-1,024 decode step's
+packed indices); packing the list with `array.array` and wrapping its buffer
+(`torch.frombuffer`, no copy) takes ~35 ns per int. Used by `ModelRunner.make_forward_batch`,
+`ReqToTokenPool.write_positions` and the engine's overlap schedule.
+"""
+
+from __future__ import annotations
+
+import array
+from typing import Iterable
+
+import torch
+
+
+def int64_tensor(values: Iterable[int]) -> torch.Tensor:
+    """A 1-D CPU int64 tensor of `values` (Python ints or objects with `__index__`), owning
+    its memory (the array it wraps stays alive with the tensor).
+
+    Raises:
+        OverflowError: a value outside the int64 range.
+        TypeError: a value that is not an integer.
+    """
+    buf = array.array("q", values)
+    if not buf:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(buf, dtype=torch.int64)
