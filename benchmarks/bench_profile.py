@@ -23,7 +23,7 @@ Sections (`--sections`):
   decode steps by batch-size range (graph replay or eager), mean decode batch, and the output
   tok/s of the run, and the run's garbage collections (count, total and longest pause per
   generation; `--gc-unfreeze` undoes the engine's start-up `gc.freeze` first, to see what it
-  saves), and the triton JIT compiles inside the timed run (kernel, ms, step: a compile there
+  saves; `--gc-threshold G0 G1 G2` sets the collector's thresholds), and the triton JIT compiles inside the timed run (kernel, ms, step: a compile there
   is a first-use cost the warm-up missed). `--graph-max-bs`, `--max-running` and
   `--prefill-min-free-rows` set the engine's graph limit, request rows and the scheduler's
   `prefill_min_free_rows`. `--window START COUNT` also profiles steps START .. START+COUNT-1 of
@@ -436,6 +436,9 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
                       max_running_requests=args.max_running,
                       prefill_min_free_rows=args.prefill_min_free_rows)
     graph_max = eng.runner.cuda_graph_runner.max_bs if eng.runner.cuda_graph_runner else 0
+    if args.gc_threshold:  # the collector's generation thresholds for the run
+        gc.set_threshold(*args.gc_threshold)
+        log(f"gc thresholds {gc.get_threshold()}")
     if args.gc_unfreeze:  # undo `Engine.__init__`'s freeze: the pauses it saves, measured
         gc.unfreeze()
     warm_up(eng, prompts)
@@ -559,6 +562,8 @@ def main() -> None:
                     help="steps: also cProfile the host side of the run's first N prefill "
                          "steps after its eighth step (wall ms per step, top functions)")
     ap.add_argument("--overlap-schedule", default="auto", choices=["auto", "true", "false"])
+    ap.add_argument("--gc-threshold", type=int, nargs=3, default=None, metavar=("G0", "G1", "G2"),
+                    help="steps: gc.set_threshold for the run (Python's default 700 10 10)")
     ap.add_argument("--gc-unfreeze", action="store_true",
                     help="steps: undo the engine's gc.freeze of its start-up objects "
                          "(engine.freeze_startup_objects) before the run")

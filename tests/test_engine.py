@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mla_backend.config import EngineConfig
+from mla_backend.config import GC_THRESHOLDS, EngineConfig
 from mla_backend.engine import Engine, InvalidRequestError
 from mla_backend.request import FinishReason, GenerateRequest, SamplingParams
 
@@ -220,8 +220,10 @@ def test_engines_freeze_startup_objects_and_release_earlier_garbage(llama_dir):
     cyc = Node()
     cyc.self = cyc
     gone = weakref.ref(cyc)
+    gc.set_threshold(700, 10, 10)  # Python's default
     eng_a = make_engine(llama_dir)
     assert gc.get_freeze_count() > 10_000  # imports, model, tokenizer
+    assert gc.get_threshold() == GC_THRESHOLDS  # the serving thresholds
     del cyc
     gc.collect()
     assert gone() is not None  # frozen: a full collection no longer looks at it

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mla_backend.config import GC_THRESHOLDS
 from mla_backend.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
 if TYPE_CHECKING:
@@ -106,8 +107,9 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: "EngineCo
         init_tensor_parallel(rank, world_size, init_method, device=_rank_device(config, rank),
                              timeout=timedelta(seconds=timeout_s))
         runner = ModelRunner(config)
-        gc.collect()  # start-up objects out of every later full collection, as
-        gc.freeze()  # `engine.freeze_startup_objects` does for rank 0's process
+        gc.collect()  # start-up objects out of every later full collection, and the
+        gc.freeze()  # serving thresholds, as `engine.freeze_startup_objects` does for rank 0
+        gc.set_threshold(*GC_THRESHOLDS)
         conn.send(("ready", rank))
     except BaseException:
         # Also on stderr at once: on CUDA, rank 0 may be blocked in a start-up collective (graph
