@@ -23,8 +23,9 @@ Sections (`--sections`):
   decode steps by batch-size range (graph replay or eager), mean decode batch, and the output
   tok/s of the run, and the run's garbage collections (count, total and longest pause per
   generation; `--gc-unfreeze` undoes the engine's start-up `gc.freeze` first, to see what it
-  saves; `--gc-threshold G0 G1 G2` sets the collector's thresholds), and the triton JIT compiles inside the timed run (kernel, ms, step: a compile there
-  is a first-use cost the warm-up missed). `--graph-max-bs`, `--max-running` and
+  saves; `--gc-threshold G0 G1 G2` sets the collector's thresholds), and the triton JIT
+  compiles inside the timed run (kernel, ms, step: a compile there is a first-use cost the
+  warm-up missed). `--graph-max-bs`, `--max-running` and
   `--prefill-min-free-rows` set the engine's graph limit, request rows and the scheduler's
   `prefill_min_free_rows`. `--window START COUNT` also profiles steps START .. START+COUNT-1 of
   the run (torch.profiler for the GPU's kernel time, cProfile for the host's Python functions):
