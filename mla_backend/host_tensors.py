@@ -2,10 +2,10 @@
 builds (token ids, positions, slots, rows, lengths: one entry per request or token) become CPU
 tensors here before their one copy to the device.
 
-`torch.tensor(list)` parses a list element by element through its generic sequence path, ~125 ns
-per int on this project's CPU machine (640 µs for the 5,120 ints of a bs-1,024 decode step's
-packed indices); packing the list with `array.array` and wrapping its buffer
-(`torch.frombuffer`, no copy) takes ~35 ns per int. Used by `ModelRunner.make_forward_batch`,
+`torch.tensor(list)` parses a list element by element through its generic sequence path;
+packing the list with `array.array` and wrapping its buffer (`torch.frombuffer`, no copy) was
+~3.5x faster in a one-off timing on the CPU machine (not kept as a benchmark; its share shows in
+`benchmarks/bench_host_step.py`'s "forward batch" column). Used by `ModelRunner.make_forward_batch`,
 `ReqToTokenPool.write_positions` and the engine's overlap schedule.
 """
 

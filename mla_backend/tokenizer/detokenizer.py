@@ -15,9 +15,10 @@ off, so concatenated deltas equal `tokenizer.decode(all_ids, skip_special_tokens
 clean_up_tokenization_spaces=False)`. For transformers' tokenizers-backed classes that do not
 override `_decode`, that call is exactly the Rust `tokenizers.Tokenizer.decode`, which the windows
 call directly (the Python wrapper costs ~10x the decode itself, per token per request). With such a
-tokenizer, `add` runs the same window algorithm inside the tokenizers library
-(`tokenizers.decoders.DecodeStream`, one call per add: 2.3 against 5.9 µs per token on the CPU
-machine, docs/benchmarks.md) and mirrors its offsets, so `flush` and a fallback to the Python
+tokenizer, `add` / `add_token` run the same window algorithm inside the tokenizers library
+(`tokenizers.decoders.DecodeStream`, one call per add instead of two decodes and the slicing:
+`_flush_tokens` 4.45 -> 2.24 ms per step for 406 requests with the other host changes of
+issue 6, `benchmarks/bench_host_step.py` on the H200's host) and mirror its offsets, so `flush` and a fallback to the Python
 windows (the library raises when a window's text does not extend the previous one) continue
 from the same place.
 """
@@ -83,33 +84,27 @@ class IncrementalDetokenizer:
         if not ids:
             return ""
         self.ids += ids
-        if self._stream is not None:
-            try:
-                text = self._stream.step(self._backend, ids)
-            except Exception:  # noqa: BLE001 - the library refused a window: Python from here
-                self._stream = None
-                return self._emit(final=False)
-            if text is None:
-                return ""
-            self.prefix_offset = self.read_offset  # the library's window moves the same way
-            self.read_offset = len(self.ids)
-            return text
-        return self._emit(final=False)
+        return self._step(ids)
 
     def add_token(self, token_id: int) -> str:
-        """`add([token_id])` for one int id, faster (the engine's per-token call)."""
+        """`add([token_id])` for one int id, without the list (the engine's per-token call)."""
         self.ids.append(token_id)
+        return self._step(token_id)
+
+    def _step(self, new: int | list[int]) -> str:
+        """The text completed by `new`, already appended to `ids`: through the library's
+        stream while it is in use (its offsets mirrored), else the Python windows."""
         stream = self._stream
         if stream is None:
             return self._emit(final=False)
         try:
-            text = stream.step(self._backend, token_id)
-        except Exception:  # noqa: BLE001 - as in `add`
+            text = stream.step(self._backend, new)
+        except Exception:  # noqa: BLE001 - the library refused a window: Python from here
             self._stream = None
             return self._emit(final=False)
         if text is None:
             return ""
-        self.prefix_offset = self.read_offset
+        self.prefix_offset = self.read_offset  # the library's window moves the same way
         self.read_offset = len(self.ids)
         return text
 
