@@ -20,16 +20,18 @@ Sections (`--sections`):
   section), every step logged (mode, batch size, tokens, wall seconds), after a warm-up that
   also runs an extend with a cached prefix where the context allows it (so that the kernels
   compiled at first use are not timed in the run). Prints the time share (mean and longest step) of prefill steps and of
-  decode steps by batch-size range (graph replay or eager), mean decode batch, and the output
+  decode steps by batch-size range (graph replay or eager) with the mean time each kind of step
+  waited for the GPU (near 0: the host set the pace), mean decode batch, and the output
   tok/s of the run, and the run's garbage collections (count, total and longest pause per
   generation; `--gc-unfreeze` undoes the engine's start-up `gc.freeze` first, to see what it
   saves; `--gc-threshold G0 G1 G2` sets the collector's thresholds), and the triton JIT
   compiles inside the timed run (kernel, ms, step: a compile there is a first-use cost the
   warm-up missed). `--graph-max-bs`, `--max-running` and
   `--prefill-min-free-rows` set the engine's graph limit, request rows and the scheduler's
-  `prefill_min_free_rows`. `--window START COUNT` also profiles steps START .. START+COUNT-1 of
-  the run (torch.profiler for the GPU's kernel time, cProfile for the host's Python functions):
-  the GPU's busy share of those steps' wall time and the top host functions.
+  `prefill_min_free_rows` (`--prefill-chunk`: its `chunked_prefill_size`). `--window START
+  COUNT` also profiles steps START .. START+COUNT-1 of the run (torch.profiler for the GPU's
+  kernel time, cProfile for the host's Python functions): the GPU's busy share of those
+  steps' wall time, their kernel time by category and the top host functions.
   `--prefill-host N` cProfiles the host side of the run's first N prefill steps after its
   eighth (functions by own and cumulative time, ms per step).
 
@@ -206,12 +208,20 @@ class StepWindow:
         evs = _kernel_events(self.prof, bs_.DEVICE)
         wall = 1000 * sum(self.walls) / self.count
         kern = sum(us for _, us in evs) / 1000 / self.count
+        cats: dict[str, float] = defaultdict(float)
+        for name, us in evs:
+            cats[category(name)] += us / 1000 / self.count
+        table(f"Steps {self.start}-{self.start + self.count - 1}: GPU kernel ms per step by "
+              "category", ["category", "ms", "% of kernel time"],
+              [[c, ms, 100 * ms / max(kern, 1e-9)]
+               for c, ms in sorted(cats.items(), key=lambda kv: -kv[1])])
         rows = host_rows(pstats.Stats(self.host), self.count, "own", top)
         table(f"Steps {self.start}-{self.start + self.count - 1} of the run: {wall:.2f} ms per "
               f"step, GPU kernels {kern:.2f} ms ({100 * kern / wall:.0f}% busy), "
               f"{sum(self.batches) / self.count:.0f} outputs per step; host functions",
               HOST_COLUMNS, rows)
         return {"start": self.start, "count": self.count, "wall_ms": wall, "kernel_ms": kern,
+                "categories_ms": dict(cats),
                 "outputs_per_step": sum(self.batches) / self.count, "host_top": rows}
 
 
@@ -433,9 +443,10 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
     gen = torch.Generator().manual_seed(0)
     prompts = [random_prompt(gen, p, vocab) for p, _ in pairs]
     outs = [o for _, o in pairs]
+    chunk = {} if args.prefill_chunk is None else {"chunked_prefill_size": args.prefill_chunk}
     eng = make_engine(model_dir, enable_radix_cache=False, cuda_graph_max_bs=args.graph_max_bs,
                       max_running_requests=args.max_running,
-                      prefill_min_free_rows=args.prefill_min_free_rows)
+                      prefill_min_free_rows=args.prefill_min_free_rows, **chunk)
     graph_max = eng.runner.cuda_graph_runner.max_bs if eng.runner.cuda_graph_runner else 0
     if args.gc_threshold:  # the collector's generation thresholds for the run
         gc.set_threshold(*args.gc_threshold)
@@ -461,7 +472,21 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
         return b
 
     eng.scheduler.get_next_batch = get_next_batch
-    log_rows: list[tuple[str, int, int, float]] = []
+    # The host's wait for the GPU: the time a step blocks on a sampled batch's event (the
+    # engine's only wait for the device). A mean wait near 0 for a kind of step means the host,
+    # not the GPU, set its pace (with the overlap schedule a decode step takes max(GPU, host)).
+    waited = [0.0]
+    inner_resolve = eng.sampler.resolve
+
+    def resolve(launched):
+        if launched.event is not None:
+            t = time.perf_counter()
+            launched.event.synchronize()
+            waited[0] += time.perf_counter() - t
+        return inner_resolve(launched)
+
+    eng.sampler.resolve = resolve
+    log_rows: list[tuple[str, int, int, float, float]] = []
     window = StepWindow(eng, *args.window) if args.window else None
     pre_host = (PrefillHost(eng, 8, args.prefill_host,
                             lambda: bool(batches) and batches[-1][0] == "prefill")
@@ -469,8 +494,9 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
 
     def on_step(dt: float, _outs: list) -> None:
         if batches:
-            log_rows.append((*batches[-1], dt))
+            log_rows.append((*batches[-1], dt, waited[0]))
             batches.clear()
+        waited[0] = 0.0
 
     with GcPauses() as gcp, CompileLog(lambda: len(log_rows)) as compiles:
         r = run_requests(eng, prompts, outs, on_step)
@@ -483,9 +509,9 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
         res["prefill_host"] = pre_host.report(args.top)
     total = r["seconds"]
     edges = [e for e in (1, 16, 64, 128, 256, 512, 1024, 4096)]
-    groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0.0])
+    groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0.0, 0.0])
     dec_rows = 0
-    for mode, b, ntok, dt in log_rows:
+    for mode, b, ntok, dt, wait in log_rows:
         if mode == "prefill":
             key = "prefill / extend"
         else:
@@ -498,9 +524,10 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
         g[1] += dt
         g[2] += ntok
         g[3] = max(g[3], dt)
+        g[4] += wait
     n_dec = sum(1 for m, *_ in log_rows if m == "decode")
-    rows = [[k, int(g[0]), 1000 * g[1] / g[0], 1000 * g[3], g[1], 100 * g[1] / total,
-             int(g[2])] for k, g in sorted(groups.items())]
+    rows = [[k, int(g[0]), 1000 * g[1] / g[0], 1000 * g[4] / g[0], 1000 * g[3], g[1],
+             100 * g[1] / total, int(g[2])] for k, g in sorted(groups.items())]
     out_tok_s = r["output_tokens"] / total
     res["steps"] = {"seconds": total, "output_tokens": r["output_tokens"],
                     "output_tok_s": out_tok_s, "graph_max_bs": graph_max,
@@ -510,7 +537,8 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
           f"{r['output_tokens']:,} output tokens in {total:.1f} s = {out_tok_s:,.0f} tok/s; "
           f"mean decode batch {dec_rows / max(n_dec, 1):.0f}; graphs to bs {graph_max}; "
           f"retractions {stats.get('retractions', 0)}",
-          ["steps", "count", "mean ms", "max ms", "seconds", "% of run", "tokens"], rows)
+          ["steps", "count", "mean ms", "GPU wait ms", "max ms", "seconds", "% of run",
+           "tokens"], rows)
     res["steps"]["gc"] = gcp.summary()
     table(f"Garbage collections during the run ({gc.get_freeze_count():,} objects frozen)",
           ["generation", "collections", "total ms", "max ms"],
@@ -522,9 +550,9 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
     slow = sorted(range(len(log_rows)), key=lambda i: -log_rows[i][3])[:5]
     res["steps"]["slowest"] = [[i, *log_rows[i]] for i in slow]
     table("Slowest steps (position in the run's step log)",
-          ["step", "mode", "batch size", "tokens", "ms"],
-          [[i, log_rows[i][0], log_rows[i][1], log_rows[i][2], 1000 * log_rows[i][3]]
-           for i in slow])
+          ["step", "mode", "batch size", "tokens", "ms", "GPU wait ms"],
+          [[i, log_rows[i][0], log_rows[i][1], log_rows[i][2], 1000 * log_rows[i][3],
+            1000 * log_rows[i][4]] for i in slow])
 
 
 def main() -> None:
@@ -548,7 +576,8 @@ def main() -> None:
                     help="steps: the scheduler setting prefill_min_free_rows")
     ap.add_argument("--prefill-requests", type=int, default=16)
     ap.add_argument("--prefill-chunk", type=int, default=None,
-                    help="prefill section: the engine's chunked_prefill_size (tokens)")
+                    help="prefill and steps sections: the engine's chunked_prefill_size "
+                         "(tokens; also the most new tokens of one prefill batch)")
     ap.add_argument("--small-prefill", type=int, nargs=2, default=[4, 94],
                     metavar=("REQUESTS", "TOKENS"),
                     help="prefill: also cProfile an eager prefill of this many requests")

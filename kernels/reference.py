@@ -339,12 +339,20 @@ def fused_experts_fp8_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     t, k = topk_ids.shape
     inter = w2.shape[2]
     ids = topk_ids.reshape(-1).long()
-    gate_up = torch.einsum("rh,rnh->rn", xq.repeat_interleave(k, 0), w13f[ids])  # [T*k, 2I]
+    xr = xq.repeat_interleave(k, 0)  # [T*k, H]: row r is token r // k
+    gate_up = xr.new_empty(t * k, 2 * inter)
+    for e in ids.unique().tolist():  # one expert at a time (no [T*k, 2I, H] gather)
+        rows = (ids == e).nonzero().squeeze(1)
+        gate_up[rows] = xr[rows] @ w13f[e].T
     act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     act = act.to(x.dtype).float()  # the kernel rounds the intermediate to x's dtype
     if activation_quant:
         act = _quant_act_ref(act, group)
-    y = torch.einsum("ri,rhi->rh", act, w2f[ids]) * topk_weights.reshape(-1, 1).float()
+    y = act.new_empty(t * k, w2.shape[1])
+    for e in ids.unique().tolist():
+        rows = (ids == e).nonzero().squeeze(1)
+        y[rows] = act[rows] @ w2f[e].T
+    y = y * topk_weights.reshape(-1, 1).float()
     return y.view(t, k, -1).sum(dim=1)
 
 

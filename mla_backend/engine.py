@@ -408,7 +408,10 @@ class Engine:
         if len(rows) == len(batch.reqs):  # every row samples (decode): no gather
             sample = self.sampler.launch(logits, batch.reqs)
         elif rows:
-            sample = self.sampler.launch(logits[rows], [batch.reqs[i] for i in rows])
+            # (indexing with a list would copy the index with a wait for the device)
+            idx = int64_tensor(rows).to(logits.device, non_blocking=True)
+            sample = self.sampler.launch(logits.index_select(0, idx),
+                                         [batch.reqs[i] for i in rows])
         reqs = [batch.reqs[i] for i in rows]
         for req in reqs:  # 2 while also in the batch still in flight (`prev`)
             req.num_inflight_tokens += 1

@@ -101,3 +101,63 @@ def test_pools_sized_from_free_memory(deepseek_dir):
     assert pool_bytes < 0.5 * total
     res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0))
     assert all(len(r.token_ids) >= 1 for r in res)
+
+
+def _sync_sites(eng: Engine, prompts: list[list[int]], max_new: list[int]) -> dict[str, int]:
+    """Run `prompts` to the end with torch's sync debug mode on ("warn": every torch operation
+    that waits for the device, e.g. a pageable or non_blocking=False host-device copy, `.item()`,
+    `nonzero`, warns) and return the project call sites that triggered it: "file:line function"
+    of the innermost frame under this repository -> count."""
+    import os
+    import traceback
+    import warnings
+
+    from mla_backend.request import GenerateRequest
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sites: dict[str, int] = {}
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing CUDA operation" not in str(message):
+            return shown(message, category, filename, lineno, file, line)
+        own = [f for f in traceback.extract_stack()[:-1]
+               if f.filename.startswith(root) and "/tests/" not in f.filename]
+        key = f"{os.path.relpath(own[-1].filename, root)}:{own[-1].lineno} {own[-1].name}" \
+            if own else "outside the project"
+        sites[key] = sites.get(key, 0) + 1
+
+    for i, (ids, n) in enumerate(zip(prompts, max_new)):
+        eng.add_request(GenerateRequest(rid=f"s{i}", input_ids=ids, stream=True,
+                                        sampling_params=SamplingParams(
+                                            max_new_tokens=n, temperature=0.0,
+                                            ignore_eos=True)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            while eng.has_work():
+                eng.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    return sites
+
+
+@pytest.mark.parametrize("settings", [{}, {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}],
+                         ids=["bf16", "fp8"])
+def test_steps_do_not_wait_for_the_device(deepseek_dir, settings):
+    """With the overlap schedule the host must queue step N+1 while the device runs step N: no
+    operation of a prefill or decode step may block on the device. The only wait is the
+    sampler's event (`Sampler.resolve`), which waits for that batch's own work and is not a torch
+    synchronizing operation. A prefill of several requests (the sorted MoE path: 24 x 40 tokens)
+    and eager and graph-replayed decode steps (graphs to bs 16; the batch shrinks from 24 to 1 as
+    the requests reach their lengths) are covered."""
+    eng = _engine(deepseek_dir, dtype="bfloat16", cuda_graph_max_bs=16, **settings)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 1000, (40,), generator=gen).tolist() for _ in range(24)]
+    eng.generate([p[:8] for p in prompts[:4]], SamplingParams(max_new_tokens=4, temperature=0.0))
+    sites = _sync_sites(eng, prompts, [8 + i for i in range(24)])
+    assert not sites, f"host-device synchronizations in engine steps: {sites}"
+    eng.check_invariant()

@@ -243,6 +243,20 @@ def _rel_max(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
+def _rel_mean(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().mean() / ref.float().abs().max()).item()
+
+
+# bf16 kernels against the float32 twin, relative to the output's largest magnitude. The largest
+# error is set by FP8 rounding flips of the [T*k, I] intermediate: a value on an e4m3 rounding
+# boundary goes one step either way with any change of summation order, and that step times a
+# down-projection weight lands in one output. The twin against itself with one extra bf16
+# rounding of its gate_up product moved by up to 4.0% (H200, 2026-12-03: T 64 / 300 / 1,024,
+# three seeds each); the kernels measured 0.3-3.4% (max) and at most 0.09% (mean). Tolerances:
+# 5% max, 0.2% mean. Ignored or misplaced scales fail far beyond them (test_fp8_scales_matter).
+BF16_REL_MAX, BF16_REL_MEAN = 5e-2, 2e-3
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("block", [None, (128, 128)], ids=["per_tensor", "block128"])
@@ -254,8 +268,9 @@ def test_gpu_fp8_fused_experts_bf16(t, path, block):
     out = run(x, q13, q2, topw, ids, s13, s2, block, path=path)
     assert out.dtype == torch.bfloat16
     ref = fused_experts_fp8_ref(x, q13, q2, topw, ids, s13, s2, block)
-    assert _rel_max(out, ref) <= 2e-2
-    assert _rel_max(experts_forward(x, q13, q2, topw, ids, s13, s2, block), ref) <= 2e-2
+    for got in (out, experts_forward(x, q13, q2, topw, ids, s13, s2, block)):
+        assert _rel_max(got, ref) <= BF16_REL_MAX
+        assert _rel_mean(got, ref) <= BF16_REL_MEAN
 
 
 @pytest.mark.gpu
@@ -284,7 +299,8 @@ def test_gpu_fp8_fused_experts_cuda_graph(block, path):
         graph.replay()
         torch.cuda.synchronize()
         ref = fused_experts_fp8_ref(x, q13, q2, topw, ids, s13, s2, block)
-        assert _rel_max(out, ref) <= 2e-2
+        assert _rel_max(out, ref) <= BF16_REL_MAX
+        assert _rel_mean(out, ref) <= BF16_REL_MEAN
 
 
 def test_default_down_tiles(monkeypatch):
