@@ -170,8 +170,16 @@ def _mask_min(reqs: Sequence[Req]) -> bool:
 def needs_processing(reqs: Sequence[Req]) -> bool:
     """Whether `process_logits` would change the logits of these requests (penalties, the
     min_new_tokens mask, or a non-greedy row); False: each token is the raw argmax."""
-    params = [r.sampling_params for r in reqs]
-    return _penalize(params) or _mask_min(reqs) or not all(is_greedy(p) for p in params)
+    # One plain loop (runs every step over the whole batch): `_penalize`, `_mask_min` and
+    # `is_greedy` inlined, without a generator and a call per request.
+    eps = GREEDY_TEMPERATURE_EPS
+    for r in reqs:
+        p = r.sampling_params
+        if ((p.temperature >= eps and p.top_k != 1) or p.repetition_penalty != 1.0
+                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                or len(r.output_ids) + r.num_inflight_tokens < p.min_new_tokens):
+            return True
+    return False
 
 
 def process_logits(logits: torch.Tensor, reqs: Sequence[Req],

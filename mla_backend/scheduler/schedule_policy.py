@@ -91,8 +91,17 @@ class PrefillAdder:
                  new_token_ratio: float, available_plus_evictable: int, max_prefill_tokens: int,
                  chunked_prefill_size: int):
         self.tree_cache = tree_cache
-        reserved = sum(remaining_new_tokens(r) * new_token_ratio for r in running_reqs)
-        self.rem_total_tokens: float = available_plus_evictable - reserved
+        # The sum of remaining_new_tokens over the running requests, as a plain loop: this runs
+        # in every step with waiting requests, over all running ones, where a generator of
+        # function and min/max calls costs several times more per request.
+        clip, total = CLIP_MAX_NEW_TOKENS, 0
+        for r in running_reqs:
+            left = r.sampling_params.max_new_tokens - len(r.output_ids)
+            if left > clip:
+                left = clip
+            if left > 0:
+                total += left
+        self.rem_total_tokens: float = available_plus_evictable - total * new_token_ratio
         self.capacity = available_plus_evictable  # real slots obtainable (no reservation)
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens: int | None = (chunked_prefill_size if chunked_prefill_size > 0

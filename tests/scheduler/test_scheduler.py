@@ -269,6 +269,17 @@ def test_prefill_adder_reserves_running_outputs_by_ratio():
     assert adder.can_run_list == [req2] and adder.new_chunked_req is None
 
 
+def test_prefill_adder_reservation_clips_each_request():
+    """Each running request reserves min(max_new - generated, 4096) outputs, never below 0:
+    one past its max_new_tokens (possible while its last token is in flight) reserves none."""
+    sim, _ = sim_with([])
+    running = [Req(rid=str(i), origin_input_ids=[1], sampling_params=SamplingParams(
+        max_new_tokens=max_new), output_ids=[5] * n_out)
+        for i, (max_new, n_out) in enumerate([(100, 20), (10_000, 10), (4, 4), (3, 5)])]
+    adder = PrefillAdder(sim.tree, running, 0.25, 10_000, 30, 0)
+    assert adder.rem_total_tokens == pytest.approx(10_000 - (80 + 4096 + 0 + 0) * 0.25)
+
+
 def test_get_next_batch_requires_processing_the_previous_one():
     sim, _ = sim_with([([1, 2], 2)])
     batch = sim.sched.get_next_batch()
