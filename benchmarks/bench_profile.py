@@ -17,22 +17,21 @@ Sections (`--sections`):
   then a cProfile (host side, Python functions by own and cumulative time) of a small prefill
   (`--small-prefill REQUESTS TOKENS`, default 4 x 94: the common case under load).
 - steps: `--num-requests` ShareGPT requests all at once (radix off, as bench_suite's throughput
-  section), every step logged (mode, batch size, tokens, wall seconds), after a warm-up that
-  also runs an extend with a cached prefix where the context allows it (so that the kernels
-  compiled at first use are not timed in the run). Prints the time share (mean and longest step) of prefill steps and of
-  decode steps by batch-size range (graph replay or eager) with the mean time each kind of step
-  waited for the GPU (near 0: the host set the pace), mean decode batch, and the output
+  section), every step logged (mode, batch size, tokens, wall seconds), after a warm-up that also
+  runs an extend with a cached prefix where the context allows it (so that the kernels compiled at
+  first use are not timed in the run). Prints the time share (mean and longest step) of prefill
+  steps and of decode steps by batch-size range (graph replay or eager) with the mean time each kind
+  of step waited for the GPU (near 0: the host set the pace), mean decode batch, and the output
   tok/s of the run, and the run's garbage collections (count, total and longest pause per
-  generation; `--gc-unfreeze` undoes the engine's start-up `gc.freeze` first, to see what it
-  saves; `--gc-threshold G0 G1 G2` sets the collector's thresholds), and the triton JIT
-  compiles inside the timed run (kernel, ms, step: a compile there is a first-use cost the
-  warm-up missed). `--graph-max-bs`, `--max-running` and
-  `--prefill-min-free-rows` set the engine's graph limit, request rows and the scheduler's
-  `prefill_min_free_rows` (`--prefill-chunk`: its `chunked_prefill_size`). `--window START
-  COUNT` also profiles steps START .. START+COUNT-1 of the run (torch.profiler for the GPU's
-  kernel time, cProfile for the host's Python functions): the GPU's busy share of those
-  steps' wall time, their kernel time by category and the top host functions.
-  `--prefill-host N` cProfiles the host side of the run's first N prefill steps after its
+  generation; `--gc-unfreeze` undoes the engine's start-up `gc.freeze` first, to see what it saves;
+  `--gc-threshold G0 G1 G2` sets the collector's thresholds), and the triton JIT compiles inside the
+  timed run (kernel, ms, step: a compile there is a first-use cost the warm-up missed).
+  `--graph-max-bs`, `--max-running` and `--prefill-min-free-rows` set the engine's graph limit,
+  request rows and the scheduler's `prefill_min_free_rows` (`--prefill-chunk`: its
+  `chunked_prefill_size`). `--window START COUNT` also profiles steps START .. START+COUNT-1 of the
+  run (torch.profiler for the GPU's kernel time, cProfile for the host's Python functions): the
+  GPU's busy share of those steps' wall time, their kernel time by category and the top host
+  functions. `--prefill-host N` cProfiles the host side of the run's first N prefill steps after its
   eighth (functions by own and cumulative time, ms per step).
 
 `--quantization fp8 --kv-cache-dtype fp8_e4m3` profiles the FP8 engine (issue 6).

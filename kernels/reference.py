@@ -319,7 +319,8 @@ def fused_experts_fp8_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                           w13_scale: torch.Tensor, w2_scale: torch.Tensor,
                           block_shape: tuple[int, int] | None = None,
-                          activation_quant: bool = True) -> torch.Tensor:
+                          activation_quant: bool = True,
+                          round_gate_up: bool = False) -> torch.Tensor:
     """Twin of `fused_moe.fused_experts` with FP8 weights: dequantize the weights
     (`dequant_experts_ref`), quantize-dequantize each GEMM's activations as the kernel path does
     (x, then the [T*k, I] intermediate: one scale per row, or per row per bk columns with
@@ -329,6 +330,11 @@ def fused_experts_fp8_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         x: [T, H]; w13: [E, 2I, H] fp8; w2: [E, H, I] fp8; topk_weights, topk_ids: [T, k].
         w13_scale, w2_scale: [E] (per tensor, block_shape None) or block scales as
             `fused_experts` documents. block_shape: (bn, bk) or None.
+        round_gate_up: also round the gate_up product to x's dtype before the activation. The
+            kernels do not; it is a perturbation of the size their summation order causes, and
+            the twin's distance to itself with it is the floor that FP8 rounding flips of the
+            intermediate set for any comparison with the kernels
+            (`benchmarks/bench_fp8_moe_error.py`).
     Returns:
         [T, H] float32.
     """
@@ -344,6 +350,8 @@ def fused_experts_fp8_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     for e in ids.unique().tolist():  # one expert at a time (no [T*k, 2I, H] gather)
         rows = (ids == e).nonzero().squeeze(1)
         gate_up[rows] = xr[rows] @ w13f[e].T
+    if round_gate_up:
+        gate_up = gate_up.to(x.dtype).float()
     act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     act = act.to(x.dtype).float()  # the kernel rounds the intermediate to x's dtype
     if activation_quant:

@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 
 from mla_backend.config import GC_THRESHOLDS, EngineConfig
 from mla_backend.distributed.tp_workers import TpWorkerError
-from mla_backend.host_tensors import int64_tensor
+from mla_backend.host_tensors import int64_on
 from mla_backend.mem_cache.chunk_cache import ChunkCache
 from mla_backend.mem_cache.radix_cache import RadixCache
 from mla_backend.model_executor.model_runner import ModelRunner
@@ -399,8 +399,7 @@ class Engine:
                 raise RuntimeError("a decode row waits for a token no batch in flight samples")
             src = [prev.row_of[id(batch.reqs[i])] for i in batch.future_rows]
             n = len(src)
-            idx = int64_tensor(batch.future_rows + src).to(
-                fb.input_ids.device, non_blocking=True)  # no wait for `prev` to finish
+            idx = int64_on(batch.future_rows + src, fb.input_ids.device)
             fb.input_ids[idx[:n]] = prev.sample.next_ids[idx[n:]]
         logits = self.runner.forward(fb)  # [bs, V]: fp32, or the model dtype (graph replay)
         rows = [i for i, m in enumerate(batch.sample_mask) if m]
@@ -408,10 +407,8 @@ class Engine:
         if len(rows) == len(batch.reqs):  # every row samples (decode): no gather
             sample = self.sampler.launch(logits, batch.reqs)
         elif rows:
-            # (indexing with a list would copy the index with a wait for the device)
-            idx = int64_tensor(rows).to(logits.device, non_blocking=True)
-            sample = self.sampler.launch(logits.index_select(0, idx),
-                                         [batch.reqs[i] for i in rows])
+            picked = logits.index_select(0, int64_on(rows, logits.device))
+            sample = self.sampler.launch(picked, [batch.reqs[i] for i in rows])
         reqs = [batch.reqs[i] for i in rows]
         for req in reqs:  # 2 while also in the batch still in flight (`prev`)
             req.num_inflight_tokens += 1
@@ -464,7 +461,8 @@ class Engine:
         if launched.sample is None:
             return finished
         out = self.sampler.resolve(launched.sample)
-        reqs, eos, ctx, unflushed = batch.reqs, self.eos_token_ids, self.context_len, self._unflushed
+        reqs, eos, ctx = batch.reqs, self.eos_token_ids, self.context_len
+        unflushed = self._unflushed
         tokens, logprobs, tops = out.next_token_ids, out.token_logprobs, out.top_logprobs
         for j, i in enumerate(launched.rows):
             req = reqs[i]

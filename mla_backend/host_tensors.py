@@ -1,12 +1,13 @@
 """Host-side int64 tensors from Python int lists, fast: the per-step index lists the scheduler
 builds (token ids, positions, slots, rows, lengths: one entry per request or token) become CPU
-tensors here before their one copy to the device.
+tensors here before their one copy to the device (`int64_on`).
 
 `torch.tensor(list)` parses a list element by element through its generic sequence path;
 packing the list with `array.array` and wrapping its buffer (`torch.frombuffer`, no copy) was
-~3.5x faster in a one-off timing on the CPU machine (not kept as a benchmark; its share shows in
-`benchmarks/bench_host_step.py`'s "forward batch" column). Used by `ModelRunner.make_forward_batch`,
-`ReqToTokenPool.write_positions` and the engine's overlap schedule.
+~3.5x faster in a one-off timing on the CPU machine (not kept as a benchmark; its share shows
+in `benchmarks/bench_host_step.py`'s "forward batch" column). Used by
+`ModelRunner.make_forward_batch`, `ReqToTokenPool.write_positions`, `ForwardBatch` and the
+engine's step.
 """
 
 from __future__ import annotations
@@ -29,3 +30,15 @@ def int64_tensor(values: Iterable[int]) -> torch.Tensor:
     if not buf:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(buf, dtype=torch.int64)
+
+
+def int64_on(values: Iterable[int], device: torch.device | str) -> torch.Tensor:
+    """`int64_tensor(values)` on `device`, copied without waiting for the work queued there: a
+    pageable source is staged at once, so the host can go on queueing while the device runs
+    (the engine's overlap schedule). `torch.tensor(values, device=)` and list indexing of a
+    device tensor instead block until the device has run everything queued before them.
+
+    Raises:
+        as `int64_tensor`.
+    """
+    return int64_tensor(values).to(device, non_blocking=True)

@@ -1,5 +1,5 @@
 """`int64_tensor`: the same tensor as `torch.tensor(values, dtype=torch.int64)`, owning its memory,
-with clear errors for what is not an int64."""
+with clear errors for what is not an int64; `int64_on`: the same values on a device."""
 
 from __future__ import annotations
 
@@ -38,3 +38,15 @@ def test_errors() -> None:
         int64_tensor([1.5])
     with pytest.raises(OverflowError):
         int64_tensor([2**63])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_int64_on_a_device(device) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from mla_backend.host_tensors import int64_on
+
+    got = int64_on([4, -1, 2**40], device)
+    assert got.device.type == device and got.dtype == torch.int64
+    assert got.tolist() == [4, -1, 2**40]
+    assert int64_on([], device).shape == (0,)

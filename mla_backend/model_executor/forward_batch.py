@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mla_backend.host_tensors import int64_tensor
+from mla_backend.host_tensors import int64_on
 from mla_backend.request import ForwardMode
 
 if TYPE_CHECKING:  # imported for annotations only
@@ -70,5 +70,4 @@ class ForwardBatch:
         for n in self.extend_seq_lens_cpu:
             acc += n
             ends.append(acc - 1)
-        # staged at once, no wait for queued device work (torch.tensor(..., device=) waits)
-        return int64_tensor(ends).to(self.input_ids.device, non_blocking=True)
+        return int64_on(ends, self.input_ids.device)

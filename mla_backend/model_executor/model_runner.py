@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mla_backend.config import EngineConfig
-from mla_backend.host_tensors import int64_tensor
+from mla_backend.host_tensors import int64_on
 from mla_backend.layers.attention.base import AttentionBackend
 from mla_backend.layers.logits import select_logit_rows
 from mla_backend.mem_cache.memory_pool import (
@@ -362,10 +362,7 @@ class ModelRunner:
             raise ValueError("positions / out_cache_loc must have one entry per input token")
         # One host-to-device copy for all five index tensors (each a contiguous slice of it):
         # separate small copies cost a few microseconds of host time each, every step.
-        packed = int64_tensor(ids + pos + out_loc + rows + seq)
-        # non_blocking: a pageable source is staged at once, and the copy does not wait for
-        # the batch the device may still be running (the engine's overlap schedule).
-        packed = packed.to(self.device, non_blocking=True)
+        packed = int64_on(ids + pos + out_loc + rows + seq, self.device)
         t, b = num_tokens, len(seq)
         return ForwardBatch(
             forward_mode=mode,

@@ -157,27 +157,30 @@ def apply_temperature_and_filters(logits: torch.Tensor,
     return out
 
 
+# The three scans below run over the whole batch in every decode step (`needs_processing`):
+# plain loops, without a generator per scan.
 def _penalize(params: Sequence[SamplingParams]) -> bool:
-    return any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-               or p.frequency_penalty != 0.0 for p in params)
+    for p in params:
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            return True
+    return False
 
 
 def _mask_min(reqs: Sequence[Req]) -> bool:
-    return any(len(r.output_ids) + r.num_inflight_tokens < r.sampling_params.min_new_tokens
-               for r in reqs)
+    for r in reqs:
+        if len(r.output_ids) + r.num_inflight_tokens < r.sampling_params.min_new_tokens:
+            return True
+    return False
 
 
 def needs_processing(reqs: Sequence[Req]) -> bool:
     """Whether `process_logits` would change the logits of these requests (penalties, the
     min_new_tokens mask, or a non-greedy row); False: each token is the raw argmax."""
-    # One plain loop (runs every step over the whole batch): `_penalize`, `_mask_min` and
-    # `is_greedy` inlined, without a generator and a call per request.
-    eps = GREEDY_TEMPERATURE_EPS
-    for r in reqs:
-        p = r.sampling_params
-        if ((p.temperature >= eps and p.top_k != 1) or p.repetition_penalty != 1.0
-                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                or len(r.output_ids) + r.num_inflight_tokens < p.min_new_tokens):
+    params = [r.sampling_params for r in reqs]
+    if _penalize(params) or _mask_min(reqs):
+        return True
+    for p in params:
+        if not is_greedy(p):
             return True
     return False
 

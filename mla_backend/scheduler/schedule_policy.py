@@ -33,9 +33,11 @@ LPM_MAX_QUEUE = 128  # lpm falls back to fcfs beyond this many waiting requests 
 
 
 def remaining_new_tokens(req: Req) -> int:
-    """Output tokens the request may still produce, clipped for budgeting."""
+    """Output tokens the request may still produce, clipped to [0, CLIP_MAX_NEW_TOKENS] for
+    budgeting. (Comparisons, not min/max calls: `PrefillAdder` sums it over every running
+    request in each step that has waiting requests.)"""
     left = req.sampling_params.max_new_tokens - len(req.output_ids)
-    return max(0, min(left, CLIP_MAX_NEW_TOKENS))
+    return CLIP_MAX_NEW_TOKENS if left > CLIP_MAX_NEW_TOKENS else (left if left > 0 else 0)
 
 
 class SchedulePolicy:
@@ -91,17 +93,8 @@ class PrefillAdder:
                  new_token_ratio: float, available_plus_evictable: int, max_prefill_tokens: int,
                  chunked_prefill_size: int):
         self.tree_cache = tree_cache
-        # The sum of remaining_new_tokens over the running requests, as a plain loop: this runs
-        # in every step with waiting requests, over all running ones, where a generator of
-        # function and min/max calls costs several times more per request.
-        clip, total = CLIP_MAX_NEW_TOKENS, 0
-        for r in running_reqs:
-            left = r.sampling_params.max_new_tokens - len(r.output_ids)
-            if left > clip:
-                left = clip
-            if left > 0:
-                total += left
-        self.rem_total_tokens: float = available_plus_evictable - total * new_token_ratio
+        reserved = sum(map(remaining_new_tokens, running_reqs)) * new_token_ratio
+        self.rem_total_tokens: float = available_plus_evictable - reserved
         self.capacity = available_plus_evictable  # real slots obtainable (no reservation)
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens: int | None = (chunked_prefill_size if chunked_prefill_size > 0

@@ -16,11 +16,10 @@ clean_up_tokenization_spaces=False)`. For transformers' tokenizers-backed classe
 override `_decode`, that call is exactly the Rust `tokenizers.Tokenizer.decode`, which the windows
 call directly (the Python wrapper costs ~10x the decode itself, per token per request). With such a
 tokenizer, `add` / `add_token` run the same window algorithm inside the tokenizers library
-(`tokenizers.decoders.DecodeStream`, one call per add instead of two decodes and the slicing:
-`_flush_tokens` 4.45 -> 2.24 ms per step for 406 requests with the other host changes of
-issue 6, `benchmarks/bench_host_step.py` on the H200's host) and mirror its offsets, so `flush` and a fallback to the Python
-windows (the library raises when a window's text does not extend the previous one) continue
-from the same place.
+(`tokenizers.decoders.DecodeStream`, one call per add instead of two decodes and the slicing;
+its share of the host's step shows in `benchmarks/bench_host_step.py`'s `_flush_tokens`
+column) and mirror its offsets, so `flush` and a fallback to the Python windows (the library
+raises when a window's text does not extend the previous one) continue from the same place.
 """
 
 from __future__ import annotations

@@ -251,9 +251,10 @@ def _rel_mean(out: torch.Tensor, ref: torch.Tensor) -> float:
 # error is set by FP8 rounding flips of the [T*k, I] intermediate: a value on an e4m3 rounding
 # boundary goes one step either way with any change of summation order, and that step times a
 # down-projection weight lands in one output. The twin against itself with one extra bf16
-# rounding of its gate_up product moved by up to 4.0% (H200, 2026-12-03: T 64 / 300 / 1,024,
-# three seeds each); the kernels measured 0.3-3.4% (max) and at most 0.09% (mean). Tolerances:
-# 5% max, 0.2% mean. Ignored or misplaced scales fail far beyond them (test_fp8_scales_matter).
+# rounding of its gate_up product (`round_gate_up`) moved by up to 4.0%, the kernels by 0.3-3.4%
+# (max) and at most 0.09% (mean): `benchmarks/bench_fp8_moe_error.py` on the H200
+# (docs/benchmarks.md, twenty-fourth session). Tolerances: 5% max, 0.2% mean. Ignored or
+# misplaced scales fail far beyond them (test_fp8_scales_matter).
 BF16_REL_MAX, BF16_REL_MEAN = 5e-2, 2e-3
 
 

@@ -383,7 +383,7 @@ def test_logprobs_are_of_raw_logits(device: str) -> None:
     st.integers(0, 2),  # tokens in flight
 ), min_size=1, max_size=6))
 def test_needs_processing_iff_process_logits_changes_something(rows):
-    """`needs_processing` (one inlined loop: the decode step's fast-path test) says True exactly
+    """`needs_processing` (the decode step's fast-path test, plain loops) says True exactly
     when `process_logits` does not return the logits object itself."""
     reqs = []
     for temp, top_k, rep, pres, freq, min_new, n_out, inflight in rows:
