@@ -81,9 +81,8 @@ class MoEConfig(NamedTuple):
     b_desc: load the weight tiles through a tensor descriptor (`TensorDescriptor`: on Hopper a
         TMA copy per tile) instead of per-thread pointer loads; the gathered activation rows
         keep pointer loads (`benchmarks/bench_moe_tiles.py --b-desc`). On by default only in
-        the FP8 down GEMM's tiles from 17 to 256 rows per expert on Hopper
-        (`get_default_config(down=True)`; at V2-Lite's E 64, top-6: T up to ~2,730 tokens,
-        large decode batches and small prefills).
+        the FP8 down GEMM's tiles from 17 to 64 rows per expert on Hopper
+        (`get_default_config(down=True)`; at V2-Lite's E 64, top-6: T 182-682 tokens).
     """
 
     block_m: int
@@ -94,6 +93,16 @@ class MoEConfig(NamedTuple):
     num_stages: int = 3
     b_desc: bool = False
 
+
+# Rows per expert (T*k/E) above which the sorted path takes 128-row blocks (one block per
+# expert, each weight tile read once for up to 128 rows, 128-wide N blocks halving the re-reads
+# of the gathered activation rows) instead of 64-row ones. H200, V2-Lite's experts, T 945 (89
+# rows per expert), each GEMM alone (`bench_moe_tiles.py --tokens 945 --block-ms 64 128`,
+# 2026-12-03): FP8 gate/up 146.1 -> 134.3 us, down 89.2 (64 x 64 tiles; the 128-wide TMA
+# tiles took 82.5 at T 1,024) -> 74.8; bf16 266.6 -> 230.7 and 154.9 -> 126.4. At T 640 (60
+# rows) the 64-row tiles stay faster (FP8 gate/up 117.1 us, bf16 207.2, neither 128-row config
+# among the six fastest), at T 768 (72 rows) the 128-row ones win (FP8 131.4 vs 138.1).
+BLOCK_M_128_ROWS = 64
 
 # Under triton's interpreter (CPU tests) small tiles keep each program cheap and exercise masking.
 _INTERPRETER_CONFIG = MoEConfig(block_m=16, block_n=32, block_k=32, group_m=4)
@@ -107,7 +116,8 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
     On CUDA, BLOCK_M follows the average rows per expert, T*k/E: small decode batches (a few
     rows per expert) use 16-row blocks so little padding is computed; from 17 rows per expert
     (bf16: 33) one 64-row block per expert, so each weight tile is read once for all of its
-    rows; prefill (more than 256 rows per expert) 128 x 128 tiles. FP8 weights take 128-deep K
+    rows; above `BLOCK_M_128_ROWS` (64) rows per expert 128 x 128 tiles with 8 warps (large
+    decode batches: T > 682 at V2-Lite's E 64, top-6; and prefill). FP8 weights take 128-deep K
     steps (one byte per element: the same bytes per step as bf16's 64). The tiles above 16 rows
     per expert are the fastest of a per-GEMM sweep on an H200 at V2-Lite's expert shapes
     (E 64, top-6, H 2048, I 1408; CUDA-graph replay of each GEMM alone; BLOCK_M 16/32/64 (128
@@ -117,12 +127,14 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
     "Grouped-GEMM tiles"). A GPU with less shared memory per block than the tiles take gets
     narrower ones (`fit_shared_memory`). On other devices (the interpreter) small tiles.
     The second (down) GEMM may take other tiles of the same BLOCK_M (`down`): on Hopper (sm 9.x,
-    where they were timed; TMA), with FP8 weights from 17 to 256 rows per expert, 128-wide N
+    where they were timed; TMA), with FP8 weights from 17 to 64 rows per expert, 128-wide N
     blocks whose weight tiles load through a tensor descriptor. Each GEMM alone
     (`bench_moe_tiles.py --b-desc both`, H200, 2026-12-03): 63.8 / 82.5 us against 66.7 / 90.5
     at T 512 / 1,024; the whole call (graph replay,
     `bench_fused_moe.py --down-tiles same default`) at T 256 / 512 / 768 / 1,024: 190.7 /
-    203.9 / 254.8 / 282.4 us against 193.6 / 206.5 / 266.4 / 291.4.
+    203.9 / 254.8 / 282.4 us against 193.6 / 206.5 / 266.4 / 291.4. From 65 to 256 rows per
+    expert the gate/up GEMM pipelines 4 stages, the down GEMM 3 (both dtypes; the sweep at T
+    768 / 945 with `--block-ms 64 128`, the comment at `BLOCK_M_128_ROWS`).
     Args:
         num_tokens: T. top_k: k. num_experts: E. device: where the tensors live. fp8: the
             weights are float8_e4m3fn. down: the tiles of the second GEMM.
@@ -139,13 +151,14 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
     elif rows_per_expert <= 32 and not fp8:
         cfg = MoEConfig(block_m=32, block_n=64, block_k=128, group_m=8, num_warps=4,
                         num_stages=3)
-    elif rows_per_expert <= 256:
+    elif rows_per_expert <= BLOCK_M_128_ROWS:
         wide = down and fp8 and _compute_capability(device)[0] == 9
         cfg = MoEConfig(block_m=64, block_n=128 if wide else 64, block_k=bk, group_m=8,
                         num_warps=4, num_stages=3, b_desc=wide)
     else:
+        stages = 4 if rows_per_expert <= 256 and not down else 3
         cfg = MoEConfig(block_m=128, block_n=128, block_k=bk, group_m=8, num_warps=8,
-                        num_stages=3)
+                        num_stages=stages)
     return fit_shared_memory(cfg, 1 if fp8 else 2, _max_shared_memory(device))
 
 

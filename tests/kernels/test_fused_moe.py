@@ -427,7 +427,8 @@ def _assert_close_rel_max(out: torch.Tensor, ref: torch.Tensor, frac: float) -> 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("t,path", [(1, "auto"), (1, "sorted"), (16, "auto"), (16, "sorted"),
-                                    (64, "auto"), (64, "gemv"), (512, "auto")])
+                                    (64, "auto"), (64, "gemv"), (512, "auto"),
+                                    (1024, "auto")])
 def test_gpu_fused_experts_bf16_v2_lite(t, path):
     s = V2_LITE
     x, w13, w2, weights, ids = _problem(t, s["e"], s["k"], h=s["h"], inter=s["inter"], seed=t,

@@ -262,7 +262,7 @@ BF16_REL_MAX, BF16_REL_MEAN = 5e-2, 2e-3
 @gpu
 @pytest.mark.parametrize("block", [None, (128, 128)], ids=["per_tensor", "block128"])
 @pytest.mark.parametrize("t,path", [(1, "auto"), (1, "sorted"), (16, "auto"), (16, "sorted"),
-                                    (64, "gemv"), (300, "auto")])
+                                    (64, "gemv"), (300, "auto"), (1024, "auto")])
 def test_gpu_fp8_fused_experts_bf16(t, path, block):
     x, q13, q2, topw, ids, s13, s2 = problem(t, 64, 6, block, h=2048, inter=1408, seed=t,
                                              dtype=torch.bfloat16, device="cuda")
@@ -305,19 +305,26 @@ def test_gpu_fp8_fused_experts_cuda_graph(block, path):
 
 
 def test_default_down_tiles(monkeypatch):
-    """The FP8 down GEMM's default tiles differ from the gate/up GEMM's only at 17-256 rows per
-    expert on Hopper (128-wide N blocks through a descriptor, the H200 sweep's pick); bf16,
-    small and prefill sizes, and other GPUs keep one config for both."""
+    """The FP8 down GEMM's default tiles differ from the gate/up GEMM's at 17-64 rows per expert
+    on Hopper (128-wide N blocks through a descriptor, the H200 sweep's pick); from 65 to 256
+    rows both dtypes' GEMMs take 128 x 128 tiles, the gate/up one with a stage more; small and
+    prefill sizes and other GPUs keep one config for both."""
     import mla_kernels.fused_moe as fused_moe_mod
     from mla_kernels.fused_moe import MoEConfig, get_default_config
 
     monkeypatch.setattr(fused_moe_mod, "_max_shared_memory", lambda device: 232448)  # H200
     monkeypatch.setattr(fused_moe_mod, "_compute_capability", lambda device: (9, 0))
-    for t in (512, 1024):
+    for t in (300, 512, 682):  # 28-64 rows per expert
         up = get_default_config(t, 6, 64, "cuda", fp8=True)
         down = get_default_config(t, 6, 64, "cuda", fp8=True, down=True)
         assert up == MoEConfig(64, 64, 128, 8, 4, 3, False)
         assert down == MoEConfig(64, 128, 128, 8, 4, 3, True)
+    # above 64 rows per expert: 128 x 128 tiles, the gate/up GEMM one stage deeper to 256 rows
+    for t, fp8 in ((683, True), (1024, True), (2730, True), (1024, False)):
+        bk = 128 if fp8 else 64
+        assert get_default_config(t, 6, 64, "cuda", fp8=fp8) == MoEConfig(128, 128, bk, 8, 8, 4)
+        assert (get_default_config(t, 6, 64, "cuda", fp8=fp8, down=True)
+                == MoEConfig(128, 128, bk, 8, 8, 3))
     for t, fp8 in ((512, False), (64, True), (4096, True), (4096, False)):
         assert (get_default_config(t, 6, 64, "cuda", fp8=fp8, down=True)
                 == get_default_config(t, 6, 64, "cuda", fp8=fp8))
