@@ -84,7 +84,7 @@ ensure_system_libs() {
 pip_install() {
   local key="$1" spec
   spec="$(torch_spec)"
-  log "pip install $spec and requirements (first run: about a minute)"
+  log "pip install $spec and requirements (first run: a few minutes)"
   "$PY" -m pip install -q "$spec" $(triton_spec)
   "$PY" -m pip install -q -r requirements.txt
   "$PY" -m pip install -q --no-deps -r requirements-nodeps.txt
