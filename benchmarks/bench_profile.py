@@ -51,7 +51,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -207,20 +207,16 @@ class StepWindow:
         evs = _kernel_events(self.prof, bs_.DEVICE)
         wall = 1000 * sum(self.walls) / self.count
         kern = sum(us for _, us in evs) / 1000 / self.count
-        cats: dict[str, float] = defaultdict(float)
-        for name, us in evs:
-            cats[category(name)] += us / 1000 / self.count
-        table(f"Steps {self.start}-{self.start + self.count - 1}: GPU kernel ms per step by "
-              "category", ["category", "ms", "% of kernel time"],
-              [[c, ms, 100 * ms / max(kern, 1e-9)]
-               for c, ms in sorted(cats.items(), key=lambda kv: -kv[1])])
+        cats = print_categories(
+            f"Steps {self.start}-{self.start + self.count - 1}: GPU kernel ms per step by "
+            "category", ((name, us / 1000 / self.count) for name, us in evs), kern)
         rows = host_rows(pstats.Stats(self.host), self.count, "own", top)
         table(f"Steps {self.start}-{self.start + self.count - 1} of the run: {wall:.2f} ms per "
               f"step, GPU kernels {kern:.2f} ms ({100 * kern / wall:.0f}% busy), "
               f"{sum(self.batches) / self.count:.0f} outputs per step; host functions",
               HOST_COLUMNS, rows)
         return {"start": self.start, "count": self.count, "wall_ms": wall, "kernel_ms": kern,
-                "categories_ms": dict(cats),
+                "categories_ms": cats,
                 "outputs_per_step": sum(self.batches) / self.count, "host_top": rows}
 
 
@@ -259,14 +255,22 @@ def _profile_kernels(args, model_dir: str, vocab: int, max_bs: int) -> tuple[lis
     return results, graphs
 
 
-def print_kernel_tables(title: str, r: dict, top: int) -> None:
+def print_categories(title: str, kernels: Iterable[tuple[str, float]],
+                     kernel_ms: float) -> dict[str, float]:
+    """Print and return the kernel time by category: kernels are (name, ms) pairs, kernel_ms
+    their total (the percentages' base)."""
     cats: dict[str, float] = defaultdict(float)
-    for name, (_, ms) in r["by_name"].items():
+    for name, ms in kernels:
         cats[category(name)] += ms
-    r["categories_ms"] = dict(cats)
     table(title, ["category", "ms", "% of kernel time"],
-          [[c, ms, 100 * ms / r["kernel_ms"]] for c, ms in sorted(cats.items(),
-                                                                  key=lambda kv: -kv[1])])
+          [[c, ms, 100 * ms / max(kernel_ms, 1e-9)]
+           for c, ms in sorted(cats.items(), key=lambda kv: -kv[1])])
+    return dict(cats)
+
+
+def print_kernel_tables(title: str, r: dict, top: int) -> None:
+    r["categories_ms"] = print_categories(
+        title, ((name, ms) for name, (_, ms) in r["by_name"].items()), r["kernel_ms"])
     table("Top kernels", ["kernel", "category", "calls", "ms", "us/call"],
           [[name[:90], category(name), n, ms, 1000 * ms / max(n, 1e-9)]
            for name, (n, ms) in sorted(r["by_name"].items(), key=lambda kv: -kv[1][1])[:top]])

@@ -315,6 +315,16 @@ def dequant_experts_ref(w: torch.Tensor, scale: torch.Tensor,
     return wf * s
 
 
+def _rows_by_expert(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[R, N]: row r = a[r] @ w[ids[r]]^T, one expert at a time (no [R, N, K] weight gather).
+    a: [R, K]; w: [E, N, K]; ids: [R] int64."""
+    out = a.new_empty(a.shape[0], w.shape[1])
+    for e in ids.unique().tolist():
+        rows = (ids == e).nonzero().squeeze(1)
+        out[rows] = a[rows] @ w[e].T
+    return out
+
+
 def fused_experts_fp8_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                           w13_scale: torch.Tensor, w2_scale: torch.Tensor,
@@ -345,22 +355,14 @@ def fused_experts_fp8_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     t, k = topk_ids.shape
     inter = w2.shape[2]
     ids = topk_ids.reshape(-1).long()
-    xr = xq.repeat_interleave(k, 0)  # [T*k, H]: row r is token r // k
-    gate_up = xr.new_empty(t * k, 2 * inter)
-    for e in ids.unique().tolist():  # one expert at a time (no [T*k, 2I, H] gather)
-        rows = (ids == e).nonzero().squeeze(1)
-        gate_up[rows] = xr[rows] @ w13f[e].T
+    gate_up = _rows_by_expert(xq.repeat_interleave(k, 0), w13f, ids)  # row r: token r // k
     if round_gate_up:
         gate_up = gate_up.to(x.dtype).float()
     act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     act = act.to(x.dtype).float()  # the kernel rounds the intermediate to x's dtype
     if activation_quant:
         act = _quant_act_ref(act, group)
-    y = act.new_empty(t * k, w2.shape[1])
-    for e in ids.unique().tolist():
-        rows = (ids == e).nonzero().squeeze(1)
-        y[rows] = act[rows] @ w2f[e].T
-    y = y * topk_weights.reshape(-1, 1).float()
+    y = _rows_by_expert(act, w2f, ids) * topk_weights.reshape(-1, 1).float()
     return y.view(t, k, -1).sum(dim=1)
 
 
