@@ -39,7 +39,7 @@ import mla_kernels.decode_attention_ws as ws  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compile_report import jit_signature, ptxas_stats  # noqa: E402  (benchmarks/compile_report.py)
 
-POINTERS = {"Q": "*bf16", "K": "*bf16", "ReqToToken": "*i32", "ReqPoolIdx": "*i64",
+POINTERS = {"Q": "*bf16", "K": "*bf16", "O": "*bf16", "ReqToToken": "*i32", "ReqPoolIdx": "*i64",
             "SeqLens": "*i32", "NumKvSplits": "*i32", "MidO": "*fp32", "MidLse": "*fp32"}
 
 

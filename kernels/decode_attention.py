@@ -424,11 +424,13 @@ def _merge_splits_kernel(
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh,
     Lv: tl.constexpr, MAX_KV_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr, SPLIT_BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
+    SKIP_SINGLE: tl.constexpr = False,
 ):
     """o[b, h] = sum_s exp(lse_s - m) * part_s / sum_s exp(lse_s - m), m = max_s lse_s, over the
     non-empty splits, SPLIT_BLOCK splits per step (the LSEs and partial outputs of a step are
     loaded together; a plan with no more splits takes one step: one round of loads instead of
-    a dependent chain per split); 0 when there are none."""
+    a dependent chain per split); 0 when there are none. SKIP_SINGLE: requests with exactly one
+    non-empty split are left alone (their stage 1 wrote o itself: `decode_attention_ws`)."""
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -436,6 +438,8 @@ def _merge_splits_kernel(
     n_splits = tl.minimum(tl.maximum(tl.load(NumKvSplits + b), 1), MAX_KV_SPLITS)
     per = _split_len(seq_len, n_splits, SPLIT_ALIGN)
     n_valid = tl.minimum(n_splits, tl.cdiv(seq_len, per))  # non-empty splits only
+    if SKIP_SINGLE:
+        n_valid = tl.where(n_valid == 1, -1, n_valid)  # -1: neither the loop nor the store
 
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < Lv
@@ -458,7 +462,7 @@ def _merge_splits_kernel(
         m = m_new
     out = tl.where(den > 0, acc / tl.maximum(den, 1e-30), 0.0)
     o_ptr = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_dv
-    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_dv)
+    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_dv & (n_valid >= 0))
 
 
 def merge_split_block(max_kv_splits: int) -> int:

@@ -16,7 +16,10 @@ Grid (bs, max_kv_splits, cdiv(H, 16)); program (b, split, group) owns the split'
 token range (the same plan as `decode_attention`: `_split_len` with SPLIT_ALIGN = BLOCK_N, so the
 merge reads exactly the splits written here; programs whose split is empty return at once and
 read nothing) and writes the normalized partial output MidO [bs, H, splits, 512] fp32 and its
-natural-log LSE [bs, H, splits]. Inside a program the warps are specialized
+natural-log LSE [bs, H, splits]. A request whose only non-empty split this is (every request of
+a large batch: one split each) writes its normalized output to o instead, and the merge
+(`SKIP_SINGLE`) leaves it alone: no fp32 round trip through MidO (at bs 945, 31 MB written and
+read again per layer). Inside a program the warps are specialized
 (`gl.warp_specialize`), as FlashMLA's Hopper kernel splits producer and consumer warps:
 
 - producer (worker partition, LOAD_WARPS warps): prefetches one tile ahead the slot indices of
@@ -179,8 +182,12 @@ def _producer_convert(K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bar
     D_MAIN: gl.constexpr = kc_bufs.type.shape[2]
     D_ROPE: gl.constexpr = kpe_bufs.type.shape[2]
     HALF: gl.constexpr = D_MAIN // 2
-    # latent part as two [BLOCK_N, 256] halves: 16 lanes x 16 bytes = half a row, 2 rows per warp
-    lay_c: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [LOAD_WARPS, 1], [1, 0])
+    # latent part as two [BLOCK_N, 256] halves, 16 bytes per thread and load, 4 lanes per row
+    # and 8 rows per warp. Each thread's 16 values become two 16-byte fp16 chunks (2j, 2j + 1
+    # of its 128-byte swizzle row), so 16 lanes on one row put two lanes on every 16-byte bank
+    # group (2-way conflicts on every shared store: H200 profile, docs/benchmarks.md); 4 lanes
+    # on each of rows r and r ^ 1 cover the eight bank groups once
+    lay_c: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
     # rope part [BLOCK_N, 64]: 4 lanes x 16 bytes = a row, 8 rows per warp
     lay_r: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
     rows_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay_c))
@@ -245,8 +252,8 @@ def _load_q(Q, q_base, stride_qh, head0, num_heads, qc_smem, qpe_smem, HB: gl.co
 @gluon.jit
 def _consumer(kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bars,
               MidO, MidLse, start, end, n_tiles, qk_scale, v_scale, mid_base, lse_base, head0,
-              num_heads, stride_mh, stride_lh, Q, q_base, stride_qh,
-              BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr, HB: gl.constexpr):
+              num_heads, stride_mh, stride_lh, Q, q_base, stride_qh, O, o_base, stride_oh,
+              direct, BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr, HB: gl.constexpr):
     D_MAIN: gl.constexpr = kc_bufs.type.shape[2]
     _load_q(Q, q_base, stride_qh, head0, num_heads, qc_smem, qpe_smem, HB)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -295,19 +302,24 @@ def _consumer(kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bar
     mask_h = heads < num_heads
     offs_dv = gl.arange(0, D_MAIN, layout=row_l)
     out = acc * (v_scale / gl.expand_dims(l_i, 0))
-    mid = MidO + mid_base + gl.expand_dims(heads.to(gl.int64) * stride_mh, 0) \
-        + gl.expand_dims(offs_dv, 1)
-    gl.store(mid, out, mask=gl.expand_dims(mask_h, 0))
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log
-    gl.store(MidLse + lse_base + heads.to(gl.int64) * stride_lh, lse, mask=mask_h)
+    if direct:  # the request's only split: its normalized output is o (the merge skips it)
+        o_ptr = O + o_base + gl.expand_dims(heads.to(gl.int64) * stride_oh, 0) \
+            + gl.expand_dims(offs_dv, 1)
+        gl.store(o_ptr, out.to(O.dtype.element_ty), mask=gl.expand_dims(mask_h, 0))
+    else:
+        mid = MidO + mid_base + gl.expand_dims(heads.to(gl.int64) * stride_mh, 0) \
+            + gl.expand_dims(offs_dv, 1)
+        gl.store(mid, out, mask=gl.expand_dims(mask_h, 0))
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log
+        gl.store(MidLse + lse_base + heads.to(gl.int64) * stride_lh, lse, mask=mask_h)
 
 
 @gluon.jit
 def _mla_decode_ws_kernel(
-    Q, K, ReqToToken, ReqPoolIdx, SeqLens, NumKvSplits, MidO, MidLse,
+    Q, K, ReqToToken, ReqPoolIdx, SeqLens, NumKvSplits, MidO, MidLse, O,
     qk_scale, v_scale, num_heads,
     stride_qb, stride_qh, stride_kn, stride_r2t,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ls,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh,
     MAX_KV_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, HB: gl.constexpr,
     D_MAIN: gl.constexpr, D_ROPE: gl.constexpr,
@@ -325,6 +337,8 @@ def _mla_decode_ws_kernel(
     end = gl.minimum(start + per, seq_len)
     if (split < n_splits) & (start < end):
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+        # the request's only non-empty split (as the merge counts them) writes o itself
+        direct = gl.minimum(n_splits, (seq_len + per - 1) // per) == 1
         # the MMA operand type: fp16 for an FP8 pool (its cheap conversion), else bf16
         MMA_DT: gl.constexpr = gl.float16 if KV_FP8 else gl.bfloat16
         sw128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
@@ -355,7 +369,8 @@ def _mla_decode_ws_kernel(
             (_consumer, (kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bars,
                          MidO, MidLse, start, end, n_tiles, qk_scale, v_scale, mid_base,
                          lse_base, head0, num_heads, stride_mh, stride_lh, Q,
-                         b.to(gl.int64) * stride_qb, stride_qh, BLOCK_N, NUM_BUFS, HB)),
+                         b.to(gl.int64) * stride_qb, stride_qh, O, b.to(gl.int64) * stride_ob,
+                         stride_oh, direct, BLOCK_N, NUM_BUFS, HB)),
             (_producer_convert if KV_FP8 else _producer,
              (K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bars, start, end, n_tiles,
               BLOCK_N, NUM_BUFS, LOAD_WARPS)),
@@ -412,6 +427,8 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
     Same semantics as `decode_attention_fwd(q, k_buffer, k_buffer[..., :512], o, ...)`:
     seq_len 0 rows give zeros, splits are clamped to [1, max_kv_splits],
     empty splits are neither computed nor merged, no host synchronisation (graph-capturable).
+    Unlike it, a request with a single non-empty split writes o directly and leaves its
+    attn_logits / attn_lse rows unwritten.
     Args:
         q: [bs, H, 576] bf16 (strides along bs and H free, last dim contiguous); any H >= 1.
         k_buffer: [S, 1, 576] bf16 or FP8 (float8_e4m3fn / float8_e5m2) pool (last dim
@@ -473,10 +490,10 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
         opts["maxnreg"] = mnr
     _mla_decode_ws_kernel[(bs, max_kv_splits, groups)](
         q, k_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
-        attn_logits, attn_lse, sm_scale * k_scale * 1.4426950408889634, v_scale, num_heads,
+        attn_logits, attn_lse, o, sm_scale * k_scale * 1.4426950408889634, v_scale, num_heads,
         q.stride(0), q.stride(1), k_buffer.stride(0), req_to_token.stride(0),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
-        attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2),
+        attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2), o.stride(0), o.stride(1),
         MAX_KV_SPLITS=max_kv_splits, BLOCK_N=bn,
         NUM_BUFS=nb,
         LOAD_WARPS=lw,
@@ -488,5 +505,6 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2), o.stride(0), o.stride(1),
         Lv=LV, MAX_KV_SPLITS=max_kv_splits, BLOCK_DV=LV, SPLIT_ALIGN=bn,
-        SPLIT_BLOCK=_da.merge_split_block(max_kv_splits), num_warps=4, num_stages=2,
+        SPLIT_BLOCK=_da.merge_split_block(max_kv_splits), SKIP_SINGLE=True, num_warps=4,
+        num_stages=2,
     )
