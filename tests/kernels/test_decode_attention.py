@@ -258,6 +258,32 @@ def test_empty_splits_short_seqs_many_splits():
     assert torch.isnan(lse[:4, :, 1:]).all() and torch.isnan(lse[4, :, 2:]).all()
 
 
+def test_merge_skip_single_leaves_one_split_requests_alone():
+    """`_merge_splits_kernel(SKIP_SINGLE=True)` (the ws kernel's merge): a request with exactly
+    one non-empty split keeps its o row (stage 1 wrote it), a seq_len-0 row gets zeros, and one
+    with several merges its splits as without the flag."""
+    from mla_kernels.decode_attention import _merge_splits_kernel, merge_split_block
+
+    g = torch.Generator().manual_seed(12)
+    seq_lens = torch.tensor([10, 100, 0, 200, 50], dtype=torch.int32)
+    nks = torch.tensor([1, 2, 4, 1, 4], dtype=torch.int32)  # 50 tokens in 4 splits: one used
+    bs, h, lv, max_splits = 5, 2, 64, 4
+    mid = torch.randn(bs, h, max_splits, lv, generator=g)
+    lse = torch.randn(bs, h, max_splits, generator=g)
+    o = torch.full((bs, h, lv), 7.0)
+    args = [t.to(DEVICE) for t in (mid, lse, o, seq_lens, nks)]
+    _merge_splits_kernel[(bs, h)](
+        *args, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
+        lse.stride(2), o.stride(0), o.stride(1), Lv=lv, MAX_KV_SPLITS=max_splits, BLOCK_DV=lv,
+        SPLIT_ALIGN=64, SPLIT_BLOCK=merge_split_block(max_splits), SKIP_SINGLE=True)
+    out = args[2].cpu()
+    assert (out[[0, 3, 4]] == 7.0).all()
+    assert (out[2] == 0).all()
+    w = torch.softmax(lse[1, :, :2], dim=-1)  # 100 tokens, 64-token splits: both used
+    torch.testing.assert_close(out[1], (w[..., None] * mid[1, :, :2]).sum(1), atol=1e-5,
+                               rtol=1e-5)
+
+
 def test_seq_len_zero_rows_give_zeros():
     """Padded rows (seq_len 0; their req_to_token row points at NaN slots) give zeros and do not
     disturb the other rows."""
