@@ -337,8 +337,9 @@ def _mla_decode_ws_kernel(
     end = gl.minimum(start + per, seq_len)
     if (split < n_splits) & (start < end):
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
-        # the request's only non-empty split (as the merge counts them) writes o itself
-        direct = gl.minimum(n_splits, (seq_len + per - 1) // per) == 1
+        # a split that holds the whole request is its only non-empty one (the merge's n_valid
+        # is 1 exactly then): it writes o itself
+        direct = per >= seq_len
         # the MMA operand type: fp16 for an FP8 pool (its cheap conversion), else bf16
         MMA_DT: gl.constexpr = gl.float16 if KV_FP8 else gl.bfloat16
         sw128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
