@@ -15,10 +15,21 @@ CUDA-graph replay (median of `triton.testing.do_bench`, µs). Prints, per (M, sh
 _scaled_mm time and the four fastest triton configs as (BLOCK_M, BLOCK_N, BLOCK_K, warps,
 stages), then per M the sum over the four linears.
 
-    PYTHONPATH=. python3 benchmarks/bench_dense_fp8.py
+    PYTHONPATH=. python3 benchmarks/bench_dense_fp8.py [--sections tiles]
+
+`--sections accum` instead times what the engine runs for these linears at token rows `--ms`:
+bf16 `F.linear` on the unquantized operands and the rowwise-scaled `torch._scaled_mm` with
+`use_fast_accum` False and True (`layers.quantization.FP8_FAST_ACCUM`), each as a CUDA-graph
+replay (median, µs), with each FP8 result's error against the float64 product of the same
+quantized operands and scales (relative Frobenius norm; largest error over largest |ref|): what
+the accumulation mode alone costs in accuracy. Activations are N(0, 1) with every 64th column
+x10 (outlier channels), quantized per token; weights N(0, 0.02), per tensor.
+
+    PYTHONPATH=. python3 benchmarks/bench_dense_fp8.py --sections accum --ms 256 945 6144
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import multiprocessing as mp
 import sys
@@ -100,11 +111,72 @@ def compile_worker(cfgs):
     return ok
 
 
+def accum_problem(m, n, k, seed):
+    """(x bf16 [m, k], w bf16 [n, k], q fp8 [m, k], x_scale [m, 1], wq fp8 [n, k], w_scale_row
+    [1, n]): per-token and per-tensor e4m3 quantization as the engine's (amax / 448)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device="cuda")
+    x[:, ::64] *= 10.0
+    w = torch.randn(n, k, generator=g, device="cuda") * 0.02
+    xs = (x.abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
+    q = (x / xs).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ws = (w.abs().amax() / 448.0).clamp(min=1e-12)
+    wq = (w / ws).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return x.bfloat16(), w.bfloat16(), q, xs, wq, ws.reshape(1, 1).expand(1, n).contiguous()
+
+
+def section_accum(ms):
+    """bf16 F.linear vs _scaled_mm with and without fast accumulation (module docstring)."""
+    from bench_fused_moe import bench, graph_of
+
+    rows = []
+    totals = {}
+    for m in ms:
+        for n, k in SHAPES:
+            x, w, q, xs, wq, wsr = accum_problem(m, n, k, m + n + k)
+            ref = (q.double() * xs.double()) @ (wq.double() * wsr.double().t()).t()
+            wt = wq.t()
+            g16 = graph_of(lambda: torch.nn.functional.linear(x, w))
+            t16 = 1000 * bench(g16.replay, 5, 25)
+            out = [f"M {m} N {n} K {k}", f"{t16:.1f}"]
+            totals.setdefault(m, [0.0, 0.0, 0.0])[0] += t16
+            for i, fast in enumerate((False, True)):
+                y = torch._scaled_mm(q, wt, scale_a=xs, scale_b=wsr, out_dtype=torch.bfloat16,
+                                     use_fast_accum=fast)
+                err = (y.double() - ref)
+                fro = (err.norm() / ref.norm()).item()
+                mx = (err.abs().max() / ref.abs().max()).item()
+                g = graph_of(lambda: torch._scaled_mm(q, wt, scale_a=xs, scale_b=wsr,
+                                                      out_dtype=torch.bfloat16,
+                                                      use_fast_accum=fast))
+                t = 1000 * bench(g.replay, 5, 25)
+                totals[m][1 + i] += t
+                out += [f"{t:.1f}", f"{fro:.2e}", f"{mx:.2e}"]
+            rows.append(out)
+            print(" | ".join(out), flush=True)
+    print("| shape | bf16 F.linear us | _scaled_mm us | rel. error | max error | "
+          "fast accum us | rel. error | max error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    for m, (a, b, c) in totals.items():
+        print(f"M {m}: four linears bf16 {a:.1f} us, _scaled_mm {b:.1f} us, fast accum {c:.1f} us")
+
+
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sections", nargs="+", choices=("tiles", "accum"), default=["tiles"])
+    ap.add_argument("--ms", type=int, nargs="+", default=[256, 945, 6144],
+                    help="token rows of the accum section")
+    args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_dense_fp8: needs a CUDA GPU", file=sys.stderr)
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if "accum" in args.sections:
+        section_accum(args.ms)
+    if "tiles" not in args.sections:
+        return 0
     cfgs = configs()
     t0 = time.time()
     with mp.get_context("spawn").Pool(12) as pool:

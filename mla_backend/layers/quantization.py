@@ -368,6 +368,19 @@ def fp8_per_token_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale_row: torch.Tens
 # _scaled_mm (docs/benchmarks.md, FP8, sixth and seventh looks). Wider batches not measured.
 FP8_GEMV_MAX_ROWS = 1
 
+# `torch._scaled_mm(use_fast_accum=)` for the dense FP8 linears: Hopper's FP8 MMA then keeps
+# its own accumulator over the whole K loop instead of adding it into fp32 registers every few
+# steps; DeepSeek-V3's report (arXiv 2412.19437, section 3.3.2) puts that accumulator at about
+# 14 bits. (The triton FP8 GEMMs here, fused MoE, bmm_fp8 and block-FP8, accumulate that way on
+# sm_90: triton's default `max_num_imprecise_acc` there is 2**30.) Off: on an H200
+# (`benchmarks/bench_dense_fp8.py --sections accum`, 2026-12-04) it made V2-Lite's four dense
+# FP8 linears 9% faster at 945 token rows (77.9 -> 70.9 us per layer) and 13% at 6,144 (304 ->
+# 265 us), about 0.2 ms of a bs-945 FP8 decode step, and raised the GEMM's own error 1.5-1.8x
+# (largest error 2.0-3.6e-3 -> 3.6-5.6e-3 of the largest output, against the float64 product
+# of the same FP8 operands); the rowwise GEMM test (a row's largest x 1e-3 plus bf16 rounding)
+# failed with it on.
+FP8_FAST_ACCUM = False
+
 
 def _fp8_rowwise_scaled_mm(q: torch.Tensor, q_scale: torch.Tensor, w_t: torch.Tensor,
                            w_scale_row: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -385,9 +398,10 @@ def _fp8_rowwise_scaled_mm(q: torch.Tensor, q_scale: torch.Tensor, w_t: torch.Te
     if q.is_cuda and not (k % 16 or n % 16):  # cuBLASLt / CUTLASS FP8 need K, N % 16 == 0
         if out_dtype == torch.bfloat16:  # rowwise scaling: bf16 output on every torch build
             return torch._scaled_mm(q, w_t, scale_a=q_scale, scale_b=w_scale_row,
-                                    out_dtype=out_dtype)
+                                    out_dtype=out_dtype, use_fast_accum=FP8_FAST_ACCUM)
         one = q_scale.new_ones(())
-        y = torch._scaled_mm(q, w_t, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = torch._scaled_mm(q, w_t, scale_a=one, scale_b=one, out_dtype=torch.float32,
+                             use_fast_accum=FP8_FAST_ACCUM)
     else:
         y = q.float() @ w_t.float()
     return (y * q_scale * w_scale_row).to(out_dtype)
@@ -417,7 +431,7 @@ def _fp8_scaled_mm(q: torch.Tensor, q_scale: torch.Tensor, w_t: torch.Tensor,
     if q.is_cuda and (k % 16 or n % 16):  # cuBLASLt FP8 needs K, N multiples of 16
         return ((q.float() @ w_t.float()) * (q_scale * w_scale)).to(out_dtype)
     return torch._scaled_mm(q, w_t, scale_a=q_scale, scale_b=w_scale.float().reshape(()),
-                            out_dtype=out_dtype)
+                            out_dtype=out_dtype, use_fast_accum=FP8_FAST_ACCUM)
 
 
 def quantize_fp8_bmm_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
