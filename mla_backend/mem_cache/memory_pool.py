@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import math
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -55,9 +56,21 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
+def fp8_reciprocal(scale: float) -> float:
+    """1 / scale as float32 division rounds it (a Python float float32 holds exactly): the
+    factor of an FP8 pool's write. The same formula as `mla_kernels.store_kv.fp8_reciprocal`
+    (kernels import no mla_backend code); the two writes are compared byte for byte on the GPU
+    (tests/kernels/test_store_kv.py). A float32 division done in double and rounded once is the
+    correctly rounded float32 quotient (double has over twice float32's precision)."""
+    f32 = struct.Struct("f")
+    return f32.unpack(f32.pack(1.0 / f32.unpack(f32.pack(float(scale)))[0]))[0]
+
+
 def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """x / scale saturated to the format's largest finite value (448 for e4m3, 57344 for e5m2)
-    and cast (round to nearest even): huge and infinite inputs become ±max, never inf/NaN.
+    """x · (1 / scale) (`fp8_reciprocal`: float32 arithmetic, as the CUDA quantizing store
+    `mla_kernels.store_kv` computes it, which writes the same bytes) saturated to the format's
+    largest finite value (448 for e4m3, 57344 for e5m2) and cast (round to nearest even): huge
+    and infinite inputs become ±max, never inf/NaN.
 
     Args:
         x: any float tensor; scale: > 0; dtype: float8_e4m3fn or float8_e5m2.
@@ -65,7 +78,7 @@ def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Ten
         tensor of x's shape in `dtype`.
     """
     fmax = torch.finfo(dtype).max
-    return (x.float() / scale).clamp_(-fmax, fmax).to(dtype)
+    return (x.float() * fp8_reciprocal(scale)).clamp_(-fmax, fmax).to(dtype)
 
 
 def dequantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:

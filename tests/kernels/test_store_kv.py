@@ -1,8 +1,10 @@
 """store_kv against the torch twin `store_kv_ref`.
 
 CPU (CI): the triton interpreter in fp32 — MHA and MLA layouts, permuted slots, the padding sink,
-strided inputs. GPU (`gpu` marker, H200): fp32 → bf16 conversion, and slots near the end of a
-pool of more than 2^31 elements.
+strided inputs; an FP8 pool refused off CUDA. GPU (`gpu` marker, H200): fp32 → bf16 conversion,
+slots near the end of a pool of more than 2^31 elements, and the FP8 pools' quantizing store
+against the pool's torch write (`MLATokenToKVPool` / `MHATokenToKVPool.set_kv_buffer`), byte
+for byte.
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ def test_errors():
         store_kv(k_buf, v_buf, loc.float(), k, v)
     with pytest.raises(ValueError, match="stride 1"):
         store_kv(k_buf, v_buf, loc, torch.randn(3, 2, 64)[..., ::2], v)
+    fp8 = torch.zeros(8, 2, 32, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="CUDA only"):
+        store_kv(fp8, fp8.clone(), loc, k, v, 0.5, 0.5)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -164,3 +169,49 @@ def test_store_big_pool_gpu(layout):
         assert torch.equal(v_buf[loc[real]], v[real])
     del k_buf, v_buf
     torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("layout", ["mha-8x128", "mla-576"])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_quantizing_store_equals_the_pool_write_gpu(layout, dtype, in_dtype):
+    """The quantizing store writes the bytes of the pool's torch write (x / scale saturated to
+    the format's largest finite value, rounded to nearest even): values spread over the whole
+    range, past it (saturated) and exact ties; scales that are not powers of two; NaN stays
+    NaN."""
+    from mla_backend.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    hkv, lk, lv = LAYOUTS[layout]
+    n_slots, t = 300, 97
+    if lv is None:
+        pool = MLATokenToKVPool(n_slots, dtype, lk - 64, 64, 1, "cuda", kv_scales=[0.37])
+    else:
+        pool = MHATokenToKVPool(n_slots, dtype, hkv, lk, lv, 1, "cuda", k_scales=[0.37],
+                                v_scales=[2.9])
+    fmax = torch.finfo(dtype).max
+    g = torch.Generator().manual_seed(11)
+
+    def rows(width):  # log-uniform magnitudes from 1e-6 to 10x the largest, random signs
+        mag = torch.exp(torch.empty(t, hkv, width).uniform_(-14, float(torch.log(
+            torch.tensor(10 * fmax))), generator=g))
+        x = mag * torch.randint(0, 2, mag.shape, generator=g).mul(2).sub(1)
+        x[0, 0, :8] = torch.tensor([0.0, -0.0, 0.5, 1.5, 2.5, fmax, -fmax * 3, float("nan")])
+        return x.to(in_dtype).cuda()
+
+    k = rows(lk)
+    v = None if lv is None else rows(lv)
+    loc = (torch.randperm(n_slots - 1, generator=g)[:t] + 1).cuda()
+    want = [b.clone() for b in pool.get_kv_buffer(0)]
+    k_buf, v_buf = pool.get_kv_buffer(0)
+    pool.set_kv_buffer(0, loc, k, v)  # the torch write
+    ref = [b.clone().view(torch.uint8) for b in (k_buf, v_buf)]
+    k_buf.copy_(want[0])
+    if lv is not None:
+        v_buf.copy_(want[1])
+    ks, vs = pool.get_kv_scales(0)
+    store_kv(k_buf, None if lv is None else v_buf, loc, k, v, ks, vs)
+    assert torch.equal(k_buf.view(torch.uint8), ref[0])
+    assert torch.equal(v_buf.view(torch.uint8), ref[1])
+    assert torch.isnan(k_buf[loc[0], 0, 7].float())

@@ -140,3 +140,19 @@ def test_v2_lite_capacity_doubles_against_bf16(name):
     mha = {"kind": "mha", "num_layers": 27, "num_kv_heads": 16, "head_dim": 192, "v_head_dim": 128}
     assert kv_cell_bytes(mha, torch.float8_e4m3fn) * 2 == kv_cell_bytes(mha, torch.bfloat16) \
         == 276_480  # REFERENCE §1.7
+
+
+def test_fp8_reciprocal_is_float32_division_in_both_writes():
+    """The pool's torch write and the CUDA quantizing store (`mla_kernels.store_kv`) multiply by
+    the same factor: 1 / scale as float32 division gives it (so they write the same bytes)."""
+    import random
+
+    import mla_backend  # noqa: F401  (the mla_kernels alias)
+    from mla_backend.mem_cache.memory_pool import fp8_reciprocal
+    from mla_kernels.store_kv import fp8_reciprocal as kernel_reciprocal
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        s = 10 ** rng.uniform(-12, 12)
+        want = (torch.tensor(1.0) / torch.tensor(s, dtype=torch.float32)).item()
+        assert fp8_reciprocal(s) == kernel_reciprocal(s) == want, s

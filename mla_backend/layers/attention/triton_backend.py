@@ -11,11 +11,13 @@ latent pool (one [S, 1, kv_lora_rank + qk_rope_head_dim] buffer whose first kv_l
 are the value view; `set`-side the key row is the only thing written). `layer.pool_free` layers
 (MLA decompressed prefill) attend over the given new K/V only.
 
-FP8 pools (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2): the new K/V are written by the pool's
-`set_kv_buffer` (torch: x / scale, saturated, cast, scattered as bytes — the triton interpreter's
-float→fp8 rounding is wrong for values that round up to the next power of two, so the quantizing
-store is not a kernel), and the attention kernels read the fp8 pool directly with the layer's
-`k_scale` / `v_scale` (dequantization folded into the softmax scale and the P·V product).
+FP8 pools (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2): on CUDA the new K/V are written by
+`store_kv`'s quantizing store (x · (1 / scale), saturated, round to nearest even: the bytes the
+pool's torch write gives, in one launch instead of its five, which matters most to an eager
+prefill's host); elsewhere by the pool's `set_kv_buffer` (torch, scattered as bytes: the triton
+interpreter's float→fp8 rounding is wrong for values that round up to the next power of two).
+The attention kernels read the fp8 pool directly with the layer's `k_scale` / `v_scale`
+(dequantization folded into the softmax scale and the P·V product).
 """
 
 from __future__ import annotations
@@ -134,12 +136,15 @@ class TritonAttnBackend(AttentionBackend):
         """Write new K/V at out_cache_loc; return the layer's (k_buffer, v_buffer)."""
         pool = fb.token_to_kv_pool
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        scales = (1.0, 1.0)
         if getattr(pool, "is_fp8", False):  # quantizing write (see module docstring)
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-            return k_buf, v_buf
+            if not k_buf.is_cuda:
+                pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+                return k_buf, v_buf
+            scales = pool.get_kv_scales(layer.layer_id)
         latent = _shares_storage(k_buf, v_buf)  # MLA: the value is a view of the key row
         store_kv(k_buf, None if latent else v_buf, fb.out_cache_loc, k,
-                 None if latent else v)
+                 None if latent else v, *scales)
         return k_buf, v_buf
 
     @staticmethod
