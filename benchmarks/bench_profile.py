@@ -34,7 +34,11 @@ Sections (`--sections`):
   functions. `--prefill-host N` cProfiles the host side of the run's first N prefill steps after its
   eighth (functions by own and cumulative time, ms per step).
 
-`--quantization fp8 --kv-cache-dtype fp8_e4m3` profiles the FP8 engine (issue 6).
+`--quantization fp8 --kv-cache-dtype fp8_e4m3` profiles the FP8 engine (issue 6);
+`--fp8-fast-accum true|false` sets `layers.quantization.FP8_FAST_ACCUM` for the run.
+`--detokenize process` builds the engines with `detokenize=False` and detokenizes every step's
+outputs in a child process instead (`bench_suite.DetokenizerProcess`; the step's wall time
+includes pickling and sending them), which is how the adapter's engine process runs.
 
     PYTHONPATH=. python3 benchmarks/bench_profile.py --model deepseek-v2-lite \
         --tokenizer-dir TOK --sections kernels steps --bs 1 64 --num-requests 800
@@ -601,11 +605,26 @@ def main() -> None:
                     help="steps: undo the engine's gc.freeze of its start-up objects "
                          "(engine.freeze_startup_objects) before the run")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--detokenize", default="engine", choices=["engine", "process"],
+                    help="process: the engine leaves detokenization to a child process that "
+                         "gets every step's outputs, as the adapter's stub does "
+                         "(bench_suite.DetokenizerProcess)")
+    ap.add_argument("--fp8-fast-accum", default=None, choices=["true", "false"],
+                    help="layers.quantization.FP8_FAST_ACCUM for the run (default: as set)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: smoke-test this script (with --shape-overrides)")
     args = ap.parse_args()
+    if args.fp8_fast_accum is not None:
+        from mla_backend.layers import quantization
+
+        quantization.FP8_FAST_ACCUM = args.fp8_fast_accum == "true"
     args.tag = (f" [{args.quantization or 'bf16'} weights, {args.kv_cache_dtype} KV]"
                 if args.quantization or args.kv_cache_dtype != "auto" else "")
+    bs_.DETOKENIZE = args.detokenize
+    if args.detokenize != "engine":
+        args.tag += f" [detokenized in a {args.detokenize}]"
+    if args.fp8_fast_accum is not None:
+        args.tag += f" [FP8 fast accumulation {args.fp8_fast_accum}]"
     bs_.DEVICE = args.device
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_profile.py needs a CUDA GPU (or --device cpu for a smoke test)")

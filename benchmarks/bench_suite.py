@@ -126,6 +126,82 @@ def release() -> None:
 
 
 ENGINE_SETTINGS: dict[str, Any] = {}  # from --quantization / --kv-cache-dtype: every engine
+# Where the outputs are detokenized (bench_profile.py --detokenize): "engine" (in the step loop,
+# `Engine(detokenize=True)`) or "process" (`Engine(detokenize=False)`, and `run_requests` sends
+# every step's outputs to a `DetokenizerProcess`, as the adapter's engine process sends them to
+# the stub, which detokenizes them).
+DETOKENIZE = "engine"
+
+
+class DetokenizerProcess:
+    """The detokenization an `Engine(detokenize=False)` leaves to its caller, in a child process
+    (`tokenizer.detokenizer.OutputDetokenizer` there): `start` registers requests, `send` a
+    step's outputs, each pickled and written to a pipe here (the cost the engine's loop keeps,
+    as the adapter's engine process pays it to reach the stub); `close` waits for the child
+    and returns (outputs detokenized, characters of text, requests left unfinished)."""
+
+    def __init__(self, tokenizer_dir: str) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(target=_detokenizer_main, args=(child, tokenizer_dir),
+                                 daemon=True)
+        self._proc.start()
+        child.close()
+        self._conn.recv_bytes()  # "ready": its imports and tokenizer load are not timed
+
+    def _put(self, message: tuple) -> None:
+        import pickle
+
+        self._conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def start(self, requests: list[tuple[str, list[int], bool]]) -> None:
+        """(rid, prompt ids, skip_special_tokens) of requests without stop strings."""
+        self._put(("start", requests))
+
+    def send(self, outputs: list) -> None:
+        if outputs:
+            self._put(("out", outputs))
+
+    def close(self) -> tuple[int, int, int]:
+        import pickle
+
+        self._put(("close", None))
+        counts = pickle.loads(self._conn.recv_bytes())
+        self._proc.join(30)
+        return counts
+
+
+def _detokenizer_main(conn, tokenizer_dir: str) -> None:
+    import pickle
+
+    from transformers import AutoTokenizer
+
+    from mla_backend.engine import freeze_startup_objects
+    from mla_backend.tokenizer.detokenizer import OutputDetokenizer
+
+    od = OutputDetokenizer(AutoTokenizer.from_pretrained(tokenizer_dir))
+    # As the adapter's stub does once its model is loaded: without it this process's full
+    # collections walk every imported object, and while one runs the pipe fills and the
+    # engine's loop blocks on its send. (Inferred, not rerun: the H200 runs of 2026-12-04,
+    # without the freeze, had decode steps of up to 188 ms, against 22 ms with the engine
+    # detokenizing.)
+    freeze_startup_objects()
+    conn.send_bytes(b"ready")
+    n = chars = 0
+    while True:
+        kind, payload = pickle.loads(conn.recv_bytes())
+        if kind == "start":
+            for rid, ids, skip in payload:
+                od.start(rid, ids, skip)
+        elif kind == "out":
+            od.fill(payload)
+            n += len(payload)
+            chars += sum(len(o.new_text) for o in payload)
+        else:
+            conn.send_bytes(pickle.dumps((n, chars, len(od))))
+            return
 
 
 def make_engine(model_dir: str, **settings: Any) -> Engine:
@@ -134,7 +210,8 @@ def make_engine(model_dir: str, **settings: Any) -> Engine:
     t = time.perf_counter()
     eng = Engine(EngineConfig.create(model_path=model_dir, load_format="dummy",
                                      dtype="bfloat16" if DEVICE == "cuda" else "float32",
-                                     device=DEVICE, **settings))
+                                     device=DEVICE, **settings),
+                 detokenize=DETOKENIZE == "engine")
     cgr = eng.runner.cuda_graph_runner
     log(f"engine up in {time.perf_counter() - t:.1f} s: {eng.max_total_tokens:,} KV tokens, "
         f"{eng.runner.max_running_requests} rows"
@@ -154,9 +231,14 @@ def greedy(n: int) -> SamplingParams:
 def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
                  on_step: Callable[[float, list], None] | None = None) -> dict:
     """Submit all at once (streaming), step to completion. Returns timing and token counts;
-    per-request first-token times (seconds from submission) in "ttft"."""
+    per-request first-token times (seconds from submission) in "ttft". An engine that does not
+    detokenize (`DETOKENIZE` "process") gets a `DetokenizerProcess` for the run, which gets every
+    step's outputs; its counts are in "detokenized" (outputs, characters)."""
     rids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    detok = None if eng.detokenize else DetokenizerProcess(eng.config.model.model_path)
     t0 = time.perf_counter()
+    if detok is not None:
+        detok.start([(rid, p, True) for rid, p in zip(rids, prompts)])  # greedy(): no stops
     for rid, p, o in zip(rids, prompts, outs):
         eng.add_request(GenerateRequest(rid=rid, input_ids=p, sampling_params=greedy(o),
                                         stream=True))
@@ -172,6 +254,8 @@ def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
                 f"({done / (time.perf_counter() - t0):,.0f} tok/s so far)")
         ts = time.perf_counter()
         step_outs = eng.step()
+        if detok is not None:
+            detok.send(step_outs)
         te = time.perf_counter()
         if on_step is not None:
             on_step(te - ts, step_outs)
@@ -183,8 +267,14 @@ def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
                 if o.finished and o.error:
                     errors += 1
     dt = time.perf_counter() - t0
-    return {"seconds": dt, "output_tokens": sum(ntok.values()), "errors": errors,
-            "ttft": [first.get(r, float("nan")) for r in rids]}
+    res = {"seconds": dt, "output_tokens": sum(ntok.values()), "errors": errors,
+           "ttft": [first.get(r, float("nan")) for r in rids]}
+    if detok is not None:
+        n, chars, left = detok.close()
+        if left:
+            raise RuntimeError(f"the detokenizer process has {left} unfinished requests")
+        res["detokenized"] = (n, chars)
+    return res
 
 
 def warm_up(eng: Engine, prompts: list[list[int]]) -> None:

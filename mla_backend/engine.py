@@ -166,7 +166,7 @@ class _ReqState:
     non-streaming request's unsent fields gather its whole output until it ends)."""
 
     req: Req
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: the caller detokenizes (`detokenize=False`)
     stopper: StopStringMatcher | None
     unsent_ids: list[int] = field(default_factory=list)
     unsent_logprobs: list[float] = field(default_factory=list)
@@ -196,12 +196,20 @@ def freeze_startup_objects() -> None:
 class Engine:
     """Args:
         config: the frozen engine configuration.
+        detokenize: run the incremental detokenizer here (every output's `new_text` filled).
+            False: only for requests with stop strings (whose matching needs the text); the
+            others' outputs come with `new_text` "" and `detokenized` False, for the caller to
+            fill with `tokenizer.detokenizer.OutputDetokenizer` (the same text), so the step
+            loop does not pay for it. SGLang's scheduler likewise hands token ids to a separate
+            detokenizer process. The adapter's engine process runs this way: the stub, which
+            receives the outputs anyway, detokenizes them (`serving.engine_process`).
     Raises:
         ConfigError / ValueError / OSError while loading (bad parameters, missing weights).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         self.config = config
+        self.detokenize = detokenize
         self.runner = ModelRunner(config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.model_path)
         self.vocab_size: int = self.runner.vocab_size
@@ -507,6 +515,8 @@ class Engine:
         st.unsent_logprobs.append(t.logprob)
         if sp.logprobs is not None:
             st.unsent_top.append(t.top or {})
+        if st.detok is None:  # the caller detokenizes (`detokenize=False`, no stop strings)
+            return
         by_string = False
         if not t.stopped_by_token:
             delta = st.detok.add_token(t.token_id)
@@ -533,7 +543,7 @@ class Engine:
         out = RequestOutput(
             req.rid, st.unsent_ids, st.unsent_text, reason is not None, reason,
             len(req.origin_input_ids), len(req.output_ids), req.cached_tokens,
-            top, st.unsent_logprobs, req.cumulative_logprob,
+            top, st.unsent_logprobs, req.cumulative_logprob, None, st.detok is not None,
         )
         st.unsent_ids, st.unsent_text, st.unsent_logprobs = [], "", []
         if top is not None:  # (no list per output for requests without logprobs)
@@ -562,7 +572,7 @@ class Engine:
                     detok=IncrementalDetokenizer(
                         self.tokenizer, req.sampling_params.skip_special_tokens,
                         prompt_ids=req.origin_input_ids,
-                    ),
+                    ) if self.detokenize or req.sampling_params.stop else None,
                     stopper=StopStringMatcher(req.sampling_params.stop,
                                               req.sampling_params.include_stop_str_in_output)
                     if req.sampling_params.stop else None,

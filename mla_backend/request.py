@@ -219,6 +219,10 @@ class RequestOutput:
     new_token_logprobs: list[float] | None = None  # logprob of each chosen new token
     cumulative_logprob: float = 0.0
     error: str | None = None  # set when the engine failed this request (finished is True)
+    # False: `new_text` is not filled yet ("") — an engine built with `detokenize=False` leaves
+    # the text of requests without stop strings to its caller, whose
+    # `tokenizer.detokenizer.OutputDetokenizer.fill` then sets it (and this to True).
+    detokenized: bool = True
 
 
 @dataclass

@@ -231,3 +231,64 @@ def test_engines_freeze_startup_objects_and_release_earlier_garbage(llama_dir):
     assert gone() is None  # eng_b's start-up unfroze and collected it
     assert gc.get_freeze_count() > 10_000
     del eng_a, eng_b
+
+
+def test_deferred_detokenization_gives_the_engines_text(smollm2_dir):
+    """An engine that leaves detokenization to its caller (`Engine(detokenize=False)`, the
+    adapter's engine process) plus the caller's `OutputDetokenizer` gives every output exactly
+    what the detokenizing engine gives it (all fields, output by output): streaming and
+    non-streaming requests, a stop token id (its text not emitted), a stop string (left to the
+    engine), special tokens kept, hot seeded sampling (odd tokens, UTF-8 split over tokens), an
+    abort after the first output, max_tokens."""
+    import dataclasses
+
+    from mla_backend.tokenizer.detokenizer import OutputDetokenizer
+
+    eng = make_engine(smollm2_dir, enable_radix_cache=False)  # (cached_tokens alike)
+    tok = eng.tokenizer
+    ids = [tok(p).input_ids for p in PROMPTS]
+    probe = eng.generate([ids[0]], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
+    cases = [  # (prompt ids, sampling, stream)
+        (ids[0], SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True), True),
+        (ids[0], SamplingParams(max_new_tokens=12, temperature=0.0,
+                                stop_token_ids=(probe.token_ids[3],)), True),
+        (ids[1], SamplingParams(max_new_tokens=10, temperature=0.0, stop=("==",)), True),
+        (ids[2], SamplingParams(max_new_tokens=24, temperature=1.6, seed=3, ignore_eos=True,
+                                skip_special_tokens=False), True),
+        (ids[3], SamplingParams(max_new_tokens=16, temperature=1.2, seed=4), False),
+        (ids[2], SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True), True),
+    ]
+
+    def run(engine, detok):
+        for i, (p, sp, stream) in enumerate(cases):
+            if detok is not None and not sp.stop:
+                detok.start(f"r{i}", p, sp.skip_special_tokens)
+            engine.add_request(GenerateRequest(rid=f"r{i}", input_ids=p, sampling_params=sp,
+                                               stream=stream))
+        outs, aborted = [], False
+        while engine.has_work():
+            step = engine.step()
+            if detok is not None:
+                assert any(not o.detokenized for o in step) or not step
+                detok.fill(step)
+            outs += step
+            if not aborted and any(o.rid == "r5" for o in step):
+                engine.abort("r5")
+                aborted = True
+        engine.check_invariant()
+        return [dataclasses.asdict(o) for o in outs]
+
+    want = run(eng, None)
+    deferred = Engine(eng.config, detokenize=False)
+    detok = OutputDetokenizer(deferred.tokenizer)
+    got = run(deferred, detok)
+    assert len(detok) == 0  # every request's state dropped with its final output
+    assert got == want
+    by_rid = {}
+    for o in want:
+        by_rid.setdefault(o["rid"], []).append(o)
+    assert by_rid["r1"][-1]["finish_reason"] == FinishReason.STOP
+    assert by_rid["r2"][-1]["finish_reason"] == FinishReason.STOP
+    assert by_rid["r5"][-1]["finish_reason"] == FinishReason.ABORT
+    assert len(by_rid["r4"]) == 1 and by_rid["r4"][0]["new_text"]  # non-streaming: one output
+    assert all(o["detokenized"] for o in want)

@@ -16,7 +16,10 @@ subset of `Engine`'s interface the adapter uses (`add_request`, `abort`, `wait_f
 `step`, `check_health`, `failed`, `stats`, `check_invariant`, `close`, `tokenizer`,
 `context_len`, `max_total_tokens`). Requests are checked and tokenized in the stub
 (`engine.validate_request` with the stub's own tokenizer and the limits the child reports), so a
-bad request is refused at once, as with an in-process engine; the child gets prompt ids.
+bad request is refused at once, as with an in-process engine; the child gets prompt ids. The
+child's engine does not detokenize (`Engine(detokenize=False)`) except for requests with stop
+strings: the stub, which receives every output anyway, fills their text with its own tokenizer
+(`tokenizer.detokenizer.OutputDetokenizer`) in `step`, off the engine's step loop.
 
 Messages (one duplex `multiprocessing` pipe, pickled tuples):
 - stub → child: ("add", GenerateRequest with input_ids), ("abort", rid), ("check",), ("close",).
@@ -46,6 +49,7 @@ from mla_backend.config import EngineConfig
 from mla_backend.distributed.tp_workers import _how_it_ended, _python_executable
 from mla_backend.engine import EngineFailedError, InvalidRequestError, validate_request
 from mla_backend.request import GenerateRequest, RequestOutput
+from mla_backend.tokenizer.detokenizer import OutputDetokenizer
 
 _IDLE_POLL_S = 0.1  # the child's wait for a message while it has no work (s)
 _STATS_EVERY_S = 0.1  # the child sends changed counters at most this often while busy (s)
@@ -128,8 +132,10 @@ class EngineProcess:
         self.failed: str | None = None
         try:
             facts = self._wait_ready()  # first: the engine's own load error names the cause
-            # The stub's own copy tokenizes and checks requests (`add_request`).
+            # The stub's own copy tokenizes and checks requests (`add_request`) and detokenizes
+            # the child's outputs (`step`).
             self.tokenizer = AutoTokenizer.from_pretrained(config.model.model_path)
+            self._detok = OutputDetokenizer(self.tokenizer)
         except BaseException:
             self._stop_child(5.0)
             raise
@@ -175,11 +181,15 @@ class EngineProcess:
             raise InvalidRequestError("the engine is shutting down")
         ids = validate_request(request, self.tokenizer, self.vocab_size, self.context_len,
                                self.max_total_tokens)
+        sp = request.sampling_params
         with self._lock:
             if request.rid in self._live:
                 raise InvalidRequestError(f"request id {request.rid!r} is already in use")
             self._live.add(request.rid)
+        if not sp.stop:  # the child detokenizes only requests with stop strings
+            self._detok.start(request.rid, ids, sp.skip_special_tokens)
         if not self._send(("add", dataclasses.replace(request, text=None, input_ids=ids))):
+            self._detok.forget(request.rid)
             raise EngineFailedError(self.failed or "the engine process is gone")
 
     def abort(self, rid: str) -> None:
@@ -227,7 +237,8 @@ class EngineProcess:
             return True
 
     def step(self) -> list[RequestOutput]:
-        """Every output the child has sent since the last call (possibly several steps').
+        """Every output the child has sent since the last call (possibly several steps'), with
+        its text (detokenized here unless the child did).
 
         Raises:
             RuntimeError: the child's step raised (its message); outputs received before it are
@@ -259,6 +270,8 @@ class EngineProcess:
             else:
                 outputs += self._pending
             self._pending = []
+        # (dict operations only: safe beside `add_request`'s `start` on another thread)
+        self._detok.fill(outputs)
         if error is not None:
             raise RuntimeError(error)
         return outputs
@@ -334,7 +347,7 @@ def _child_main(conn: Any, config: EngineConfig, threads: int | None) -> None:
     try:
         if threads is not None:
             torch.set_num_threads(threads)
-        engine = Engine(config)
+        engine = Engine(config, detokenize=False)  # the stub detokenizes (`EngineProcess.step`)
     except BaseException as e:  # noqa: BLE001 - the stub fails the load with this message
         conn.send(("load_error", str(e) or repr(e)))
         conn.close()

@@ -67,8 +67,14 @@ def proc():
 
 
 def _requests(tag: str) -> list[GenerateRequest]:
+    """The prompts, streaming, and two more: a stop string (the child detokenizes it) and a
+    non-streaming request (the stub detokenizes every other request's outputs)."""
     return [GenerateRequest(rid=f"{tag}{i}", text=p, sampling_params=_sampling(i), stream=True)
-            for i, p in enumerate(PROMPTS)]
+            for i, p in enumerate(PROMPTS)] + [
+        GenerateRequest(rid=f"{tag}stop", text=PROMPTS[0], stream=True, sampling_params=(
+            SamplingParams(max_new_tokens=24, temperature=0.0, stop=(" I s",)))),
+        GenerateRequest(rid=f"{tag}whole", text=PROMPTS[1], stream=False,
+                        sampling_params=SamplingParams(max_new_tokens=9, temperature=0.0))]
 
 
 def test_outputs_equal_the_in_process_engine(proc):
@@ -79,7 +85,8 @@ def test_outputs_equal_the_in_process_engine(proc):
         engine.close()
     got = _run(proc, _requests("a"))
     assert got == want
-    assert all(len(ids) == 12 + i for i, (ids, _, _) in enumerate(got.values()))
+    assert all(len(got[f"a{i}"][0]) == 12 + i for i in range(len(PROMPTS)))
+    assert got["astop"][2] == FinishReason.STOP and got["awhole"][1]
     assert proc.context_len == 256 and proc.max_total_tokens == 2048 and proc.failed is None
     # The child's counters arrive with its outputs: every slot free or held by the radix cache
     # (evictable), none by a request.
@@ -92,6 +99,7 @@ def test_outputs_equal_the_in_process_engine(proc):
     assert stats["total_slots"] == 2048, stats
     assert stats["free_slots"] + stats["evictable_slots"] == 2048 and stats["protected_slots"] == 0
     assert stats["evictable_slots"] > 0, stats  # the prompts went into the tree
+    assert len(proc._detok) == 0  # the stub's detokenizers went with the final outputs
 
 
 def test_bad_requests_are_refused_in_the_caller(proc):
@@ -151,6 +159,7 @@ def test_killed_engine_process_fails_live_and_new_requests():
                 ep.check_health()
             errors = [o for o in ep.step() if o.error is not None]
         assert [(o.rid, o.error, o.finished) for o in errors] == [("victim", message, True)]
+        assert len(ep._detok) == 0  # its detokenizer went with the error
         assert ep.failed == message and ep.check_health() == message
         with pytest.raises(EngineFailedError, match="must be reloaded"):
             ep.add_request(GenerateRequest(rid="late", text=PROMPTS[1]))

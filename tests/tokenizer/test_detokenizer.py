@@ -198,3 +198,48 @@ def test_library_failure_falls_back_to_python_windows(smollm2_tokenizer) -> None
     rest = [detok.add_token(i) for i in gen[4:7]] + feed(detok, gen[7:], [2])
     assert detok._stream is None
     assert "".join(first + rest) + detok.flush() == " world 😀 and 世界 again"
+
+
+@_settings
+@given(text=_texts, sizes=_chunk_sizes, cut=st.integers(min_value=0, max_value=3),
+       stop=st.booleans())
+def test_output_detokenizer_fills_what_one_decode_gives(smollm2_tokenizer, text, sizes, cut,
+                                                        stop) -> None:
+    """`OutputDetokenizer.fill` over a request's undetokenized outputs (ids in chunks, the last
+    output final): the texts concatenate to one decode of the ids after the prompt context,
+    the final output releases what an incomplete character held back (a request cut
+    mid-character ends in U+FFFD, as the engine's own flush gives), a STOP output's last id
+    (the stop token) adds no text, and the request's state is gone afterwards."""
+    from mla_backend.request import FinishReason, RequestOutput
+    from mla_backend.tokenizer.detokenizer import OutputDetokenizer
+
+    tok = smollm2_tokenizer
+    prompt = encode(tok, "Say:")
+    ids = encode(tok, text)
+    ids = ids[:max(1, len(ids) - cut)]  # may cut a character's bytes
+    if stop:
+        ids = ids + [IM_END]
+    chunks, pos = [], 0
+    for size in itertools.cycle(sizes):
+        if pos >= len(ids):
+            break
+        chunks.append(ids[pos:pos + size])
+        pos += size
+    outs = [RequestOutput(rid="r", new_token_ids=c, new_text="", finished=i == len(chunks) - 1,
+                          finish_reason=(FinishReason.STOP if stop else FinishReason.LENGTH)
+                          if i == len(chunks) - 1 else None, detokenized=False)
+            for i, c in enumerate(chunks)]
+    od = OutputDetokenizer(tok)
+    od.start("r", prompt, skip_special_tokens=False)
+    for o in outs:  # one output per step, as the engine sends them
+        od.fill([o])
+    assert all(o.detokenized for o in outs) and len(od) == 0
+    body = ids[:-1] if stop else ids
+    want = tok.decode(prompt + body, skip_special_tokens=False,
+                      clean_up_tokenization_spaces=False)[len(tok.decode(prompt)):]
+    assert "".join(o.new_text for o in outs) == want
+    # an output the engine detokenized passes unchanged and ends the request's state too
+    od.start("s", prompt, skip_special_tokens=True)
+    done = RequestOutput(rid="s", new_token_ids=[5], new_text="x", finished=True)
+    od.fill([done])
+    assert done.new_text == "x" and len(od) == 0
