@@ -647,6 +647,12 @@ class Engine:
         }
 
     # ------------------------------------------------------------------ in-process API
+    def _check_detokenizes(self, what: str) -> None:
+        if not self.detokenize:
+            raise RuntimeError(f"Engine.{what} returns text: build the engine with "
+                               "detokenize=True, or step it and fill the outputs with "
+                               "tokenizer.detokenizer.OutputDetokenizer")
+
     def generate(
         self,
         prompts: Sequence[str | list[int]],
@@ -655,7 +661,12 @@ class Engine:
         """Run prompts (text or token ids) to completion together; for tests and benchmarks.
 
         Must not be mixed with a concurrent engine thread.
+
+        Raises:
+            RuntimeError: the engine was built with `detokenize=False` (its results would
+                have no text).
         """
+        self._check_detokenizes("generate")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sps = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -687,7 +698,12 @@ class Engine:
 
     def stream(self, prompt: str | list[int],
                sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Stream one request's outputs (steps the engine itself; not with an engine thread)."""
+        """Stream one request's outputs (steps the engine itself; not with an engine thread).
+
+        Raises:
+            RuntimeError: the engine was built with `detokenize=False`.
+        """
+        self._check_detokenizes("stream")
         rid = f"stream-{id(self)}-{time.monotonic_ns()}"
         kw = {"text": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}
         self.add_request(GenerateRequest(rid=rid, sampling_params=sampling_params or SamplingParams(),

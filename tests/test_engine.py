@@ -292,3 +292,5 @@ def test_deferred_detokenization_gives_the_engines_text(smollm2_dir):
     assert by_rid["r5"][-1]["finish_reason"] == FinishReason.ABORT
     assert len(by_rid["r4"]) == 1 and by_rid["r4"][0]["new_text"]  # non-streaming: one output
     assert all(o["detokenized"] for o in want)
+    with pytest.raises(RuntimeError, match="detokenize=True"):
+        deferred.generate([ids[0]], SamplingParams(max_new_tokens=2))
