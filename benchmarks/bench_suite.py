@@ -135,52 +135,49 @@ DETOKENIZE = "engine"
 
 class DetokenizerProcess:
     """The detokenization an `Engine(detokenize=False)` leaves to its caller, in a child process
-    (`tokenizer.detokenizer.OutputDetokenizer` there): `start` registers requests, `send` a
-    step's outputs, each pickled and written to a pipe here (the cost the engine's loop keeps,
-    as the adapter's engine process pays it to reach the stub); `close` waits for the child
-    and returns (outputs detokenized, characters of text, requests left unfinished)."""
+    (`tokenizer.detokenizer.OutputDetokenizer` there), over the pipe channel the adapter's
+    engine process uses to reach the stub (`serving.engine_process._Channel`: one pickled
+    message each): `start` registers requests, `send` a step's outputs (pickled and written
+    here: the cost the engine's loop keeps, as the engine process pays it); `close` waits for
+    the child and returns (outputs detokenized, characters of text, requests left unfinished)."""
 
     def __init__(self, tokenizer_dir: str) -> None:
         import multiprocessing as mp
 
+        from mla_backend.serving.engine_process import _Channel
+
         ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
+        conn, child = ctx.Pipe(duplex=True)
+        self._conn = _Channel(conn)
         self._proc = ctx.Process(target=_detokenizer_main, args=(child, tokenizer_dir),
                                  daemon=True)
         self._proc.start()
         child.close()
-        self._conn.recv_bytes()  # "ready": its imports and tokenizer load are not timed
-
-    def _put(self, message: tuple) -> None:
-        import pickle
-
-        self._conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        self._conn.recv()  # "ready": its imports and tokenizer load are not timed
 
     def start(self, requests: list[tuple[str, list[int], bool]]) -> None:
-        """(rid, prompt ids, skip_special_tokens) of requests without stop strings."""
-        self._put(("start", requests))
+        """(rid, prompt ids, skip_special_tokens) of the requests about to be added."""
+        self._conn.send(("start", requests))
 
     def send(self, outputs: list) -> None:
         if outputs:
-            self._put(("out", outputs))
+            self._conn.send(("out", outputs))
 
     def close(self) -> tuple[int, int, int]:
-        import pickle
-
-        self._put(("close", None))
-        counts = pickle.loads(self._conn.recv_bytes())
+        self._conn.send(("close", None))
+        counts = self._conn.recv()
         self._proc.join(30)
         return counts
 
 
 def _detokenizer_main(conn, tokenizer_dir: str) -> None:
-    import pickle
-
     from transformers import AutoTokenizer
 
     from mla_backend.engine import freeze_startup_objects
+    from mla_backend.serving.engine_process import _Channel
     from mla_backend.tokenizer.detokenizer import OutputDetokenizer
 
+    conn = _Channel(conn)
     od = OutputDetokenizer(AutoTokenizer.from_pretrained(tokenizer_dir))
     # As the adapter's stub does once its model is loaded: without it this process's full
     # collections walk every imported object, and while one runs the pipe fills and the
@@ -188,10 +185,10 @@ def _detokenizer_main(conn, tokenizer_dir: str) -> None:
     # without the freeze, had decode steps of up to 188 ms, against 22 ms with the engine
     # detokenizing.)
     freeze_startup_objects()
-    conn.send_bytes(b"ready")
+    conn.send(("ready",))
     n = chars = 0
     while True:
-        kind, payload = pickle.loads(conn.recv_bytes())
+        kind, payload = conn.recv()
         if kind == "start":
             for rid, ids, skip in payload:
                 od.start(rid, ids, skip)
@@ -200,7 +197,7 @@ def _detokenizer_main(conn, tokenizer_dir: str) -> None:
             n += len(payload)
             chars += sum(len(o.new_text) for o in payload)
         else:
-            conn.send_bytes(pickle.dumps((n, chars, len(od))))
+            conn.send((n, chars, len(od)))
             return
 
 
@@ -238,7 +235,7 @@ def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
     detok = None if eng.detokenize else DetokenizerProcess(eng.config.model.model_path)
     t0 = time.perf_counter()
     if detok is not None:
-        detok.start([(rid, p, True) for rid, p in zip(rids, prompts)])  # greedy(): no stops
+        detok.start([(rid, p, True) for rid, p in zip(rids, prompts)])
     for rid, p, o in zip(rids, prompts, outs):
         eng.add_request(GenerateRequest(rid=rid, input_ids=p, sampling_params=greedy(o),
                                         stream=True))

@@ -20,7 +20,6 @@ next power of two, so CPU callers keep the torch write.
 
 from __future__ import annotations
 
-import functools
 import struct
 
 import torch
@@ -66,18 +65,15 @@ def _store_kv_kernel(K_buf, V_buf, Loc, K, V, k_inv_scale, v_inv_scale,
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _f32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
-@functools.lru_cache(maxsize=1024)
 def fp8_reciprocal(scale: float) -> float:
-    """1 / scale as float32 division rounds it (a Python float that float32 holds exactly): the
+    """1 / scale as float32 division rounds it (a Python float float32 holds exactly): the
     factor an FP8 pool's write multiplies by, here and in the pool's torch write
-    (`mem_cache.memory_pool.quantize_fp8`), so both write the same bytes. (Dividing the float32
-    values in double and rounding once to float32 is the correctly rounded float32 quotient:
-    double carries more than twice float32's precision.)"""
-    return _f32(1.0 / _f32(float(scale)))
+    (`mem_cache.memory_pool.quantize_fp8`, whose `fp8_reciprocal` is this formula again: kernels
+    import no mla_backend code), so both write the same bytes. A float32 division done in double
+    and rounded once is the correctly rounded float32 quotient (double has over twice float32's
+    precision)."""
+    f32 = struct.Struct("f")
+    return f32.unpack(f32.pack(1.0 / f32.unpack(f32.pack(float(scale)))[0]))[0]
 
 
 def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor | None, loc: torch.Tensor,

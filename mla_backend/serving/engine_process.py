@@ -181,13 +181,11 @@ class EngineProcess:
             raise InvalidRequestError("the engine is shutting down")
         ids = validate_request(request, self.tokenizer, self.vocab_size, self.context_len,
                                self.max_total_tokens)
-        sp = request.sampling_params
         with self._lock:
             if request.rid in self._live:
                 raise InvalidRequestError(f"request id {request.rid!r} is already in use")
             self._live.add(request.rid)
-        if not sp.stop:  # the child detokenizes only requests with stop strings
-            self._detok.start(request.rid, ids, sp.skip_special_tokens)
+        self._detok.start(request.rid, ids, request.sampling_params.skip_special_tokens)
         if not self._send(("add", dataclasses.replace(request, text=None, input_ids=ids))):
             self._detok.forget(request.rid)
             raise EngineFailedError(self.failed or "the engine process is gone")

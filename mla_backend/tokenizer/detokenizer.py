@@ -158,9 +158,9 @@ class OutputDetokenizer:
         self._reqs: dict[str, IncrementalDetokenizer] = {}
 
     def start(self, rid: str, prompt_ids: Sequence[int], skip_special_tokens: bool) -> None:
-        """Register a request whose outputs will come undetokenized: the engine leaves a request
-        to the caller when it has no stop strings (`SamplingParams.stop`); call this for those
-        only, before the engine can answer."""
+        """Register a request before the engine can answer it. Which requests the engine leaves
+        undetokenized is the engine's rule (those without stop strings); the state of one it
+        detokenizes itself is dropped, unused, with its final output."""
         self._reqs[rid] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens,
                                                  prompt_ids=prompt_ids)
 
@@ -191,10 +191,7 @@ class OutputDetokenizer:
             # that ended it, whose text the engine does not emit
             if out.finished and out.finish_reason is FinishReason.STOP:
                 ids = ids[:-1]
-            if len(ids) == 1:
-                text = detok.add_token(ids[0])
-            else:
-                text = "".join([detok.add_token(t) for t in ids])
+            text = "".join([detok.add_token(t) for t in ids])
             if out.finished:
                 text += detok.flush()
                 del reqs[out.rid]

@@ -177,10 +177,10 @@ def test_store_big_pool_gpu(layout):
 @pytest.mark.parametrize("layout", ["mha-8x128", "mla-576"])
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
 def test_fp8_quantizing_store_equals_the_pool_write_gpu(layout, dtype, in_dtype):
-    """The quantizing store writes the bytes of the pool's torch write (x / scale saturated to
-    the format's largest finite value, rounded to nearest even): values spread over the whole
-    range, past it (saturated) and exact ties; scales that are not powers of two; NaN stays
-    NaN."""
+    """The quantizing store writes the bytes of the pool's torch write (x · fp32(1 / scale)
+    saturated to the format's largest finite value, rounded to nearest even): magnitudes spread
+    log-uniformly over the whole range and past it (saturated), zeros of both signs, scales that
+    are not powers of two; NaN stays NaN."""
     from mla_backend.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     hkv, lk, lv = LAYOUTS[layout]
