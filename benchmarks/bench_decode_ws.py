@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-kv-splits", type=int, default=64,
                     help="upper bound of both kernels' split dimension (the engine's cap)")
     ap.add_argument("--mem-cap-gb", type=float, default=60.0)
-    ap.add_argument("--bufs", nargs="+", type=int, default=[ws.NUM_BUFS],
-                    help="ws: 64-token tiles in the shared-memory ring (1 or 2)")
+    ap.add_argument("--bufs", nargs="+", type=int, default=[0],
+                    help="ws: 64-token tiles in the shared-memory ring (0 = default_bufs)")
     ap.add_argument("--load-warps", nargs="+", type=int, default=[ws.LOAD_WARPS],
                     help="ws: producer warps")
     ap.add_argument("--load-regs", nargs="+", type=int, default=[0],
@@ -84,6 +84,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="ws split plan: programs per SM (0 = programs_per_sm(bufs))")
     ap.add_argument("--ws-splits", type=int, default=None,
                     help="ws: fixed splits per request instead of its plan")
+    ap.add_argument("--reg-a", nargs="+", type=int, default=[-1], choices=[-1, 0, 1],
+                    help="ws, FP8 pool: 1 = FP8 tiles converted into register operands by the "
+                    "consumer, 0 = the converting producer, -1 = the default (FP8_REG_A)")
+    ap.add_argument("--async-mma", nargs="+", type=int, default=[-1], choices=[-1, 0, 1],
+                    help="ws, register-operand path: 1 = chunk MMAs in flight across the next "
+                    "chunk's loads, 0 = waited for at once, -1 = the default (REG_A_ASYNC)")
     ap.add_argument("--no-triton", action="store_true", help="skip the triton kernel")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
                     help="pool dtype (auto = bf16; an FP8 pool holds N(0, 1) values, scale 1: "
@@ -107,9 +113,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.max_kv_splits}; ws defaults: bufs {ws.NUM_BUFS}, load warps {ws.LOAD_WARPS}, "
           f"load regs {ws.LOAD_REGS} (FP8 pool {ws.LOAD_REGS_FP8}); KV pool {args.kv_dtype}\n")
     variants = list(itertools.product(args.bufs, args.load_warps, args.load_regs, args.maxnreg,
-                                      args.per_sm))
+                                      args.per_sm, args.reg_a, args.async_mma))
     print(f"L2 flush: {args.flush}")
-    print("| bufs,lw,lr,maxnreg,per_sm | bs | ctx | triton splits | triton err | triton us "
+    print("| bufs,lw,lr,maxnreg,per_sm,reg_a(a: async) | bs | ctx | triton splits | triton err | triton us "
           "| triton % | ws splits | ws err | ws us | ws GB/s | ws % copy BW | speedup |")
     print("|---" * 13 + "|")
     flush = bda.make_flush(args.flush)
@@ -132,14 +138,19 @@ def main(argv: list[str] | None = None) -> None:
                 t_us = t_ms * 1e3
                 t_cols = (f"{cfg.num_kv_splits[0].item()} | {t_err:.2e} | {t_us:.1f} | "
                           f"{bytes_moved / (t_ms * 1e-3) / GB / bw_copy:.0%}")
-            for nb, lw, lr, mnr, pps in variants:
+            for nb, lw, lr, mnr, pps, ra, am in variants:
+                reg_a = ws.FP8_REG_A if ra < 0 else bool(ra)
+                fp8_tiles = cfg.k_buffer.dtype != torch.bfloat16 and reg_a
+                nb = nb or ws.default_bufs(cfg.k_buffer.dtype, reg_a)
                 launch = dict(num_bufs=nb, load_warps=lw,
-                              load_regs=lr or ws.load_regs_for(cfg.k_buffer.dtype),
-                              maxnreg=mnr or None)
+                              load_regs=lr or ws.load_regs_for(cfg.k_buffer.dtype, reg_a),
+                              maxnreg=mnr or None, reg_a=reg_a,
+                              async_mma=ws.REG_A_ASYNC if am < 0 else bool(am))
                 run = WsRun(cfg, sm_count, args.max_kv_splits,
-                            pps or ws.programs_per_sm(nb), args.ws_splits, launch)
+                            pps or ws.programs_per_sm(nb, fp8_tiles), args.ws_splits, launch)
                 label = (f"{nb},{lw},{launch['load_regs']},"
-                         f"{mnr or ws.default_maxnreg(nb) or '-'},{pps or '-'}")
+                         f"{mnr or ws.default_maxnreg(nb, fp8_tiles) or '-'},{pps or '-'},"
+                         f"{int(fp8_tiles)}{'a' if fp8_tiles and launch['async_mma'] else ''}")
                 try:
                     run()
                     torch.cuda.synchronize()

@@ -12,6 +12,8 @@ operations, cp.async.mbarrier.arrive, bar.sync / bar.arrive (named barriers), se
     python benchmarks/compile_ws_report.py --dump DIR 2,1,80   (also writes ttgir / ptx there)
     python benchmarks/compile_ws_report.py --pool e4m3 1,4,112 (an FP8 pool: the converting
                                                                 producer; e5m2 likewise)
+    python benchmarks/compile_ws_report.py --reg-a --pool e4m3 2,4,64 (an FP8 pool on the
+                                                register-operand path: FP8 tiles, cp.async)
 
 e.g. `2,1,80` (two buffers, one producer warp with 80 registers; MAXNREG omitted = what
 `mla_decode_ws_fwd` launches with, `decode_attention_ws.default_maxnreg`: none (255, one program
@@ -47,13 +49,15 @@ POOLS = {"bf16": "*bf16", "e4m3": "*fp8e4nv", "e5m2": "*fp8e5"}
 
 
 def compile_setting(num_bufs: int, load_warps: int, load_regs: int, maxnreg: int | None = None,
-                    max_kv_splits: int = 64, pool: str = "bf16"):
+                    max_kv_splits: int = 64, pool: str = "bf16", reg_a: bool = False,
+                    async_mma: bool | None = None):
     """The compiled kernel (triton CompiledKernel) for MLA 16 heads, 576/512, bf16 q, a `pool`
     (bf16, e4m3 or e5m2) cache."""
     fn = ws._mla_decode_ws_kernel
     constexprs = dict(MAX_KV_SPLITS=max_kv_splits, BLOCK_N=ws.BLOCK_N, NUM_BUFS=num_bufs,
                       LOAD_WARPS=load_warps, LOAD_REGS=load_regs, HB=ws.HEADS_PER_PROG,
-                      D_MAIN=ws.D_MAIN, D_ROPE=ws.D_ROPE)
+                      D_MAIN=ws.D_MAIN, D_ROPE=ws.D_ROPE, REG_A=reg_a,
+                      ASYNC_MMA=reg_a and (ws.REG_A_ASYNC if async_mma is None else async_mma))
     signature, consts, attrs = jit_signature(fn, dict(POINTERS, K=POOLS[pool]), constexprs,
                                              ("qk_scale", "v_scale"),
                                              ("stride_ls", "num_heads"))
@@ -73,15 +77,21 @@ COUNTS = {
 
 
 def main(argv: list[str]) -> None:
-    dump, pool = None, "bf16"
-    while argv[:1] in (["--dump"], ["--pool"]):
+    dump, pool, reg_a = None, "bf16", False
+    while argv[:1] in (["--dump"], ["--pool"], ["--reg-a"]):
+        if argv[0] == "--reg-a":
+            reg_a = True
+            argv = argv[1:]
+            continue
         if argv[0] == "--dump":
             dump = argv[1]
             os.makedirs(dump, exist_ok=True)
         else:
             pool = argv[1]
         argv = argv[2:]
-    regs_default = ws.LOAD_REGS if pool == "bf16" else ws.LOAD_REGS_FP8
+    fp8_tiles = reg_a and pool != "bf16"
+    regs_default = (ws.LOAD_REGS if pool == "bf16" else ws.LOAD_REGS_REG_A if fp8_tiles
+                    else ws.LOAD_REGS_FP8)
     settings = argv or [f"{ws.NUM_BUFS},{ws.LOAD_WARPS},{regs_default}"]
     print("| bufs | load warps | load regs | maxnreg | registers | spill bytes | shared KB | "
           + " | ".join(COUNTS) + " | setmaxnreg values |")
@@ -89,8 +99,8 @@ def main(argv: list[str]) -> None:
     for spec in settings:
         vals = [int(x) for x in spec.split(",")]
         num_bufs, load_warps, load_regs = vals[:3]
-        maxnreg = vals[3] if len(vals) > 3 else ws.default_maxnreg(num_bufs)  # as launched
-        k = compile_setting(num_bufs, load_warps, load_regs, maxnreg, pool=pool)
+        maxnreg = vals[3] if len(vals) > 3 else ws.default_maxnreg(num_bufs, fp8_tiles)
+        k = compile_setting(num_bufs, load_warps, load_regs, maxnreg, pool=pool, reg_a=reg_a)
         ptx = k.asm["ptx"]
         if dump:
             for ext in ("ttgir", "llir", "ptx"):

@@ -38,18 +38,29 @@ read again per layer). Inside a program the warps are specialized
   wgmma with V^T a transposed view of the same shared kc tile. That P·V MMA is left in flight
   across the next tile's wait and q·K issue; the consumer releases a tile (arrives on `empty`)
   as soon as its P·V has completed.
-- FP8 pool (`KV_FP8`, from K's dtype): the producer is `_producer_convert` instead: it gathers
-  the tile's 576-byte rows with 16-byte register loads before waiting for the buffer, converts
-  them to fp16
-  (one `cvt.rn.f16x2.e4m3x2` per pair; to bf16 would add a scalar conversion per value) and
-  stores them into the same swizzled tiles, then fences and arrives once; q is rounded to fp16
-  and every MMA runs in fp16; k_scale is folded into the softmax scale and v_scale into the
-  normalized partial output. H200: 0.94–0.96x the bf16 pool's time at bs 64–768 x 4096, 2.1x
-  faster than the triton kernel's FP8 path (docs/benchmarks.md, FP8, seventh look).
+- FP8 pool (`KV_FP8`, from K's dtype) with `REG_A` (module switch FP8_REG_A, off by default
+  until its GPU tests and timings are rerun on this tree): the tiles stay FP8 in shared memory. The producer (`_producer_raw`) is the bf16 one for one-byte
+  values: cp.async of the 576-byte rows into a ring of NUM_BUFS_REG_A FP8 tiles (kc [64, 512],
+  kpe [64, 64]). The consumer (`_consumer_reg_a`) loads each MMA's token-side operand from the
+  FP8 tile straight into the wgmma A-operand register layout, converts it to fp16 there (one
+  `cvt.rn.f16x2.e4m3x2` per pair; exact) and runs register-A wgmmas with q^T and p^T from
+  shared memory as before: q·K in five chunks (4 x 128 latent columns, then the rope part),
+  P·V as V^T in four 128-row chunks, each with its own [128, 16] accumulator. With REG_A_ASYNC
+  each chunk's MMA is left in flight while the next chunk is loaded and converted. The tile is
+  released once its last chunk is in registers. The fp16 products are those of the converting
+  producer below, bit for bit (GPU test), and no tile is held in producer registers.
+- FP8 pool with `REG_A` off (the default): the producer is `_producer_convert`: it gathers the tile's
+  576-byte rows with 16-byte register loads before waiting for the buffer, converts them to
+  fp16 (to bf16 would add a scalar conversion per value) and stores them into the bf16 pool's
+  swizzled fp16 tiles, then fences and arrives once. H200: 0.94–0.96x the bf16 pool's time at
+  bs 64–768 x 4096 (docs/benchmarks.md, FP8, seventh look).
+- Both FP8 paths round q to fp16 and run every MMA in fp16; k_scale is folded into the softmax
+  scale and v_scale into the normalized partial output.
 
-Shared memory: NUM_BUFS x 73.7 KB tiles + q (18.4 KB) + p^T (2 KB): 2 buffers = one program per
-SM, 1 buffer (the default) = two. `benchmarks/compile_ws_report.py` compiles this for sm_90
-without a GPU.
+Shared memory: 16-bit tiles: NUM_BUFS x 73.7 KB + q (18.4 KB) + p^T (2 KB): 2 buffers = one
+program per SM, 1 buffer (the default) = two. FP8 tiles (register-operand path): 36.9 KB each,
+so two buffers still let two programs share an SM (92.3 KB). `benchmarks/compile_ws_report.py`
+compiles this for sm_90 without a GPU.
 
 Needs triton >= 3.6 with Gluon (`triton.experimental.gluon`); imports torch and triton only.
 """
@@ -90,29 +101,58 @@ LOAD_REGS = 64  # registers per producer thread (setmaxnreg of the worker partit
 # with 4 warps) in registers while it waits for the buffer: 120 is the least without spills at
 # maxnreg 128 (the consumer then has 136; `compile_ws_report.py --pool e4m3 1,4,120,128`)
 LOAD_REGS_FP8 = 120
+# An FP8 pool's tiles stay FP8 in shared memory, copied by cp.async, and the consumer converts
+# them into register operands of its MMAs (`_producer_raw`, `_consumer_reg_a`) instead of the
+# producer converting them into fp16 tiles (`_producer_convert`). A 36.9 KB FP8 tile lets each
+# program keep NUM_BUFS_REG_A of them in flight at two programs per SM.
+FP8_REG_A = False
+NUM_BUFS_REG_A = 2
+# The register-operand path's MMAs: each 128-column chunk's wgmma left in flight while the next
+# chunk is loaded and converted (True), or waited for at once (False).
+REG_A_ASYNC = True
+# producer registers per thread on that path: its cp.async producer needs few, and the consumer
+# gets 2 x 128 - this many (216): the least spill-free value of 32 / 40 / 48 / 56 / 64 for the
+# asynchronous MMAs, which spill 56 bytes with 64 (`compile_ws_report.py --reg-a --pool e4m3
+# 2,4,40`)
+LOAD_REGS_REG_A = 40
 # Launch register cap per thread (None: triton's default, 255 = one program per SM). The CTA has
 # 8 warps (the consumer warpgroup + the producer warps rounded up to a warpgroup), so two
 # programs per SM need <= 128 (the consumer then gets 2 x 128 - LOAD_REGS via setmaxnreg).
 MAXNREG: int | None = None
 
 
-def load_regs_for(pool_dtype: torch.dtype) -> int:
+def load_regs_for(pool_dtype: torch.dtype, reg_a: bool | None = None) -> int:
     """Producer registers per thread the launch gives a pool dtype: LOAD_REGS for bf16,
-    LOAD_REGS_FP8 for an FP8 pool (the converting producer)."""
-    return LOAD_REGS if pool_dtype == torch.bfloat16 else LOAD_REGS_FP8
+    LOAD_REGS_REG_A for an FP8 pool on the register-operand path (`reg_a`, default FP8_REG_A:
+    a cp.async producer), LOAD_REGS_FP8 for an FP8 pool with the converting producer."""
+    if pool_dtype == torch.bfloat16:
+        return LOAD_REGS
+    return LOAD_REGS_REG_A if (FP8_REG_A if reg_a is None else reg_a) else LOAD_REGS_FP8
 
 
-def programs_per_sm(num_bufs: int | None = None) -> int:
-    """Resident programs per SM the split plan aims at: 1 with two 73.7 KB buffers (164 KB of
-    shared memory), 2 with one (92 KB, launched with maxnreg 128)."""
-    return 2 if (NUM_BUFS if num_bufs is None else num_bufs) == 1 else 1
+def default_bufs(pool_dtype: torch.dtype | None = None, reg_a: bool | None = None) -> int:
+    """Tiles per program for a pool dtype (None = bf16): NUM_BUFS_REG_A for an FP8 pool on the
+    register-operand path, else NUM_BUFS."""
+    if pool_dtype in _da._FP8_DTYPES and (FP8_REG_A if reg_a is None else reg_a):
+        return NUM_BUFS_REG_A
+    return NUM_BUFS
 
 
-def default_maxnreg(num_bufs: int | None = None) -> int | None:
-    """MAXNREG if set, else 128 when two programs share an SM (one buffer), else None."""
+def programs_per_sm(num_bufs: int | None = None, fp8_tiles: bool = False) -> int:
+    """Resident programs per SM the split plan aims at. 16-bit tiles (73.7 KB each): 1 with two
+    buffers (164 KB of shared memory), 2 with one (92 KB, launched with maxnreg 128). FP8 tiles
+    (`fp8_tiles`, the register-operand path; 36.9 KB each): 2 with up to two buffers (92 KB)."""
+    nb = NUM_BUFS if num_bufs is None else num_bufs
+    if fp8_tiles:
+        return 2 if nb <= 2 else 1
+    return 2 if nb == 1 else 1
+
+
+def default_maxnreg(num_bufs: int | None = None, fp8_tiles: bool = False) -> int | None:
+    """MAXNREG if set, else 128 when two programs share an SM, else None."""
     if MAXNREG is not None:
         return MAXNREG
-    return 128 if programs_per_sm(num_bufs) == 2 else None
+    return 128 if programs_per_sm(num_bufs, fp8_tiles) == 2 else None
 
 
 @gluon.jit
@@ -224,6 +264,55 @@ def _producer_convert(K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bar
 
 
 @gluon.jit
+def _producer_raw(K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bars, start, end,
+                  n_tiles, BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr,
+                  LOAD_WARPS: gl.constexpr):
+    """The producer of the register-operand path (`REG_A`, an FP8 pool): cp.async of a tile's
+    576-byte rows as stored (16 bytes per thread and copy; tokens past the split end are
+    zero-filled without a read) into the FP8 tiles, which the consumer converts on its way to
+    the MMAs; the bf16 producer's scheme (`_producer`) for one-byte values."""
+    D_MAIN: gl.constexpr = kc_bufs.type.shape[2]
+    D_ROPE: gl.constexpr = kpe_bufs.type.shape[2]
+    # [BLOCK_N, 128] pieces of the latent part: 8 lanes x 16 bytes = one 128-byte row segment
+    lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [LOAD_WARPS, 1], [1, 0])
+    # the rope part [BLOCK_N, 64]: 4 lanes x 16 bytes per row
+    lay_r: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
+    cols = gl.arange(0, 128, layout=gl.SliceLayout(0, lay))
+    rows_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay_r))
+    cols_r = D_MAIN + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, lay_r))
+    tok = start + rows
+    tok_r = start + rows_r
+    slot = gl.load(r2t + tok, mask=tok < end, other=0)
+    slot_r = gl.load(r2t + tok_r, mask=tok_r < end, other=0)
+    for t in range(n_tiles):
+        idx = t % NUM_BUFS
+        phase = (t // NUM_BUFS) & 1
+        cur_slot = slot
+        cur_valid = tok < end
+        cur_slot_r = slot_r
+        cur_valid_r = tok_r < end
+        # slot indices of the next tile: in flight while this one waits for its buffer
+        tok = tok + BLOCK_N
+        tok_r = tok_r + BLOCK_N
+        slot = gl.load(r2t + tok, mask=tok < end, other=0)
+        slot_r = gl.load(r2t + tok_r, mask=tok_r < end, other=0)
+        mbarrier.wait(empty_bars.index(idx), phase ^ 1)
+        ptrs = gl.expand_dims(K + cur_slot.to(gl.int64) * stride_kn, 1) + gl.expand_dims(cols, 0)
+        msk = gl.expand_dims(cur_valid, 1)
+        kc = kc_bufs.index(idx)
+        for cb in gl.static_range(D_MAIN // 128):
+            async_copy.async_copy_global_to_shared(kc.slice(cb * 128, 128, dim=1),
+                                                   ptrs + cb * 128, mask=msk)
+        ptrs_r = gl.expand_dims(K + cur_slot_r.to(gl.int64) * stride_kn, 1) \
+            + gl.expand_dims(cols_r, 0)
+        async_copy.async_copy_global_to_shared(kpe_bufs.index(idx), ptrs_r,
+                                               mask=gl.expand_dims(cur_valid_r, 1))
+        # completes (one of LOAD_WARPS * 32 arrivals) once this thread's copies have landed
+        async_copy.mbarrier_arrive(full_bars.index(idx), increment_count=False)
+
+
+@gluon.jit
 def _load_q(Q, q_base, stride_qh, head0, num_heads, qc_smem, qpe_smem, HB: gl.constexpr):
     """q of this program's heads -> the shared q tiles (zero rows for heads >= num_heads; an
     FP8 pool's fp16 tiles get q rounded and saturated), by the consumer warpgroup while the
@@ -315,6 +404,134 @@ def _consumer(kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bar
 
 
 @gluon.jit
+def _consumer_reg_a(kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bars,
+                    MidO, MidLse, start, end, n_tiles, qk_scale, v_scale, mid_base, lse_base,
+                    head0, num_heads, stride_mh, stride_lh, Q, q_base, stride_qh, O, o_base,
+                    stride_oh, direct, BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr,
+                    HB: gl.constexpr, ASYNC_MMA: gl.constexpr):
+    """The consumer of the register-operand path (`REG_A`, an FP8 pool): the same transposed
+    products and online softmax as `_consumer`, but the tile stays FP8 in shared memory. Each
+    warpgroup MMA takes its token-side operand from registers: loaded from the FP8 tile in the
+    MMA's operand layout, converted to fp16 there (exact), in 128-column chunks (q·K: the
+    latent columns, then the rope part; P·V: V^T in four 128-row chunks, each with its own
+    [128, HB] accumulator). The tile is released as soon as its last chunk is in registers."""
+    D_MAIN: gl.constexpr = kc_bufs.type.shape[2]
+    CH: gl.constexpr = 128
+    gl.static_assert(D_MAIN == 4 * CH, "four 128-column latent chunks")
+    _load_q(Q, q_base, stride_qh, head0, num_heads, qc_smem, qpe_smem, HB)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HB, 16])
+    a_lay: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)  # per head
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)  # per token / per value column
+    qc_t = qc_smem.permute((1, 0))  # [512, HB]
+    qpe_t = qpe_smem.permute((1, 0))  # [64, HB]
+    offs_n = gl.arange(0, BLOCK_N, layout=row_l)
+    m_i = gl.full([HB], float("-inf"), gl.float32, layout=col_l)
+    l_rows = gl.zeros([BLOCK_N, HB], gl.float32, layout=mma)  # running sums per token row
+    s_init = gl.zeros([BLOCK_N, HB], gl.float32, layout=mma)
+    acc0 = gl.zeros([CH, HB], gl.float32, layout=mma)  # out^T rows 0-127
+    acc1 = gl.zeros([CH, HB], gl.float32, layout=mma)
+    acc2 = gl.zeros([CH, HB], gl.float32, layout=mma)
+    acc3 = gl.zeros([CH, HB], gl.float32, layout=mma)
+    for t in range(n_tiles):
+        idx = t % NUM_BUFS
+        mbarrier.wait(full_bars.index(idx), (t // NUM_BUFS) & 1)
+        kc = kc_bufs.index(idx)
+        if ASYNC_MMA:
+            # each chunk's MMA runs while the next chunk is loaded and converted; a wait keeps
+            # the registers of the chunk before it alive until its MMA has read them
+            a0 = kc.slice(0, CH, dim=1).load(a_lay).to(gl.float16)
+            s = warpgroup_mma(a0, qc_t.slice(0, CH, dim=0), s_init, use_acc=False,
+                              is_async=True)
+            a1 = kc.slice(CH, CH, dim=1).load(a_lay).to(gl.float16)
+            s = warpgroup_mma(a1, qc_t.slice(CH, CH, dim=0), s, is_async=True)
+            s, a0 = warpgroup_mma_wait(num_outstanding=1, deps=[s, a0])
+            a2 = kc.slice(2 * CH, CH, dim=1).load(a_lay).to(gl.float16)
+            s = warpgroup_mma(a2, qc_t.slice(2 * CH, CH, dim=0), s, is_async=True)
+            s, a1 = warpgroup_mma_wait(num_outstanding=1, deps=[s, a1])
+            a3 = kc.slice(3 * CH, CH, dim=1).load(a_lay).to(gl.float16)
+            s = warpgroup_mma(a3, qc_t.slice(3 * CH, CH, dim=0), s, is_async=True)
+            s, a2 = warpgroup_mma_wait(num_outstanding=1, deps=[s, a2])
+            a4 = kpe_bufs.index(idx).load(a_lay).to(gl.float16)
+            s = warpgroup_mma(a4, qpe_t, s, is_async=True)
+            s, a3, a4 = warpgroup_mma_wait(num_outstanding=0, deps=[s, a3, a4])
+        else:
+            a = kc.slice(0, CH, dim=1).load(a_lay).to(gl.float16)
+            s = warpgroup_mma(a, qc_t.slice(0, CH, dim=0), s_init, use_acc=False)
+            a = kc.slice(CH, CH, dim=1).load(a_lay).to(gl.float16)
+            s = warpgroup_mma(a, qc_t.slice(CH, CH, dim=0), s)
+            a = kc.slice(2 * CH, CH, dim=1).load(a_lay).to(gl.float16)
+            s = warpgroup_mma(a, qc_t.slice(2 * CH, CH, dim=0), s)
+            a = kc.slice(3 * CH, CH, dim=1).load(a_lay).to(gl.float16)
+            s = warpgroup_mma(a, qc_t.slice(3 * CH, CH, dim=0), s)
+            a = kpe_bufs.index(idx).load(a_lay).to(gl.float16)
+            s = warpgroup_mma(a, qpe_t, s)
+        s = s * qk_scale
+        tok = start + t * BLOCK_N + offs_n
+        s = gl.where(gl.expand_dims(tok < end, 1), s, float("-inf"))
+        # every tile has >= 1 valid token and padded heads have q = 0: m_new is finite
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 0))
+        l_rows = l_rows * gl.expand_dims(alpha, 0) + p
+        m_i = m_new
+        p_smem.store(p.to(p_smem.dtype))
+        fence_async_shared()
+        gl.thread_barrier()  # every consumer thread's part of p before the MMAs read it
+        alpha_b = gl.expand_dims(alpha, 0)
+        vt = kc.permute((1, 0))  # [512, BLOCK_N]: V^T
+        if ASYNC_MMA:
+            a0 = vt.slice(0, CH, dim=0).load(a_lay).to(gl.float16)
+            acc0 = warpgroup_mma(a0, p_smem, acc0 * alpha_b, is_async=True)
+            a1 = vt.slice(CH, CH, dim=0).load(a_lay).to(gl.float16)
+            acc1 = warpgroup_mma(a1, p_smem, acc1 * alpha_b, is_async=True)
+            acc0, a0 = warpgroup_mma_wait(num_outstanding=1, deps=[acc0, a0])
+            a2 = vt.slice(2 * CH, CH, dim=0).load(a_lay).to(gl.float16)
+            acc2 = warpgroup_mma(a2, p_smem, acc2 * alpha_b, is_async=True)
+            acc1, a1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc1, a1])
+            a3 = vt.slice(3 * CH, CH, dim=0).load(a_lay).to(gl.float16)
+            mbarrier.arrive(empty_bars.index(idx))  # the whole tile is in registers now
+            acc3 = warpgroup_mma(a3, p_smem, acc3 * alpha_b, is_async=True)
+            acc2, acc3, a2, a3 = warpgroup_mma_wait(num_outstanding=0,
+                                                    deps=[acc2, acc3, a2, a3])
+        else:
+            a = vt.slice(0, CH, dim=0).load(a_lay).to(gl.float16)
+            acc0 = warpgroup_mma(a, p_smem, acc0 * alpha_b)
+            a = vt.slice(CH, CH, dim=0).load(a_lay).to(gl.float16)
+            acc1 = warpgroup_mma(a, p_smem, acc1 * alpha_b)
+            a = vt.slice(2 * CH, CH, dim=0).load(a_lay).to(gl.float16)
+            acc2 = warpgroup_mma(a, p_smem, acc2 * alpha_b)
+            a = vt.slice(3 * CH, CH, dim=0).load(a_lay).to(gl.float16)
+            mbarrier.arrive(empty_bars.index(idx))  # the whole tile is in registers now
+            acc3 = warpgroup_mma(a, p_smem, acc3 * alpha_b)
+        gl.thread_barrier()  # every thread's P·V read of p before the next tile's p store
+    l_i = gl.sum(l_rows, axis=0)
+    offs_h = gl.arange(0, HB, layout=col_l)
+    heads = head0 + offs_h
+    mask_h = gl.expand_dims(heads < num_heads, 0)
+    offs_dv = gl.arange(0, CH, layout=row_l)
+    scale = gl.expand_dims(v_scale / l_i, 0)
+    if direct:  # the request's only split: its normalized output is o (the merge skips it)
+        o_ptr = O + o_base + gl.expand_dims(heads.to(gl.int64) * stride_oh, 0) \
+            + gl.expand_dims(offs_dv, 1)
+        gl.store(o_ptr, (acc0 * scale).to(O.dtype.element_ty), mask=mask_h)
+        gl.store(o_ptr + CH, (acc1 * scale).to(O.dtype.element_ty), mask=mask_h)
+        gl.store(o_ptr + 2 * CH, (acc2 * scale).to(O.dtype.element_ty), mask=mask_h)
+        gl.store(o_ptr + 3 * CH, (acc3 * scale).to(O.dtype.element_ty), mask=mask_h)
+    else:
+        mid = MidO + mid_base + gl.expand_dims(heads.to(gl.int64) * stride_mh, 0) \
+            + gl.expand_dims(offs_dv, 1)
+        gl.store(mid, acc0 * scale, mask=mask_h)
+        gl.store(mid + CH, acc1 * scale, mask=mask_h)
+        gl.store(mid + 2 * CH, acc2 * scale, mask=mask_h)
+        gl.store(mid + 3 * CH, acc3 * scale, mask=mask_h)
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log
+        gl.store(MidLse + lse_base + heads.to(gl.int64) * stride_lh, lse,
+                 mask=heads < num_heads)
+
+
+@gluon.jit
 def _mla_decode_ws_kernel(
     Q, K, ReqToToken, ReqPoolIdx, SeqLens, NumKvSplits, MidO, MidLse, O,
     qk_scale, v_scale, num_heads,
@@ -322,9 +539,13 @@ def _mla_decode_ws_kernel(
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh,
     MAX_KV_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, HB: gl.constexpr,
-    D_MAIN: gl.constexpr, D_ROPE: gl.constexpr,
+    D_MAIN: gl.constexpr, D_ROPE: gl.constexpr, REG_A: gl.constexpr = False,
+    ASYNC_MMA: gl.constexpr = False,
 ):
-    KV_FP8: gl.constexpr = K.dtype.element_ty.is_fp8()  # the converting producer, fp16 MMAs
+    KV_FP8: gl.constexpr = K.dtype.element_ty.is_fp8()  # fp16 MMAs
+    # an FP8 pool: the tile stays FP8 in shared memory (cp.async) and the consumer converts it
+    # into register operands (REG_A), or the producer converts it into fp16 tiles
+    RAW: gl.constexpr = KV_FP8 and REG_A
     gl.static_assert(BLOCK_N == 64, "wgmma M: 64 tokens per consumer warpgroup")
     gl.static_assert(D_MAIN % 64 == 0 and D_ROPE % 64 == 0, "64-column blocks")
     b = gl.program_id(0)
@@ -350,13 +571,23 @@ def _mla_decode_ws_kernel(
         qpe_smem = gl.allocate_shared_memory(MMA_DT, [HB, D_ROPE], sw128)
         p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HB], MMA_DT)
         p_smem = gl.allocate_shared_memory(MMA_DT, [BLOCK_N, HB], p_lay)
-        kc_bufs = gl.allocate_shared_memory(MMA_DT, [NUM_BUFS, BLOCK_N, D_MAIN], sw128)
-        kpe_bufs = gl.allocate_shared_memory(MMA_DT, [NUM_BUFS, BLOCK_N, D_ROPE], sw128)
+        if RAW:
+            sw8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                                     rank=2)
+            sw8r: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8,
+                                                      rank=2)
+            kc_bufs = gl.allocate_shared_memory(K.dtype.element_ty, [NUM_BUFS, BLOCK_N, D_MAIN],
+                                                sw8)
+            kpe_bufs = gl.allocate_shared_memory(K.dtype.element_ty, [NUM_BUFS, BLOCK_N, D_ROPE],
+                                                 sw8r)
+        else:
+            kc_bufs = gl.allocate_shared_memory(MMA_DT, [NUM_BUFS, BLOCK_N, D_MAIN], sw128)
+            kpe_bufs = gl.allocate_shared_memory(MMA_DT, [NUM_BUFS, BLOCK_N, D_ROPE], sw128)
         full_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFS, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFS, 1],
                                                mbarrier.MBarrierLayout())
         # cp.async: one arrival per producer thread; converting producer: one per tile
-        full_count: gl.constexpr = 1 if KV_FP8 else LOAD_WARPS * 32
+        full_count: gl.constexpr = 1 if (KV_FP8 and not RAW) else LOAD_WARPS * 32
         for i in gl.static_range(NUM_BUFS):
             mbarrier.init(full_bars.index(i), count=full_count)
             mbarrier.init(empty_bars.index(i), count=1)
@@ -366,16 +597,30 @@ def _mla_decode_ws_kernel(
         r2t = ReqToToken + req_row * stride_r2t
         mid_base = b.to(gl.int64) * stride_mb + split.to(gl.int64) * stride_ms
         lse_base = b.to(gl.int64) * stride_lb + split.to(gl.int64) * stride_ls
-        gl.warp_specialize([
-            (_consumer, (kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bars,
-                         MidO, MidLse, start, end, n_tiles, qk_scale, v_scale, mid_base,
-                         lse_base, head0, num_heads, stride_mh, stride_lh, Q,
-                         b.to(gl.int64) * stride_qb, stride_qh, O, b.to(gl.int64) * stride_ob,
-                         stride_oh, direct, BLOCK_N, NUM_BUFS, HB)),
-            (_producer_convert if KV_FP8 else _producer,
-             (K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bars, start, end, n_tiles,
-              BLOCK_N, NUM_BUFS, LOAD_WARPS)),
-        ], [LOAD_WARPS], [LOAD_REGS])
+        if RAW:
+            gl.warp_specialize([
+                (_consumer_reg_a, (kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars,
+                                   empty_bars, MidO, MidLse, start, end, n_tiles, qk_scale,
+                                   v_scale, mid_base, lse_base, head0, num_heads, stride_mh,
+                                   stride_lh, Q, b.to(gl.int64) * stride_qb, stride_qh, O,
+                                   b.to(gl.int64) * stride_ob, stride_oh, direct, BLOCK_N,
+                                   NUM_BUFS, HB, ASYNC_MMA)),
+                (_producer_raw,
+                 (K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bars, start, end,
+                  n_tiles, BLOCK_N, NUM_BUFS, LOAD_WARPS)),
+            ], [LOAD_WARPS], [LOAD_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bars,
+                             MidO, MidLse, start, end, n_tiles, qk_scale, v_scale, mid_base,
+                             lse_base, head0, num_heads, stride_mh, stride_lh, Q,
+                             b.to(gl.int64) * stride_qb, stride_qh, O,
+                             b.to(gl.int64) * stride_ob, stride_oh, direct, BLOCK_N, NUM_BUFS,
+                             HB)),
+                (_producer_convert if KV_FP8 else _producer,
+                 (K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bars, start, end,
+                  n_tiles, BLOCK_N, NUM_BUFS, LOAD_WARPS)),
+            ], [LOAD_WARPS], [LOAD_REGS])
 
 
 POOL_DTYPES = (torch.bfloat16, *_da._FP8_DTYPES)
@@ -422,7 +667,8 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
                       k_scale: float = 1.0, v_scale: float = 1.0,
                       *, block_n: int | None = None, num_bufs: int | None = None,
                       load_warps: int | None = None, load_regs: int | None = None,
-                      maxnreg: int | None = None) -> None:
+                      maxnreg: int | None = None, reg_a: bool | None = None,
+                      async_mma: bool | None = None) -> None:
     """MLA absorbed decode attention (v = k_buffer[..., :512]); writes `o`.
 
     Same semantics as `decode_attention_fwd(q, k_buffer, k_buffer[..., :512], o, ...)`:
@@ -443,7 +689,13 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
             k_scale, value = stored · v_scale), applied in fp32: k_scale folded into the
             softmax scale, v_scale into the normalized partial output; 1.0 for a bf16 pool.
         block_n, num_bufs, load_warps, load_regs, maxnreg: launch overrides (default: the
-            module settings BLOCK_N, NUM_BUFS, LOAD_WARPS, LOAD_REGS, `default_maxnreg`).
+            module settings BLOCK_N, `default_bufs`, LOAD_WARPS, `load_regs_for`,
+            `default_maxnreg`).
+        reg_a: for an FP8 pool, the register-operand path (FP8 tiles in shared memory, the
+            consumer converting; default FP8_REG_A) or the converting producer (False).
+            Ignored for a bf16 pool.
+        async_mma: the register-operand path's chunk MMAs in flight across the next chunk's
+            loads (default REG_A_ASYNC) or waited for at once.
     Raises:
         ValueError: not the MLA layout with a bf16 q and a bf16 / FP8 pool, not on an sm_90
             CUDA device, inconsistent shapes, workspaces too small / not fp32, or an FP8 pool
@@ -474,19 +726,20 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
     bn = BLOCK_N if block_n is None else block_n
     if bn != 64:
         raise ValueError(f"mla_decode_ws_fwd: block_n must be 64 (wgmma M), got {bn}")
-    nb = NUM_BUFS if num_bufs is None else num_bufs
+    fp8 = k_buffer.dtype != torch.bfloat16
+    raw = fp8 and (FP8_REG_A if reg_a is None else reg_a)
+    nb = default_bufs(k_buffer.dtype, raw) if num_bufs is None else num_bufs
     if nb < 1:
         raise ValueError(f"mla_decode_ws_fwd: num_bufs must be >= 1, got {nb}")
-    fp8 = k_buffer.dtype != torch.bfloat16
     lw = LOAD_WARPS if load_warps is None else load_warps
-    if fp8 and lw < 4:
+    if fp8 and not raw and lw < 4:
         raise ValueError(f"mla_decode_ws_fwd: an FP8 pool needs >= 4 producer warps (a 64-row "
                          f"tile held in registers), got {lw}")
     if bs == 0:
         return
     groups = triton.cdiv(num_heads, HEADS_PER_PROG)
     opts = {}
-    mnr = maxnreg if maxnreg is not None else default_maxnreg(nb)
+    mnr = maxnreg if maxnreg is not None else default_maxnreg(nb, raw)
     if mnr is not None:
         opts["maxnreg"] = mnr
     _mla_decode_ws_kernel[(bs, max_kv_splits, groups)](
@@ -498,8 +751,9 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
         MAX_KV_SPLITS=max_kv_splits, BLOCK_N=bn,
         NUM_BUFS=nb,
         LOAD_WARPS=lw,
-        LOAD_REGS=load_regs_for(k_buffer.dtype) if load_regs is None else load_regs,
-        HB=HEADS_PER_PROG, D_MAIN=D_MAIN, D_ROPE=D_ROPE, num_warps=4, **opts,
+        LOAD_REGS=load_regs_for(k_buffer.dtype, raw) if load_regs is None else load_regs,
+        HB=HEADS_PER_PROG, D_MAIN=D_MAIN, D_ROPE=D_ROPE, REG_A=raw,
+        ASYNC_MMA=raw and (REG_A_ASYNC if async_mma is None else async_mma), num_warps=4, **opts,
     )
     _da._merge_splits_kernel[(bs, num_heads)](
         attn_logits, attn_lse, o, seq_lens, num_kv_splits,

@@ -7,8 +7,11 @@ checks. GPU (`gpu` marker, sm_90 only): bf16 MLA against the fp32 reference on t
 NaN workspaces): ragged batches, seq_len 0 / 1, lengths around the 64-token tile and split
 boundaries, empty splits, padded / multiple head groups, every launch setting the sweep tries,
 slot indices near the end of a > 2^31-element pool, and CUDA-graph replay; FP8 pools (e4m3,
-e5m2: the converting producer, fp16 MMAs) against the reference on the dequantized pool with
-separate k / v scales, and the dispatch of `decode_attention_fwd` to it.
+e5m2) through both paths against the reference on the dequantized pool with separate k / v
+scales: the register-operand path (raw FP8 tiles in shared memory, A operands converted in
+registers; two buffers or one, one producer warp, synchronous MMAs) and the converting producer
+(fp16 tiles in shared memory), the two bitwise equal to each other, and the dispatch of
+`decode_attention_fwd` to it.
 """
 
 from __future__ import annotations
@@ -242,10 +245,12 @@ def test_gpu_cuda_graph_replay_with_new_lengths():
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_gpu_big_pool_slots_near_the_end(pool_dtype):
+@pytest.mark.parametrize("pool_dtype,reg_a", [(torch.bfloat16, None),
+                                               (torch.float8_e4m3fn, True),
+                                               (torch.float8_e4m3fn, False)])
+def test_gpu_big_pool_slots_near_the_end(pool_dtype, reg_a):
     """A pool of 4M slots x 576 = 2.4e9 elements (> 2^31): slot x stride overflows int32 (bf16
-    pool: the cp.async producer; e4m3: the converting one)."""
+    pool: the cp.async producer; e4m3: the FP8 tiles' cp.async, and the converting producer)."""
     num_slots, heads = 4 * 1024 * 1024, 16
     try:
         k_buffer = torch.empty(num_slots, 1, LK, dtype=pool_dtype, device="cuda")
@@ -270,14 +275,14 @@ def test_gpu_big_pool_slots_near_the_end(pool_dtype):
     rows = torch.tensor([1, 2, 3, 4], device="cuda")
     case = Case(q, k_buffer, k_buffer[..., :LV], req_to_token.cuda(), rows,
                 torch.tensor(lens, dtype=torch.int32, device="cuda"), 0.1147)
-    out, _ = run_ws(case, None, 8)
+    out, _ = run_ws(case, None, 8, reg_a=reg_a)
     small_k = rows_k.float().cpu()  # only the used rows, not the whole pool
     ref = decode_attention_ref(q.float().cpu(), small_k, small_k[..., :LV], remap,
                                rows.cpu(), torch.tensor(lens), 0.1147)
     torch.testing.assert_close(out.float().cpu(), ref, atol=BF16_ATOL, rtol=BF16_RTOL)
 
 
-# --- FP8 pools: the converting producer ------------------------------------------------------
+# --- FP8 pools: FP8 tiles with register operands, and the converting producer -----------------
 
 FP8_POOLS = [pytest.param(torch.float8_e4m3fn, id="e4m3"),
              pytest.param(torch.float8_e5m2, id="e5m2")]
@@ -313,34 +318,92 @@ def test_fp8_pool_compiles_for_sm90_as_designed():
         assert float(r[6]) <= 113 and int(r[4]) <= 128, r
 
 
+def test_fp8_register_operand_path_compiles_for_sm90_as_designed():
+    """The register-operand path (FP8 tiles in shared memory, `--reg-a`) for e4m3 and e5m2 at
+    its launch setting (NUM_BUFS_REG_A buffers, LOAD_REGS, maxnreg 128): no spills, 68 wgmma,
+    the FP8 tile's 16-byte cp.async per producer thread (64 x 576 / 16 / 128 = 18), one
+    cp.async.mbarrier.arrive, shared memory for two programs per SM."""
+    for pool in ("e4m3", "e5m2"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = str(ROOT)
+        spec = f"{ws.NUM_BUFS_REG_A},{ws.LOAD_WARPS},{ws.LOAD_REGS_REG_A}"
+        out = subprocess.run([sys.executable, str(ROOT / "benchmarks/compile_ws_report.py"),
+                              "--reg-a", "--pool", pool, spec], capture_output=True,
+                             text=True, env=env, timeout=300, check=True).stdout
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+                if line[:3] in ("| 1", "| 2", "| 3")]
+        assert len(rows) == 1, out
+        r = rows[0]
+        assert int(r[5]) == 0 and int(r[7]) == 68, r
+        assert int(r[8]) == 64 * 576 // 16 // (32 * ws.LOAD_WARPS) and int(r[9]) == 1, r
+        assert float(r[6]) <= 113 and r[3] == "128" and int(r[4]) <= 128, r
+    assert ws.programs_per_sm(ws.NUM_BUFS_REG_A, fp8_tiles=True) == 2
+    assert ws.default_bufs(torch.float8_e4m3fn, reg_a=True) == ws.NUM_BUFS_REG_A
+    assert ws.default_bufs(torch.float8_e4m3fn, reg_a=False) == ws.NUM_BUFS
+    assert ws.load_regs_for(torch.float8_e5m2, reg_a=False) == ws.LOAD_REGS_FP8
+    assert ws.load_regs_for(torch.float8_e5m2, reg_a=True) == ws.LOAD_REGS_REG_A
+
+
+# (reg_a, launch overrides): both FP8 paths; the register-operand path also with one buffer,
+# with one producer warp (its cp.async producer needs no whole tile of registers) and with its
+# chunk MMAs waited for at once
+FP8_PATHS = [pytest.param(True, {}, id="reg_a"),
+             pytest.param(True, dict(num_bufs=1), id="reg_a-1buf"),
+             pytest.param(True, dict(load_warps=1), id="reg_a-1warp"),
+             pytest.param(True, dict(async_mma=False), id="reg_a-sync"),
+             pytest.param(False, {}, id="convert")]
+
+
 @gpu
 @needs_sm90
+@pytest.mark.parametrize("reg_a,launch", FP8_PATHS)
 @pytest.mark.parametrize("pool_dtype", FP8_POOLS)
-def test_gpu_fp8_pool_against_dequantized_reference(pool_dtype):
+def test_gpu_fp8_pool_against_dequantized_reference(pool_dtype, reg_a, launch):
     """FP8 pool, separate k and v scales (each would change the result if ignored: 0.37 and
     2.5), tile and split boundaries, seq_len 0, empty splits, padded and multiple head groups;
-    NaN in every slot that must not be read."""
+    NaN in every slot that must not be read; each FP8 path."""
     for heads, nks, max_splits in ((16, [16] * len(BOUNDARY_LENS), 16), (20, None, 4)):
         case, ref = fp8_case(BOUNDARY_LENS, pool_dtype, 0.37, 2.5, heads=heads, seed=40 + heads)
-        out, _ = run_ws(case, nks, max_splits, k_scale=0.37, v_scale=2.5)
+        out, _ = run_ws(case, nks, max_splits, k_scale=0.37, v_scale=2.5, reg_a=reg_a, **launch)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out.float().cpu(), expected(ref), atol=BF16_ATOL,
                                    rtol=BF16_RTOL)
     # the scales matter: a unit v_scale is off by 2.5x
-    out, _ = run_ws(case, None, 4, k_scale=0.37, v_scale=1.0)
+    out, _ = run_ws(case, None, 4, k_scale=0.37, v_scale=1.0, reg_a=reg_a, **launch)
     assert not torch.allclose(out.float().cpu(), expected(ref), atol=0.1, rtol=0.1)
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("pool_dtype", FP8_POOLS)
+def test_gpu_fp8_register_operands_match_the_converting_producer(pool_dtype):
+    """Both FP8 paths run fp16 products of the same exactly converted values: on a ragged batch
+    of 40 requests (lengths 0-2999, one to 16 splits) they agree to bf16 rounding of o, and
+    both equal the dequantized reference."""
+    g = torch.Generator().manual_seed(43)
+    lens = torch.randint(0, 3000, (40,), generator=g).tolist()
+    case, ref = fp8_case(lens, pool_dtype, 0.37, 2.5, seed=43)
+    outs = []
+    for reg_a in (True, False):
+        out, _ = run_ws(case, None, 16, k_scale=0.37, v_scale=2.5, reg_a=reg_a)
+        torch.testing.assert_close(out.float().cpu(), expected(ref), atol=BF16_ATOL,
+                                   rtol=BF16_RTOL)
+        outs.append(out.float())
+    diff = (outs[0] - outs[1]).abs()
+    print(f"reg_a vs convert: max |diff| {diff.max().item():.3e}, mean {diff.mean().item():.3e}")
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-2, rtol=1e-2)
 
 
 @gpu
 @needs_sm90
 def test_gpu_fp8_pool_refusals():
     """An fp16 q over an FP8 pool is not the ws kernel's (ws_supported False); fewer than 4
-    producer warps with an FP8 pool is a ValueError."""
+    producer warps with the converting producer is a ValueError."""
     case, _ = fp8_case([5, 70], torch.float8_e4m3fn, 1.0, 1.0, seed=42)
     assert ws.ws_supported(case.q, case.k_buffer)
     assert not ws.ws_supported(case.q.half(), case.k_buffer)
     with pytest.raises(ValueError, match="producer warps"):
-        run_ws(case, None, 4, load_warps=1)
+        run_ws(case, None, 4, load_warps=1, reg_a=False)
 
 
 @gpu
