@@ -52,7 +52,7 @@ setup_key() {
     torch_spec
     triton_spec
     "$PY" -c 'import sys; print(sys.version)'
-    cat requirements.txt requirements-nodeps.txt
+    cat requirements.txt requirements-nodeps.txt pyproject.toml # its packages: pip install -e .
   } | sha256sum | cut -d' ' -f1
 }
 
@@ -111,8 +111,8 @@ cmd_setup() {
   fi
   ensure_system_libs
   # Copies the Python-backend stub for the venv's Python and checks its libraries (clear error).
-  "$PY" -m mla_backend.tools.tritonserver info >/dev/null
-  "$PY" -m mla_backend.tools.prepare --model-repository "$MODEL_REPOSITORY"
+  "$PY" -m mla_tools.tritonserver info >/dev/null
+  "$PY" -m mla_tools.prepare --model-repository "$MODEL_REPOSITORY"
   flock -u 9
 }
 
@@ -128,7 +128,7 @@ cmd_serve() {
   cmd_setup
   local http="${HTTP_PORT:-8000}" grpc="${GRPC_PORT:-8001}" metrics="${METRICS_PORT:-8002}"
   local model
-  model=smollm2-135m-instruct # the instruct model answers the example question
+  model=smollm2-135m-instruct # the instruct model answers the example question (in its template)
   [[ -f "$MODEL_REPOSITORY/$model/config.pbtxt" ]] || model="$(models | head -n1)"
   cat >&2 <<EOF
 
@@ -136,23 +136,23 @@ cmd_serve() {
 [build.sh] models: $(models | tr '\n' ' ')
 [build.sh] stream a prompt over HTTP (server-sent events, one text delta per event):
   curl -N -X POST localhost:$http/v2/models/$model/generate_stream \\
-    -d '{"text_input": "What is MLA attention?", "stream": true, "max_tokens": 64, "temperature": 0}'
+    -d '{"text_input": "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n", "stream": true, "max_tokens": 64, "temperature": 0}'
 EOF
   if [[ -f client_examples/grpc_stream.py ]]; then
     cat >&2 <<EOF
 [build.sh] or over gRPC streaming (tritonclient):
   .venv/bin/python client_examples/grpc_stream.py --url localhost:$grpc --model $model \\
-    --prompt "What is MLA attention?"
+    --chat model_repository/$model/weights --prompt "What is the capital of France?"
 EOF
   fi
   echo >&2
-  exec "$PY" -m mla_backend.tools.tritonserver serve --model-repository "$MODEL_REPOSITORY" \
+  exec "$PY" -m mla_tools.tritonserver serve --model-repository "$MODEL_REPOSITORY" \
     --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics"
 }
 
 cmd_demo() {
   cmd_setup
-  exec "$PY" -m mla_backend.tools.tritonserver demo --model-repository "$MODEL_REPOSITORY" "$@"
+  exec "$PY" -m mla_tools.tritonserver demo --model-repository "$MODEL_REPOSITORY" "$@"
 }
 
 cmd_test() {

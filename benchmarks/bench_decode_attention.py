@@ -18,7 +18,7 @@ exceed --mem-cap-gb are skipped or run without the torch timing.
 
     PYTHONPATH=. python3 benchmarks/bench_decode_attention.py [--quick] [--max-kv-splits 64]
 
-Imports only torch, triton, mla_backend (for the `mla_kernels` alias) and the kernels.
+Imports only torch, triton and the kernels (`mla_kernels`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import math
 import torch
 import triton
 
-import mla_backend  # noqa: F401  (registers `mla_kernels`)
 import mla_kernels.decode_attention as da
 from mla_kernels.decode_attention import (
     decode_attention_fwd,

@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_decode_attention as bda  # noqa: E402
 
-import mla_backend  # noqa: E402,F401  (registers `mla_kernels`)
 import mla_kernels.decode_attention as da  # noqa: E402
 import mla_kernels.decode_attention_ws as ws  # noqa: E402
 

@@ -30,8 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-import mla_backend  # noqa: F401  registers the mla_kernels alias
-
 DEVICE = "cuda"  # module-level so the set-up / check / SDPA code can be smoke-tested elsewhere
 
 

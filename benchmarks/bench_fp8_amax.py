@@ -17,7 +17,6 @@ import argparse
 import torch
 import triton
 
-import mla_backend  # noqa: F401  (registers the `mla_kernels` alias)
 from mla_kernels.fp8_quant import fp8_amax_partials
 
 HEADS, NOPE, ROPE, LORA = 16, 128, 64, 512  # DeepSeek-V2-Lite

@@ -1,7 +1,7 @@
 """The small kernels around the FP8 GEMMs on a CUDA GPU: per-token quantization, SiLU-and-mul
 with its FP8 output, fused add + RMSNorm with its FP8 output, and the MoE top-k combine, at
 DeepSeek-V2-Lite's decode and prefill sizes. A probe for the launch configs and for what a
-variant of each would cost; the engine's kernels are those of `kernels/` (timed as "engine").
+variant of each would cost; the engine's kernels are those of `mla_kernels/` (timed as "engine").
 
 Each timing is a CUDA graph of 20 back-to-back launches, replayed (median of
 `triton.testing.do_bench`), divided by 20: µs per launch without the host. Every probe variant is
@@ -34,7 +34,6 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mla_backend  # noqa: E402,F401  (registers the `mla_kernels` alias)
 from bench_fused_moe import bench, graph_of  # noqa: E402
 from bench_suite import table  # noqa: E402
 from mla_kernels.activation import silu_and_mul  # noqa: E402

@@ -26,7 +26,6 @@ sys.path.insert(0, str(REPO / "tests" / "kernels"))  # the test's problem builde
 
 from bench_suite import table  # noqa: E402
 
-import mla_backend  # noqa: E402,F401  (registers the `mla_kernels` alias)
 from mla_kernels.reference import fused_experts_fp8_ref  # noqa: E402
 from test_fused_moe_fp8 import _rel_max, _rel_mean, problem, run  # noqa: E402
 

@@ -54,7 +54,6 @@ import sys
 import torch
 import triton
 
-import mla_backend  # noqa: F401  registers the mla_kernels alias
 from mla_backend.layers.moe import experts_forward, select_experts
 from mla_backend.layers.quantization import quantize_fp8_per_tensor
 from mla_kernels.fused_moe import (

@@ -12,7 +12,7 @@ same run. Also checks each kernel against fp32 `F.linear` (max abs error).
     PYTHONPATH=. python3 benchmarks/bench_gemv.py [--sweep] [--rows 1 2] [--static-weight]
 
 `--static-weight` launches gemv as the model's linears do (`static_weight=True`: programmatic
-dependent launch on Hopper, the first part of the weight read before the wait; kernels/pdl.py).
+dependent launch on Hopper, the first part of the weight read before the wait; mla_kernels/pdl.py).
 The calls of one graph are independent (the same x), so with PDL neighbouring calls overlap
 more than a model's dependent chain of kernels would: read those times as a lower bound.
 """
@@ -26,7 +26,6 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-import mla_backend  # noqa: F401  (registers the `mla_kernels` alias)
 from mla_kernels.gemv import gemv, gemv_config
 
 # (name, N, K): output features, input features

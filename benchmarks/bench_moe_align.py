@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import triton
 
-import mla_backend  # noqa: F401  (registers the `mla_kernels` alias)
 from mla_backend.layers.moe import select_experts
 from mla_kernels.fused_moe import get_default_config, moe_align_block_size
 from mla_kernels.reference import moe_align_block_size_ref

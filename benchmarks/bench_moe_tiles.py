@@ -36,7 +36,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mla_backend  # noqa: E402,F401  (registers the `mla_kernels` alias)
 from bench_fused_moe import bench, graph_of, make_problem, quantize_experts  # noqa: E402
 from mla_kernels.fp8_quant import quantize_per_token  # noqa: E402
 from mla_kernels.fused_moe import (MoEConfig, get_default_config, grouped_gemm,  # noqa: E402

@@ -8,7 +8,7 @@ Sections (`--sections`):
   replays are recorded by CUPTI; if none are, the engine is rebuilt eager). Prints, per decode
   step: wall time, summed kernel time, kernel count, then time by category (MoE, attention,
   GEMM, quantization, norms/rotary, elementwise, ...) and the top kernels by time. Programmatic
-  dependent launch (kernels/pdl.py) is off here unless `--pdl`: under PDL a kernel's programs
+  dependent launch (mla_kernels/pdl.py) is off here unless `--pdl`: under PDL a kernel's programs
   start early and wait at `griddepcontrol.wait`, and CUPTI counts that wait in its duration
   (on an H200 at bs 1: 8.45 ms of "kernel time" in a 2.96 ms step), so the durations only mean
   something without it; the step wall time printed is then the PDL-off step.
@@ -66,7 +66,7 @@ from bench_suite import (log, make_engine, random_prompt, release, run_requests,
                          run_sections, table, warm_up)
 from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
 
-from mla_backend.tools.model_shapes import SHAPES, write_shape_model  # noqa: E402
+from mla_tools.model_shapes import SHAPES, write_shape_model  # noqa: E402
 
 # (category, substrings of the kernel name, lower case); first match wins.
 CATEGORIES = [

@@ -24,7 +24,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mla_backend  # noqa: E402,F401  (registers the `mla_kernels` alias)
 from bench_fused_moe import bench, graph_of  # noqa: E402
 from bench_suite import table  # noqa: E402
 from mla_kernels.sampling import greedy_with_logprob, num_splits  # noqa: E402

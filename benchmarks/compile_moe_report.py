@@ -29,7 +29,6 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from compile_report import jit_signature, ptxas_stats  # noqa: E402
 
-import mla_backend  # noqa: E402,F401  (registers `mla_kernels`)
 import mla_kernels.fused_moe as fm  # noqa: E402
 
 POINTERS = {"A": "*fp8e4nv", "B": "*fp8e4nv", "C": "*bf16", "TopkWeights": "*fp32",

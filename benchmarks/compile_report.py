@@ -34,7 +34,6 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import mla_backend  # noqa: E402,F401  (registers `mla_kernels`)
 import mla_kernels.decode_attention as da  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "ReqToToken": "*i32", "ReqPoolIdx": "*i64",

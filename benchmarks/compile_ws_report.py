@@ -35,7 +35,6 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-import mla_backend  # noqa: E402,F401  (registers `mla_kernels`)
 import mla_kernels.decode_attention_ws as ws  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

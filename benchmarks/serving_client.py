@@ -1,12 +1,14 @@
-"""Shared pieces of the serving benchmarks (`serving_overhead.py`, `serving_soak.py`); no benchmark
-here.
+"""Shared pieces of the serving benchmarks (`serving_overhead.py`, `serving_soak.py`,
+`bench_server_path.py`, ...); no benchmark here.
 
-- `Job`: one request (prompt, sampling parameters).
+- `Job`: one request (a text prompt or prompt token ids, sampling parameters).
 - `stream_load`: a closed-loop gRPC streaming client: `concurrency` requests in flight on ONE
   gRPC stream (requests multiplexed by id, responses read by tritonclient's stream thread), a
   finished request is replaced by the next job at once. One stream and one consumer thread keep
   the client's own CPU use low: on a 2-core machine the client shares the cores with the server.
 - `engine_load`: the same closed loop on an in-process `Engine` (add_request / step).
+- `RequestTimes`: with `record_times=True` both loads also keep, per job, when it was sent and
+  when each response carrying tokens arrived, with its token count (`LoadStats.times`).
 - `ProcTree`: RSS and CPU time of a process and all its descendants, from /proc (tritonserver
   plus its Python-backend stub processes).
 - `system_busy_s`: busy CPU seconds of the whole machine (to spot other programs' load).
@@ -23,21 +25,40 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # mla_tools (the checkout's developer tools)
 sys.path.insert(0, str(REPO / "tests" / "serving"))
 from serving_helpers import read_metrics, series, write_model  # noqa: E402
 
-__all__ = ["Job", "LoadStats", "ProcTree", "engine_load", "read_metrics", "series",
-           "stream_load", "system_busy_s", "temp_repository"]
+__all__ = ["Job", "LoadStats", "ProcTree", "RequestTimes", "engine_load", "read_metrics",
+           "series", "stream_load", "system_busy_s", "temp_repository"]
 
 
 @dataclass(frozen=True)
 class Job:
-    prompt: str
+    """One request: a text prompt (`text_input`) or, with `prompt=None`, the prompt's token ids
+    (`input_ids`, sent as INT64; in-process `GenerateRequest.input_ids`)."""
+
+    prompt: str | None
     sampling: dict[str, Any]  # vLLM-style sampling parameters (max_tokens, temperature, seed, ...)
+    input_ids: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.input_ids is None):
+            raise ValueError("Job: give exactly one of prompt and input_ids")
+
+
+@dataclass
+class RequestTimes:
+    """One job's timeline (`time.perf_counter_ns()`; server side: arrival at tritonclient's
+    stream callback). Only responses carrying tokens are listed: the server's empty final
+    response and an in-process output without new tokens are not."""
+
+    sent_ns: int  # just before the request went out (async_stream_infer / add_request)
+    responses: list[tuple[int, int]] = field(default_factory=list)  # (arrival ns, tokens)
 
 
 @dataclass
@@ -50,6 +71,8 @@ class LoadStats:
     wall_s: float = 0.0
     cpu_s: float = 0.0  # this process's CPU time during the run (the client / in-process engine)
     latency_s: list[float] = field(default_factory=list)
+    times: dict[int, RequestTimes] = field(default_factory=dict)  # job index → its timeline
+    # (filled only with record_times=True; a job never sent has no entry)
 
     @property
     def tokens_per_s(self) -> float:
@@ -64,28 +87,37 @@ def _inputs(job: Job) -> list:
     """gRPC inputs of one streaming request (the e2e tests' builder)."""
     from test_triton_e2e import grpc_inputs
 
+    ids = {} if job.input_ids is None else {"input_ids": job.input_ids}
     return grpc_inputs(job.prompt, sampling=job.sampling, exclude_input_in_output=True,
-                       return_num_output_tokens=True)
+                       return_num_output_tokens=True, **ids)
 
 
 def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
                 timeout_s: float = 300.0, progress_every: int = 0,
-                on_progress=None) -> LoadStats:
+                on_progress=None, record_times: bool = False) -> LoadStats:
     """Run `jobs` through one gRPC stream with `concurrency` requests in flight.
 
     Args:
         timeout_s: give up when no response arrives for this long (s): the missing requests
             count as errors.
         progress_every: call `on_progress(done, stats)` every this many finished requests.
+        record_times: fill `stats.times` (each response is stamped on tritonclient's stream
+            thread as it arrives; without it the callback stamps nothing).
     Returns:
         LoadStats (tokens from the server's `num_output_tokens`).
     """
+    import test_triton_e2e  # noqa: F401  (_inputs' builder: ~1 s to import, not on the clock)
     import tritonclient.grpc as grpcclient
 
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    if record_times:
+        client.start_stream(callback=lambda result, error: responses.put(
+            (result, error, time.perf_counter_ns())))
+    else:
+        client.start_stream(callback=lambda result, error: responses.put((result, error, 0)))
     stats = LoadStats()
+    times = stats.times if record_times else None
     todo = deque(enumerate(jobs))
     live: dict[str, tuple[float, int, int]] = {}  # rid → (start, tokens so far, max_tokens)
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -94,7 +126,10 @@ def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
         i, job = todo.popleft()
         rid = str(i)
         live[rid] = (time.perf_counter(), 0, int(job.sampling.get("max_tokens", 16)))
-        client.async_stream_infer(model, _inputs(job), request_id=rid,
+        inputs = _inputs(job)
+        if times is not None:
+            times[i] = RequestTimes(time.perf_counter_ns())
+        client.async_stream_infer(model, inputs, request_id=rid,
                                   enable_empty_final_response=True)
 
     try:
@@ -102,7 +137,7 @@ def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
             send_next()
         while live:
             try:
-                result, error = responses.get(timeout=timeout_s)
+                result, error, arrived_ns = responses.get(timeout=timeout_s)
             except queue.Empty:
                 stats.errors += [f"request {rid}: no response within {timeout_s} s"
                                  for rid in live]
@@ -121,7 +156,10 @@ def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
                 rid = resp.id
                 start, tokens, max_tokens = live[rid]
                 n = result.as_numpy("num_output_tokens")
-                tokens += int(n[0]) if n is not None else 0
+                n = int(n[0]) if n is not None else 0
+                tokens += n
+                if times is not None and n:
+                    times[int(rid)].responses.append((arrived_ns, n))
                 if not resp.parameters["triton_final_response"].bool_param:
                     live[rid] = (start, tokens, max_tokens)
                     continue
@@ -142,31 +180,48 @@ def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
     return stats
 
 
-def engine_load(engine, jobs: list[Job], concurrency: int) -> LoadStats:
-    """The same closed loop on an in-process Engine (streaming requests, this thread steps)."""
+def engine_load(engine, jobs: list[Job], concurrency: int,
+                record_times: bool = False) -> LoadStats:
+    """The same closed loop on an in-process Engine (streaming requests, this thread steps).
+
+    Args:
+        record_times: fill `stats.times` (the outputs of one `engine.step()` share the time it
+            returned; tokens: len(new_token_ids)).
+    """
     from mla_backend.request import GenerateRequest, SamplingParams
 
     stats = LoadStats()
+    times = stats.times if record_times else None
     todo = deque(enumerate(jobs))
     live: dict[str, float] = {}
+    index: dict[str, int] = {}  # rid → job index (record_times only)
     tag = f"bench-{time.monotonic_ns()}"
     cpu0, t0 = time.process_time(), time.perf_counter()
 
     def add_next() -> None:
         i, job = todo.popleft()
         rid = f"{tag}-{i}"
-        engine.add_request(GenerateRequest(rid=rid, text=job.prompt, stream=True,
-                                           sampling_params=SamplingParams.from_dict(job.sampling)))
+        ids = None if job.input_ids is None else list(job.input_ids)
+        request = GenerateRequest(rid=rid, text=job.prompt, input_ids=ids, stream=True,
+                                  sampling_params=SamplingParams.from_dict(job.sampling))
+        if times is not None:
+            index[rid] = i
+            times[i] = RequestTimes(time.perf_counter_ns())
+        engine.add_request(request)
         live[rid] = time.perf_counter()
 
     while todo and len(live) < concurrency:
         add_next()
     while live:
-        for out in engine.step():
+        outs = engine.step()
+        now_ns = time.perf_counter_ns() if times is not None else 0
+        for out in outs:
             if out.rid not in live:
                 continue
             stats.responses += 1
             stats.output_tokens += len(out.new_token_ids)
+            if times is not None and out.new_token_ids:
+                times[index[out.rid]].responses.append((now_ns, len(out.new_token_ids)))
             if not out.finished:
                 continue
             stats.latency_s.append(time.perf_counter() - live.pop(out.rid))

@@ -173,8 +173,8 @@ def main() -> int:
 
     from mla_backend.config import EngineConfig
     from mla_backend.engine import Engine
-    from mla_backend.tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
-    from mla_backend.tools.tritonserver import TritonServer
+    from mla_tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
+    from mla_tools.tritonserver import TritonServer
 
     prepare(DEFAULT_MODEL_REPOSITORY)
     levels = args.concurrency

@@ -153,8 +153,8 @@ def main() -> int:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
-    from mla_backend.tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
-    from mla_backend.tools.tritonserver import TritonServer
+    from mla_tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
+    from mla_tools.tritonserver import TritonServer
 
     prepare(DEFAULT_MODEL_REPOSITORY)
     name = f"{args.model}-soak"

@@ -90,7 +90,7 @@ def main() -> int:
 
     from mla_backend.config import EngineConfig
     from mla_backend.engine import Engine
-    from mla_backend.tools.tritonserver import TritonServer
+    from mla_tools.tritonserver import TritonServer
 
     params = settings(64, args.max_tokens)
     weights = REPO / "model_repository" / args.model / "weights"

@@ -97,7 +97,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     # Ranks the model is split over. > 1: rank 0's ModelRunner spawns the other ranks
-    # (`distributed.tp_workers`), unless the caller already initialized the process group.
+    # (`model_executor.tp_workers`), unless the caller already initialized the process group.
     tensor_parallel_size: int = 1
 
 

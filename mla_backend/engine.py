@@ -28,12 +28,12 @@ import torch
 from transformers import AutoTokenizer
 
 from mla_backend.config import GC_THRESHOLDS, EngineConfig
-from mla_backend.distributed.tp_workers import TpWorkerError
 from mla_backend.host_tensors import int64_on
 from mla_backend.mem_cache.chunk_cache import ChunkCache
 from mla_backend.mem_cache.radix_cache import RadixCache
 from mla_backend.model_executor.model_runner import ModelRunner
 from mla_backend.model_executor.sampler import LaunchedSample, Sampler
+from mla_backend.model_executor.tp_workers import TpWorkerError
 from mla_backend.request import (
     FinishReason,
     GenerateRequest,

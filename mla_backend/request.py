@@ -1,6 +1,5 @@
 """Plain CPU data that crosses component boundaries: `SamplingParams`, `Req`, `FinishReason`,
-`GenerateRequest` (adapter/tests → engine), `RequestOutput` (engine → adapter/tests) and
-`ForwardMode` (what a batch runs; shared by the scheduler and the model side).
+`GenerateRequest` (adapter/tests → engine) and `RequestOutput` (engine → adapter/tests).
 
 `SamplingParams.from_dict` is the one place request-level sampling input is parsed and validated
 (JSON from the `sampling_parameters` tensor or Triton request parameters, values possibly strings).
@@ -19,19 +18,6 @@ import torch
 MAX_LOGPROBS = 20
 # Seeds must fit a torch.Generator seed (64 bits, signed or unsigned).
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
-
-
-class ForwardMode(enum.IntEnum):
-    EXTEND = 1  # prefill of new tokens on top of a (possibly empty) cached prefix, per request
-    DECODE = 2  # exactly one new token per request, attending to all its cached tokens
-    MIXED = 3  # extend and decode requests in one batch (reserved: not produced yet)
-    IDLE = 4  # no tokens (reserved for TP ranks with nothing to do)
-
-    def is_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
-
-    def is_decode(self) -> bool:
-        return self == ForwardMode.DECODE
 
 
 class FinishReason(str, enum.Enum):

@@ -31,7 +31,7 @@ DEEPSEEK_TINY_DIR = REPO / "model_repository" / "deepseek-v2-tiny" / "weights"
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     if not (SMOLLM2_DIR / "model.safetensors").exists():
-        from mla_backend.tools.checkpoints import convert_smollm2
+        from mla_tools.checkpoints import convert_smollm2
 
         convert_smollm2(str(SMOLLM2_DIR))
     return str(SMOLLM2_DIR)
@@ -60,21 +60,21 @@ def tokenizer_dir(request) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_llama_factory(tmp_path_factory, tokenizer_dir):
-    from mla_backend.tools.checkpoints import make_tiny_llama
+    from mla_tools.checkpoints import make_tiny_llama
 
     return _factory(tmp_path_factory, tokenizer_dir, make_tiny_llama, "tiny_llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek_factory(tmp_path_factory, tokenizer_dir):
-    from mla_backend.tools.tiny_deepseek import make_tiny_deepseek_v2
+    from mla_tools.tiny_deepseek import make_tiny_deepseek_v2
 
     return _factory(tmp_path_factory, tokenizer_dir, make_tiny_deepseek_v2, "tiny_deepseek")
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek_v3_factory(tmp_path_factory, tokenizer_dir):
-    from mla_backend.tools.tiny_deepseek import make_tiny_deepseek_v3
+    from mla_tools.tiny_deepseek import make_tiny_deepseek_v3
 
     return _factory(tmp_path_factory, tokenizer_dir, make_tiny_deepseek_v3, "tiny_deepseek_v3")
 
@@ -82,7 +82,7 @@ def tiny_deepseek_v3_factory(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="session")
 def tiny_deepseek_v3_fp8_factory(tmp_path_factory, tokenizer_dir):
     """(seed, **overrides) -> (block-FP8 folder, its fp32 dequantized twin), made once each."""
-    from mla_backend.tools.tiny_deepseek import make_tiny_deepseek_v3_fp8, write_dequantized_copy
+    from mla_tools.tiny_deepseek import make_tiny_deepseek_v3_fp8, write_dequantized_copy
 
     made: dict[str, tuple[str, str]] = {}
 

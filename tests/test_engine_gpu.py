@@ -14,7 +14,7 @@ import torch
 
 from mla_backend.config import EngineConfig
 from mla_backend.engine import Engine
-from mla_backend.model_executor.forward_batch import ForwardMode
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.request import SamplingParams
 from tests.test_engine import GREEDY, PROMPTS, hf_greedy
 

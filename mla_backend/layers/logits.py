@@ -29,7 +29,7 @@ from mla_backend.distributed import (
 from mla_backend.layers.linear import resolve_tp
 
 if TYPE_CHECKING:
-    from mla_backend.model_executor.forward_batch import ForwardBatch
+    from mla_backend.forward_batch import ForwardBatch
 
 
 class VocabEmbedding(nn.Module):

@@ -129,7 +129,7 @@ def unquantized_linear(x: torch.Tensor, w: torch.Tensor,
             and not torch.compiler.is_compiling()):
         from mla_kernels.gemv import gemv
 
-        # a model weight: nothing writes it during a forward (PDL prefetch, kernels/pdl.py)
+        # a model weight: nothing writes it during a forward (PDL prefetch, mla_kernels/pdl.py)
         return gemv(x, w, bias, static_weight=True)
     if w.dtype == torch.float32 and x.dtype != torch.float32:
         x = x.float()
@@ -392,7 +392,7 @@ def _fp8_rowwise_scaled_mm(q: torch.Tensor, q_scale: torch.Tensor, w_t: torch.Te
             and out_dtype in _KERNEL_DTYPES and not torch.compiler.is_compiling()):
         from mla_kernels.gemv import gemv
 
-        # a model weight: nothing writes it during a forward (PDL prefetch, kernels/pdl.py)
+        # a model weight: nothing writes it during a forward (PDL prefetch, mla_kernels/pdl.py)
         return gemv(q, w_t.t(), x_scale=q_scale, w_scale=w_scale_row, out_dtype=out_dtype,
                     static_weight=True)
     if q.is_cuda and not (k % 16 or n % 16):  # cuBLASLt / CUTLASS FP8 need K, N % 16 == 0

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from mla_backend.model_executor.forward_batch import ForwardBatch
+    from mla_backend.forward_batch import ForwardBatch
 
 
 class RadixAttention(nn.Module):

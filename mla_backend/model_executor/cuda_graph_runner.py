@@ -33,14 +33,16 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
-from mla_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from mla_backend.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from mla_backend.model_executor.model_runner import ModelRunner
+    from mla_backend.config import EngineConfig
+    from mla_backend.layers.attention.base import AttentionBackend
+    from mla_backend.mem_cache.memory_pool import KVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,21 @@ def compile_counters() -> dict[str, int]:
             "calls_captured": int(stats.get("calls_captured", 0))}
 
 
+class GraphOwner(Protocol):
+    """What a `CudaGraphRunner` reads of its owner, the `ModelRunner` (which imports this module,
+    so it is named by its parts here)."""
+
+    config: "EngineConfig"
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    max_running_requests: int
+    model: Any  # the model (`forward`, `compute_logits`)
+    attn_backend: "AttentionBackend"
+    req_to_token_pool: "ReqToTokenPool"
+    token_to_kv_pool: "KVPool"
+
+
 class CudaGraphRunner:
     """Args:
         model_runner: a `ModelRunner` on CUDA whose pools and attention backend exist.
@@ -84,7 +101,7 @@ class CudaGraphRunner:
         RuntimeError: not on CUDA, or the backend does not support CUDA graphs.
     """
 
-    def __init__(self, model_runner: "ModelRunner") -> None:
+    def __init__(self, model_runner: GraphOwner) -> None:
         mr = model_runner
         if mr.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")

@@ -28,11 +28,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from mla_backend.config import EngineConfig
+from mla_backend.forward_batch import ForwardBatch, ForwardMode
 from mla_backend.host_tensors import int64_on
 from mla_backend.layers.attention.base import AttentionBackend
 from mla_backend.layers.logits import select_logit_rows
@@ -45,13 +46,10 @@ from mla_backend.mem_cache.memory_pool import (
     TokenToKVPoolAllocator,
     is_fp8,
 )
-from mla_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from mla_backend.model_executor.cuda_graph_runner import CudaGraphRunner
 from mla_backend.model_executor.model_loader import init_dummy_weights, iterate_weights
+from mla_backend.model_executor.tp_workers import TpWorkerGroup
 from mla_backend.models.registry import get_model_class_for_config
-
-if TYPE_CHECKING:
-    from mla_backend.distributed.tp_workers import TpWorkerGroup
-    from mla_backend.model_executor.cuda_graph_runner import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +160,7 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         if not os.path.isdir(mcfg.model_path):  # else transformers reports a bad 'repo id'
             raise FileNotFoundError(f"model_path: model folder {mcfg.model_path!r} does not "
-                                    "exist (run `python -m mla_backend.tools.prepare`?)")
+                                    "exist (run `python -m mla_tools.prepare`?)")
         self.hf_config = AutoConfig.from_pretrained(mcfg.model_path)
         self.tp_workers = _start_tp_workers(config)
         try:
@@ -301,7 +299,7 @@ class ModelRunner:
                                     kv_scales=None if scales is None else scales[0])
         raise ValueError(f"unknown kv pool kind {layout['kind']!r}")
 
-    def _init_cuda_graphs(self) -> "CudaGraphRunner | None":
+    def _init_cuda_graphs(self) -> CudaGraphRunner | None:
         rcfg = self.config.runner
         if self.device.type != "cuda" or rcfg.disable_cuda_graph:
             return None
@@ -309,8 +307,6 @@ class ModelRunner:
             logger.info("attention backend %s has no CUDA graph support: decoding eagerly",
                         type(self.attn_backend).__name__)
             return None
-        from mla_backend.model_executor.cuda_graph_runner import CudaGraphRunner
-
         return CudaGraphRunner(self)
 
     # ------------------------------------------------------------------ per step
@@ -423,7 +419,7 @@ class ModelRunner:
             return self.model.compute_logits(hidden).float()
 
 
-def _start_tp_workers(config: EngineConfig) -> "TpWorkerGroup | None":
+def _start_tp_workers(config: EngineConfig) -> TpWorkerGroup | None:
     """TP > 1 with no process group yet (e.g. inside the Triton adapter): spawn ranks 1..N-1 and
     join the group as rank 0. None at TP 1 or when the caller runs the ranks itself."""
     want = config.parallel.tensor_parallel_size
@@ -431,9 +427,7 @@ def _start_tp_workers(config: EngineConfig) -> "TpWorkerGroup | None":
 
     if want <= 1 or is_tensor_parallel_initialized():
         return None
-    from mla_backend.distributed.tp_workers import TpWorkerGroup
-
-    return TpWorkerGroup(config, want)
+    return TpWorkerGroup(config, want, ModelRunner)
 
 
 def _check_tensor_parallel(want: int) -> tuple[int, int]:

@@ -99,7 +99,7 @@ from mla_backend.layers.rotary_deepseek import (
 
 if TYPE_CHECKING:
     from mla_backend.config import ModelConfig
-    from mla_backend.model_executor.forward_batch import ForwardBatch
+    from mla_backend.forward_batch import ForwardBatch
 
 ABSORBED, DECOMPRESSED, MHA = "absorbed", "decompressed", "mha"
 # Token rows up to which absorbed MLA's w_kc / w_vc products run as `mla_kernels.bmm_gemv`

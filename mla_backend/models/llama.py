@@ -40,7 +40,7 @@ from mla_backend.layers.rotary_embedding import get_rope, rope_params_from_confi
 
 if TYPE_CHECKING:
     from mla_backend.config import ModelConfig
-    from mla_backend.model_executor.forward_batch import ForwardBatch
+    from mla_backend.forward_batch import ForwardBatch
 
 
 def _head_dim(cfg: Any) -> int:

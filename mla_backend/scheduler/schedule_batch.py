@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mla_backend.request import ForwardMode
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.request import Req
 
 

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from mla_backend.config import SchedulerConfig
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.mem_cache.chunk_cache import ChunkCache
 from mla_backend.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from mla_backend.request import ForwardMode
 from mla_backend.request import FinishReason, Req
 from mla_backend.scheduler.schedule_batch import ScheduleBatch
 from mla_backend.scheduler.schedule_policy import AddResult, PrefillAdder, SchedulePolicy

@@ -23,9 +23,11 @@ strings: the stub, which receives every output anyway, fills their text with its
 
 Messages (one duplex `multiprocessing` pipe, pickled tuples):
 - stub → child: ("add", GenerateRequest with input_ids), ("abort", rid), ("check",), ("close",).
-- child → stub: ("ready", facts) or ("load_error", message) once; then ("out", [RequestOutput],
-  failed, stats or None) after a step that produced outputs, a change of `failed` or of the
-  counters; ("step_error", message) when a step raised; ("check", verdict or None, stats).
+- child → stub: ("ready", facts) or ("load_error", message) once; then ("out", rows, failed,
+  stats or None) after a step that produced outputs, a change of `failed` or of the counters,
+  rows = `pack_outputs` of the step's [RequestOutput] (plain tuples: unpickling dataclass
+  instances costs several times more, and the stub does it under its GIL;
+  `benchmarks/bench_engine_pipe.py`); ("step_error", message) when a step raised; ("check", verdict or None, stats).
 
 If the child dies (killed, crashed), `failed` says so ("the engine process (pid N) exited
 (signal 9, SIGKILL); the model must be reloaded") and every live request ends with that error,
@@ -37,17 +39,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import multiprocessing as mp
+import operator
 import os
 import pickle
 import select
 import signal
 import threading
 import time
+from itertools import starmap
 from typing import Any
 
 from mla_backend.config import EngineConfig
-from mla_backend.distributed.tp_workers import _how_it_ended, _python_executable
 from mla_backend.engine import EngineFailedError, InvalidRequestError, validate_request
+from mla_backend.model_executor.tp_workers import _how_it_ended, _python_executable
 from mla_backend.request import GenerateRequest, RequestOutput
 from mla_backend.tokenizer.detokenizer import OutputDetokenizer
 
@@ -56,6 +60,20 @@ _STATS_EVERY_S = 0.1  # the child sends changed counters at most this often whil
 _START_POLL_S = 0.5  # how often the stub checks the child is alive while it loads (s)
 _CHECK_TIMEOUT_S = 30.0  # check_invariant's wait for the child's answer (s)
 _CLOSE_TIMEOUT_S = 30.0  # close() waits this long for the child, then terminates it (s)
+
+
+# One output on the pipe: its RequestOutput's fields as a tuple, in declaration order.
+_pack_output = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestOutput)))
+
+
+def pack_outputs(outputs: list[RequestOutput]) -> list[tuple]:
+    """The pipe form of a step's outputs (`unpack_outputs` rebuilds them)."""
+    return list(map(_pack_output, outputs))
+
+
+def unpack_outputs(rows: list[tuple]) -> list[RequestOutput]:
+    """RequestOutputs from `pack_outputs` rows."""
+    return list(starmap(RequestOutput, rows))
 
 
 class EngineProcessError(RuntimeError):
@@ -248,8 +266,8 @@ class EngineProcess:
             while error is None and self._conn.poll(0):
                 kind, *payload = self._conn.recv()
                 if kind == "out":
-                    outs, failed, stats = payload
-                    outputs += outs
+                    rows, failed, stats = payload
+                    outputs += unpack_outputs(rows)
                     if failed is not None and self.failed is None:
                         self.failed = failed
                     if stats is not None:
@@ -415,7 +433,7 @@ def _serve(engine: Any, conn: _Channel) -> None:
                 last_stats_t = now
         if outputs or stats is not None or engine.failed != failed_sent:
             failed_sent = engine.failed
-            conn.send(("out", outputs, engine.failed, stats))
+            conn.send(("out", pack_outputs(outputs), engine.failed, stats))
 
 
 def _handle(engine: Any, conn: Any, message: tuple) -> None:
@@ -425,9 +443,9 @@ def _handle(engine: Any, conn: Any, message: tuple) -> None:
         try:
             engine.add_request(request)
         except (InvalidRequestError, EngineFailedError) as e:  # checked in the stub: rare
-            conn.send(("out", [RequestOutput(rid=request.rid, new_token_ids=[], new_text="",
-                                             finished=True, error=str(e))],
-                       engine.failed, None))
+            conn.send(("out", pack_outputs([RequestOutput(
+                rid=request.rid, new_token_ids=[], new_text="", finished=True, error=str(e))]),
+                engine.failed, None))
     elif kind == "abort":
         engine.abort(message[1])
     elif kind == "check":

@@ -98,6 +98,7 @@ from mla_backend.serving.protocol import (
     parse_request,
     should_hold,
 )
+from mla_backend.serving.stub_check import StubEnvironmentError, check_stub_arrays
 
 _QUEUE_WAIT_S = 0.05  # the response thread wakes at least this often (s)
 _CANCEL_POLL_S = 0.1  # a round of is_cancelled() polls starts this often (s)
@@ -184,10 +185,15 @@ class TritonPythonModel:
         """Build the engine from config.pbtxt and start the engine and response threads.
 
         Raises:
-            pb_utils.TritonModelException / ConfigError: not decoupled, bad parameters, missing
-                weights — the model then fails to load with that message.
+            pb_utils.TritonModelException / ConfigError: a stub that cannot read tensors under
+                this numpy (`stub_check`), not decoupled, bad parameters, missing weights — the
+                model then fails to load with that message.
         """
         self.logger = pb_utils.Logger
+        try:
+            check_stub_arrays(pb_utils)  # before anything slow: a stub that cannot work
+        except StubEnvironmentError as e:
+            raise pb_utils.TritonModelException(str(e)) from None
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException(

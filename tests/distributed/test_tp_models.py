@@ -17,7 +17,7 @@ from tp_harness import TpRankError, TpWorkers
 from mla_backend.config import EngineConfig
 from mla_backend.distributed import get_tp_rank, get_tp_size
 from mla_backend.engine import Engine
-from mla_backend.model_executor.forward_batch import ForwardMode
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.request import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fib(n):", "1, 2, 3, 4, 5,"]

@@ -24,8 +24,6 @@ if not _cuda_available():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import mla_backend  # noqa: E402, F401  (registers the `mla_kernels` alias)
-
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

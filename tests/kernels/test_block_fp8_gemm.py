@@ -16,7 +16,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_backend  # noqa: F401  (registers the `mla_kernels` alias)
 from mla_kernels.block_fp8_gemm import (
     FP8_MAX,
     block_fp8_matmul,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_backend  # noqa: F401  (mla_kernels alias; conftest sets TRITON_INTERPRET)
 from mla_kernels.bmm_gemv import bmm_gemv, bmm_gemv_config
 from mla_kernels.reference import bmm_ref
 from tests.kernels.test_gemv import BF16, DEVICE, FP32, _rand  # same tolerances and inputs

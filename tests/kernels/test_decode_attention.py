@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import mla_backend  # noqa: F401  (registers `mla_kernels`)
 from mla_kernels.decode_attention import (
     MIN_TOKENS_PER_SPLIT,
     block_n_for,
@@ -259,10 +258,10 @@ def test_empty_splits_short_seqs_many_splits():
 
 
 def test_merge_skip_single_leaves_one_split_requests_alone():
-    """`_merge_splits_kernel(SKIP_SINGLE=True)` (the ws kernel's merge): a request with exactly
-    one non-empty split keeps its o row (stage 1 wrote it), a seq_len-0 row gets zeros, and one
-    with several merges its splits as without the flag."""
-    from mla_kernels.decode_attention import _merge_splits_kernel, merge_split_block
+    """`decode_merge.merge_splits_kernel(SKIP_SINGLE=True)` (the ws kernel's merge): a request
+    with exactly one non-empty split keeps its o row (stage 1 wrote it), a seq_len-0 row gets
+    zeros, and one with several merges its splits as without the flag."""
+    from mla_kernels.decode_merge import merge_split_block, merge_splits_kernel
 
     g = torch.Generator().manual_seed(12)
     seq_lens = torch.tensor([10, 100, 0, 200, 50], dtype=torch.int32)
@@ -272,7 +271,7 @@ def test_merge_skip_single_leaves_one_split_requests_alone():
     lse = torch.randn(bs, h, max_splits, generator=g)
     o = torch.full((bs, h, lv), 7.0)
     args = [t.to(DEVICE) for t in (mid, lse, o, seq_lens, nks)]
-    _merge_splits_kernel[(bs, h)](
+    merge_splits_kernel[(bs, h)](
         *args, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
         lse.stride(2), o.stride(0), o.stride(1), Lv=lv, MAX_KV_SPLITS=max_splits, BLOCK_DV=lv,
         SPLIT_ALIGN=64, SPLIT_BLOCK=merge_split_block(max_splits), SKIP_SINGLE=True)

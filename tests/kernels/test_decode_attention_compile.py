@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mla_backend  # noqa: F401  (registers `mla_kernels`)
 import mla_kernels.decode_attention as da
 
 ROOT = Path(__file__).resolve().parents[2]

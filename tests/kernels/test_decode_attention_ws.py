@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import mla_backend  # noqa: F401  (registers `mla_kernels`)
 import mla_kernels.decode_attention_ws as ws
 from mla_backend.mem_cache.memory_pool import quantize_fp8
 from mla_kernels.reference import decode_attention_ref

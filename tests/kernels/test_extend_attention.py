@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_backend  # noqa: F401  (mla_kernels alias; conftest sets TRITON_INTERPRET)
 from mla_kernels.extend_attention import (
     extend_attention_fwd,
     extend_block_sizes,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_backend  # noqa: F401  (mla_kernels alias; conftest sets TRITON_INTERPRET)
 from mla_kernels.decode_attention import decode_attention_fwd, get_num_kv_splits, num_head_programs
 from mla_kernels.extend_attention import extend_attention_fwd
 from mla_kernels.reference import decode_attention_ref, extend_attention_ref

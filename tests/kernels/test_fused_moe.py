@@ -16,7 +16,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_backend  # noqa: F401  (registers the `mla_kernels` alias)
 from mla_backend.layers.moe import DeepseekV2MoE, experts_forward, select_experts
 import mla_kernels.fused_moe as fused_moe_mod
 from mla_kernels.fused_moe import (

@@ -32,7 +32,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_backend  # noqa: F401  (registers the `mla_kernels` alias)
 from mla_backend.layers.moe import experts_forward, select_experts
 from mla_kernels.block_fp8_gemm import quant_weight_block_fp8
 from mla_kernels.fused_moe import GemvConfig, fused_experts

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_backend  # noqa: F401  (mla_kernels alias; conftest sets TRITON_INTERPRET)
 from mla_kernels.gemv import gemv
 from mla_kernels.reference import linear_ref
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_backend  # noqa: F401  (mla_kernels alias; conftest sets TRITON_INTERPRET)
 from mla_kernels.mla_rope_store import mla_norm_rope_store
 from mla_kernels.reference import mla_norm_rope_store_ref
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_backend  # noqa: F401  (mla_kernels alias; conftest sets TRITON_INTERPRET)
 from mla_backend.layers.moe import select_experts
 from mla_kernels.moe_routing import softmax_topk
 from mla_kernels.reference import softmax_topk_ref

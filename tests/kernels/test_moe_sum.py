@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_backend  # noqa: F401  (registers the `mla_kernels` alias)
 from mla_kernels.moe_sum import moe_sum
 from mla_kernels.reference import moe_sum_ref
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_backend  # noqa: F401  (registers the `mla_kernels` alias)
 from mla_kernels.sampling import greedy_with_logprob
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

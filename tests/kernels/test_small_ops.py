@@ -1,5 +1,5 @@
 """Small fused ops (rmsnorm, fused_add_rmsnorm, silu_and_mul, rotary) vs their fp32 twins in
-`kernels/reference.py`, and the layer classes' triton path (`forward_cuda`) vs `forward_native`.
+`mla_kernels/reference.py`, and the layer classes' triton path (`forward_cuda`) vs `forward_native`.
 
 CPU (CI): kernels run under TRITON_INTERPRET=1 in fp32 on device "cpu" (tests/kernels/conftest.py
 sets it when CUDA is absent); the layers' `forward_cuda` is called directly on CPU tensors, which
@@ -18,7 +18,6 @@ if not torch.cuda.is_available():  # in case the conftest has not set it (it doe
 
 import pytest  # noqa: E402
 
-import mla_backend  # noqa: E402,F401  (registers the `mla_kernels` alias)
 from mla_backend.layers.activation import SiluAndMul  # noqa: E402
 from mla_backend.layers.layernorm import RMSNorm  # noqa: E402
 from mla_backend.layers.rotary_deepseek import DeepseekRotaryEmbedding  # noqa: E402

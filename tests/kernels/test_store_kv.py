@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_backend  # noqa: F401  (mla_kernels alias; conftest sets TRITON_INTERPRET)
 from mla_kernels.reference import store_kv_ref
 from mla_kernels.store_kv import store_kv
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_backend  # noqa: F401
 from mla_backend.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,

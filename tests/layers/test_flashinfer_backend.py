@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from mla_backend.config import ATTENTION_BACKENDS
+from mla_backend.forward_batch import ForwardBatch, ForwardMode
 from mla_backend.layers.radix_attention import RadixAttention
 from mla_backend.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
-from mla_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from mla_backend.model_executor.model_runner import create_attention_backend
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
@@ -175,7 +175,7 @@ def test_tiny_llama_greedy_equals_triton(tmp_path):
     kernels themselves are compared within stated tolerances by the tests above."""
     from mla_backend.config import EngineConfig
     from mla_backend.engine import Engine
-    from mla_backend.tools.checkpoints import make_tiny_llama
+    from mla_tools.checkpoints import make_tiny_llama
     from tests.test_engine import GREEDY, PROMPTS
 
     path = make_tiny_llama(str(tmp_path / "llama"), seed=3,

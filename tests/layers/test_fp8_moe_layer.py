@@ -17,7 +17,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_backend  # noqa: F401
 import mla_backend.layers.moe as moe
 from mla_backend.layers.moe import (
     BlockFP8MoEMethod,

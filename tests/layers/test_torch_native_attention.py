@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from mla_backend.forward_batch import ForwardBatch, ForwardMode
 from mla_backend.layers.attention.torch_native import TorchNativeAttnBackend
 from mla_backend.layers.radix_attention import RadixAttention
 from mla_backend.mem_cache.memory_pool import (
@@ -18,7 +19,6 @@ from mla_backend.mem_cache.memory_pool import (
     MLATokenToKVPool,
     ReqToTokenPool,
 )
-from mla_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 POOL_SIZE = 64
 

@@ -15,7 +15,7 @@ from mla_backend.mem_cache.memory_pool import (
     quantize_fp8,
 )
 from mla_backend.model_executor.model_runner import kv_cell_bytes, resolve_kv_cache_dtype
-from mla_backend.tools.model_shapes import DEEPSEEK_V2_LITE
+from mla_tools.model_shapes import DEEPSEEK_V2_LITE
 
 FP8 = [pytest.param(torch.float8_e4m3fn, 448.0, id="e4m3"),
        pytest.param(torch.float8_e5m2, 57344.0, id="e5m2")]
@@ -147,7 +147,6 @@ def test_fp8_reciprocal_is_float32_division_in_both_writes():
     the same factor: 1 / scale as float32 division gives it (so they write the same bytes)."""
     import random
 
-    import mla_backend  # noqa: F401  (the mla_kernels alias)
     from mla_backend.mem_cache.memory_pool import fp8_reciprocal
     from mla_kernels.store_kv import fp8_reciprocal as kernel_reciprocal
 

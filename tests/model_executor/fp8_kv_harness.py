@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mla_backend.config import EngineConfig
-from mla_backend.model_executor.forward_batch import ForwardMode
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.model_executor.model_runner import ModelRunner
 
 

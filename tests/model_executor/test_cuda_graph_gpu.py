@@ -15,11 +15,11 @@ import torch
 
 from mla_backend.config import EngineConfig
 from mla_backend.engine import Engine
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.model_executor.cuda_graph_runner import compile_counters
-from mla_backend.model_executor.forward_batch import ForwardMode
 from mla_backend.model_executor.model_runner import ModelRunner
 from mla_backend.request import SamplingParams
-from mla_backend.tools.model_shapes import write_shape_model
+from mla_tools.model_shapes import write_shape_model
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mla_backend.config import EngineConfig
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.layers.attention.torch_native import TorchNativeAttnBackend
 from mla_backend.mem_cache.memory_pool import MHATokenToKVPool
-from mla_backend.model_executor.forward_batch import ForwardMode
 from mla_backend.model_executor.model_loader import iterate_weights, safetensors_files
 from mla_backend.model_executor.model_runner import (
     CPU_DEFAULT_MAX_TOTAL_TOKENS,

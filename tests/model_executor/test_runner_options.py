@@ -15,7 +15,7 @@ from mla_backend.model_executor.cuda_graph_runner import batch_size_buckets
 from mla_backend.model_executor.model_runner import ModelRunner, kv_cell_bytes
 from mla_backend.models.registry import get_model_class_for_config
 from mla_backend.request import SamplingParams
-from mla_backend.tools.model_shapes import shape_config, write_shape_model
+from mla_tools.model_shapes import shape_config, write_shape_model
 
 
 def test_batch_size_buckets():

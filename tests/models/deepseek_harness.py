@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig
 
 from mla_backend.config import ModelConfig
+from mla_backend.forward_batch import ForwardBatch, ForwardMode
 from mla_backend.layers.attention.torch_native import TorchNativeAttnBackend
 from mla_backend.mem_cache.memory_pool import (
     MHATokenToKVPool,
@@ -20,7 +21,6 @@ from mla_backend.mem_cache.memory_pool import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from mla_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from mla_backend.model_executor.model_loader import iterate_weights
 from mla_backend.models.deepseek_v2 import DeepseekV2ForCausalLM
 

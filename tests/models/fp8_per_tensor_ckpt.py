@@ -1,6 +1,6 @@
 """Test helper: write a per-tensor FP8 copy (the vLLM / ModelOpt format) of an fp32 HF folder.
 
-Every 2-D projection weight (`mla_backend.tools.tiny_deepseek._is_fp8_linear`: not the
+Every 2-D projection weight (`mla_tools.tiny_deepseek._is_fp8_linear`: not the
 embedding, LM head or router) becomes `X.weight` float8_e4m3fn + `X.weight_scale` float32 scalar
 (amax / 448 of that HF tensor, so q/k/v and gate/up shards get different scales), and config.json
 gains `quantization_config` {"quant_method": "fp8", "activation_scheme": "dynamic"}; with
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mla_backend.layers.quantization import quantize_fp8_per_tensor
-from mla_backend.tools.tiny_deepseek import _is_fp8_linear
+from mla_tools.tiny_deepseek import _is_fp8_linear
 
 
 STATIC_INPUT_SCALE = 0.02

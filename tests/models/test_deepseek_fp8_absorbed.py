@@ -25,12 +25,12 @@ import torch
 from fp8_per_tensor_ckpt import write_fp8_per_tensor_copy
 from test_fp8_per_tensor import _err, _Harness, _prompts
 
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.layers.quantization import (
     FP8_E4M3,
     fp8_per_tensor_bmm,
     quantize_fp8_bmm_weight,
 )
-from mla_backend.model_executor.forward_batch import ForwardMode
 from mla_kernels.reference import bmm_fp8_ref
 
 BMM_ATOL, BMM_RTOL, BMM_REL_FP32 = 1e-4, 1e-5, 0.08

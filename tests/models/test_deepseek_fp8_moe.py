@@ -20,8 +20,8 @@ import pytest
 import torch
 from deepseek_harness import DeepseekHarness
 
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.layers.moe import BlockFP8MoEMethod, DeepseekV2MoE, Fp8MoEMethod
-from mla_backend.model_executor.forward_batch import ForwardMode
 from mla_backend.models.deepseek_v2 import DeepseekV3ForCausalLM
 
 REL, TOP1 = 1e-3, 0.99

@@ -21,7 +21,7 @@ from mla_backend.layers.rotary_deepseek import (
     yarn_inv_freq,
 )
 from mla_backend.models.deepseek_v2 import DeepseekV2ForCausalLM
-from mla_backend.tools.tiny_deepseek import make_tiny_deepseek_v2, tiny_deepseek_v2_config
+from mla_tools.tiny_deepseek import make_tiny_deepseek_v2, tiny_deepseek_v2_config
 
 V2_LITE_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                 "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}

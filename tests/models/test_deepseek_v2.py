@@ -1,5 +1,5 @@
 """DeepSeek-V2 (MLA + MoE + YaRN) against Hugging Face transformers, and its three attention paths
-against each other. fp32 on CPU, tiny random checkpoints from `tools/tiny_deepseek.py`.
+against each other. fp32 on CPU, tiny random checkpoints from `mla_tools/tiny_deepseek.py`.
 
 Tolerance for logits: atol 2e-4, rtol 1e-4 (logits have std ~3; observed max differences to HF
 ~7e-6). Greedy runs compare token ids exactly and the logits of every step; each step's top-2
@@ -13,7 +13,7 @@ import torch
 from deepseek_harness import DeepseekHarness
 from transformers import AutoModelForCausalLM
 
-from mla_backend.model_executor.forward_batch import ForwardMode
+from mla_backend.forward_batch import ForwardMode
 
 ATOL, RTOL = 2e-4, 1e-4
 

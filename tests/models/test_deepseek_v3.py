@@ -1,6 +1,6 @@
 """DeepSeek-V3 (`DeepseekV3ForCausalLM`: MLA + noaux_tc MoE + YaRN) against Hugging Face
 transformers' `DeepseekV3ForCausalLM`, fp32 on CPU, tiny random checkpoints from
-`tools/tiny_deepseek.make_tiny_deepseek_v3` (which carry an MTP layer, as the real checkpoint).
+`mla_tools/tiny_deepseek.make_tiny_deepseek_v3` (which carry an MTP layer, as the real checkpoint).
 
 Harness, tolerances and the near-tie guard are test_deepseek_v2's: logits atol 2e-4, rtol 1e-4
 (logit std ~3; observed max differences to HF ~2e-6), greedy token ids equal, every step's top-2
@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 from test_deepseek_v2 import (ATOL, RTOL, _check_gap, _hf, _hf_greedy, _prompts,
                               assert_absorbed_matches_hf, assert_greedy_matches_hf)
 
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.layers.moe import DeepseekV2MoE, select_experts_noaux_tc
-from mla_backend.model_executor.forward_batch import ForwardMode
 from mla_backend.models.deepseek_v2 import DeepseekV3ForCausalLM
 from mla_backend.models.registry import get_model_class
 
@@ -278,7 +278,7 @@ def test_weights_real_names_mtp_skipped_fp32_router(tiny_deepseek_v3_factory):
 
 # bf16: logits std ~3; bf16 rounding moves a position's logits by <= ~0.3 (HF's own bf16 run
 # vs its fp32 run: 0.12-0.32 here). A routing choice that bf16 flips moves them by O(1) (the tiny
-# V3's experts matter, see `tools/tiny_deepseek._rescale_projections`), for either implementation.
+# V3's experts matter: `mla_tools.tiny_deepseek._rescale_projections`), for either implementation.
 BF16_POS_ATOL, BF16_MIN_FRACTION = 0.5, 0.9
 
 

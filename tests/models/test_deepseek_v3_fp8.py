@@ -42,9 +42,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from test_deepseek_v2 import ATOL, RTOL, _hf, _hf_greedy, _prompts
 
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.layers.moe import BlockFP8MoEMethod, dequantize_expert
 from mla_backend.layers.quantization import BlockFP8LinearMethod, UnquantizedLinearMethod
-from mla_backend.model_executor.forward_batch import ForwardMode
 from mla_backend.models.deepseek_v2 import DeepseekV3ForCausalLM
 
 FP8_REL_RMS, FP8_TOP1, FP8_GREEDY = 0.04, 0.9, 0.75

@@ -31,8 +31,8 @@ from fp8_per_tensor_ckpt import write_fp8_per_tensor_copy
 from test_llama import make_runner, new_seq, release, step
 
 from mla_backend.config import ConfigError, EngineConfig
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.layers.quantization import Fp8LinearMethod
-from mla_backend.model_executor.forward_batch import ForwardMode
 
 LLAMA_REL_RMS, LLAMA_TOP1, LLAMA_CKPT_ONLINE = 0.15, 0.75, 0.1
 DS_REL_RMS, DS_TOP1, DS_CKPT_ONLINE = 0.02, 0.95, 0.01

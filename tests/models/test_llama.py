@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mla_backend.config import EngineConfig
-from mla_backend.model_executor.forward_batch import ForwardMode
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.model_executor.model_runner import ModelRunner
 
 PROMPTS = [

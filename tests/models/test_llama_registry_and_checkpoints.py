@@ -16,7 +16,7 @@ from mla_backend.models.registry import (
     get_model_class,
     supported_architectures,
 )
-from mla_backend.tools.checkpoints import make_tiny_llama
+from mla_tools.checkpoints import make_tiny_llama
 
 
 def test_registry():

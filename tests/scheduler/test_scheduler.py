@@ -6,8 +6,8 @@ import pytest
 import torch
 from sched_sim import Sim, expected_output
 
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.mem_cache.radix_cache import RadixCache
-from mla_backend.model_executor.forward_batch import ForwardMode
 from mla_backend.request import FinishReason, Req, SamplingParams
 from mla_backend.scheduler.schedule_policy import PrefillAdder
 

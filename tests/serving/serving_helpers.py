@@ -2,7 +2,7 @@
 
 - `write_model`: a copy of one of our model folders (config.pbtxt + 1/model.py) in a temporary
   model repository, renamed, with engine parameters overridden and `model_path` pointing at the
-  real weights folder (made by `mla_backend.tools.prepare` if missing).
+  real weights folder (made by `mla_tools.prepare` if missing).
 - `read_metrics` / `series`: the Prometheus text of a server's metrics port as numbers.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import requests
 
-from mla_backend.tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
+from mla_tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,26 +31,27 @@ def _set_param(text: str, key: str, value: str, add: bool = False) -> str:
 
 def write_model(root: Path, name: str, params: dict[str, str],
                 source: str = "deepseek-v2-tiny", instances: int = 1,
-                extra_params: dict[str, str] | None = None) -> None:
+                extra_params: dict[str, str] | None = None, kind: str = "KIND_CPU") -> None:
     """Write model `name` into repository `root` as a copy of model_repository/<source>.
 
     Args:
         params: config.pbtxt parameters to override (values as strings); `model_path`
             defaults to the source's weights folder (absolute).
-        instances: `count` of the KIND_CPU instance group.
+        instances: `count` of the instance group.
         extra_params: parameters to set, appended when the source config.pbtxt lacks them.
+        kind: the instance group's kind (KIND_CPU; KIND_MODEL or KIND_GPU on a GPU machine).
     Raises:
         AssertionError: the source config.pbtxt lacks a parameter of `params` or the instance
             group.
     """
-    prepare(DEFAULT_MODEL_REPOSITORY)
+    prepare(DEFAULT_MODEL_REPOSITORY, models=[source])
     src = REPO / "model_repository" / source
     (root / name / "1").mkdir(parents=True)
     shutil.copy(src / "1" / "model.py", root / name / "1" / "model.py")
     text = (src / "config.pbtxt").read_text()
     text = re.sub(r'^name: "[^"]*"', f'name: "{name}"', text, count=1, flags=re.M)
     text, n = re.subn(r"instance_group \[ \{ kind: KIND_CPU, count: 1 \} \]",
-                      f"instance_group [ {{ kind: KIND_CPU, count: {instances} }} ]", text)
+                      f"instance_group [ {{ kind: {kind}, count: {instances} }} ]", text)
     assert n == 1, "config.pbtxt has no single KIND_CPU instance_group"
     for key, value in {"model_path": str(src / "weights"), **params}.items():
         text = _set_param(text, key, value)

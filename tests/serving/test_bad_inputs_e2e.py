@@ -31,7 +31,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import _utils as grpc_utils
 from tritonclient.grpc import service_pb2_grpc
 
-from mla_backend.tools.tritonserver import TritonServer
+from mla_tools.tritonserver import TritonServer
 from serving_helpers import write_model
 
 pytestmark = pytest.mark.e2e

@@ -33,7 +33,7 @@ import random
 
 import pytest
 
-from mla_backend.tools.tritonserver import TritonServer
+from mla_tools.tritonserver import TritonServer
 
 from test_triton_e2e import Stream, grpc_inputs, is_final, scalar, text_of
 from serving_helpers import write_model

@@ -14,8 +14,9 @@ import pytest
 
 from mla_backend.config import EngineConfig
 from mla_backend.engine import Engine, EngineFailedError, InvalidRequestError
-from mla_backend.request import FinishReason, GenerateRequest, SamplingParams
-from mla_backend.serving.engine_process import EngineProcess, EngineProcessError
+from mla_backend.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
+from mla_backend.serving.engine_process import (EngineProcess, EngineProcessError, pack_outputs,
+                                                unpack_outputs)
 
 REPO = Path(__file__).resolve().parents[2]
 WEIGHTS = REPO / "model_repository" / "deepseek-v2-tiny" / "weights"
@@ -231,3 +232,22 @@ def test_cuda_engine_process_equals_in_process():
     finally:
         ep.close()
     assert got == want
+
+
+def test_outputs_cross_the_pipe_field_for_field():
+    """`pack_outputs` / `unpack_outputs` (the pipe's form) keep every RequestOutput field,
+    each set to a value other than its default, through pickling."""
+    import dataclasses
+    import pickle
+
+    outs = [RequestOutput(rid="a", new_token_ids=[5, 6], new_text="xy", finished=True,
+                          finish_reason=FinishReason.STOP, num_input_tokens=3,
+                          num_output_tokens=7, cached_tokens=2, new_logprobs=[{5: -0.5}],
+                          new_token_logprobs=[-0.5], cumulative_logprob=-1.25, error="boom",
+                          detokenized=False),
+            RequestOutput(rid="b", new_token_ids=[], new_text="", finished=False)]
+    defaults = RequestOutput(rid="", new_token_ids=[], new_text="", finished=False)
+    for f in dataclasses.fields(RequestOutput):
+        assert getattr(outs[0], f.name) != getattr(defaults, f.name), f.name
+    back = unpack_outputs(pickle.loads(pickle.dumps(pack_outputs(outs))))
+    assert back == outs

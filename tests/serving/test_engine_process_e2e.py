@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from mla_backend.tools.tritonserver import TritonServer
+from mla_tools.tritonserver import TritonServer
 
 from test_tp_worker_death_e2e import SETTINGS, _refused, _serves_baseline, kill_mid_stream
 from serving_helpers import write_model

@@ -15,7 +15,7 @@ import time
 import pytest
 import requests
 
-from mla_backend.tools.tritonserver import TritonServer
+from mla_tools.tritonserver import TritonServer
 
 from test_triton_e2e import Stream, grpc_inputs, scalar
 from serving_helpers import read_metrics, series, write_model

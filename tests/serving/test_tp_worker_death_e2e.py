@@ -37,7 +37,7 @@ import tritonclient.http as httpclient
 
 from mla_backend.config import EngineConfig
 from mla_backend.request import SamplingParams
-from mla_backend.tools.tritonserver import TritonServer
+from mla_tools.tritonserver import TritonServer
 
 from test_triton_e2e import Stream, grpc_inputs, is_final, text_of
 from serving_helpers import write_model

@@ -31,7 +31,7 @@ import tritonclient.grpc as grpcclient
 
 from mla_backend.config import EngineConfig
 from mla_backend.request import SamplingParams
-from mla_backend.tools.tritonserver import TritonServer
+from mla_tools.tritonserver import TritonServer
 from serving_helpers import read_metrics, series, write_model
 
 pytestmark = pytest.mark.e2e

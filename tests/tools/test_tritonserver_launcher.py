@@ -1,4 +1,4 @@
-"""Tests of mla_backend.tools.tritonserver: a real tritonserver over throwaway python-backend models."""
+"""Tests of mla_tools.tritonserver: a real tritonserver over throwaway python-backend models."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_backend.tools.tritonserver import (
+from mla_tools.tritonserver import (
     TritonServer,
     TritonServerError,
     find_tritonserver,

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from mla_backend.forward_batch import ForwardBatch
     from mla_backend.layers.radix_attention import RadixAttention
-    from mla_backend.model_executor.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

@@ -51,13 +51,12 @@ except ImportError as exc:  # the message names the package; the cause says what
         f"(written against 0.7.2.post1), which could not be imported: {exc}. Install it or "
         "choose attention_backend='triton'.") from exc
 
+from mla_backend.layers.attention.base import AttentionBackend, check_pool_free
 from mla_kernels.store_kv import store_kv
 
-from mla_backend.layers.attention.base import AttentionBackend, check_pool_free
-
 if TYPE_CHECKING:
+    from mla_backend.forward_batch import ForwardBatch
     from mla_backend.layers.radix_attention import RadixAttention
-    from mla_backend.model_executor.forward_batch import ForwardBatch
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's recommended float workspace (split-KV partials)
 _FI_DTYPES = (torch.float16, torch.bfloat16)

@@ -20,13 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mla_backend.layers.attention.base import AttentionBackend, check_pool_free
 from mla_kernels.reference import attention_ref
 
-from mla_backend.layers.attention.base import AttentionBackend, check_pool_free
-
 if TYPE_CHECKING:
+    from mla_backend.forward_batch import ForwardBatch
     from mla_backend.layers.radix_attention import RadixAttention
-    from mla_backend.model_executor.forward_batch import ForwardBatch
 
 
 class TorchNativeAttnBackend(AttentionBackend):

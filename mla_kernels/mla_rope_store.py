@@ -22,7 +22,7 @@ norm's reduction order.
 
 Grid (T,): one program per token (the latent row and all heads' rope parts of one token fit in
 registers). Slot offsets are 64-bit. Padded rows of a CUDA-graph batch carry loc 0, the padding
-sink (see `store_kv`). With programmatic dependent launch (kernels/pdl.py) the norm weight, a
+sink (see `store_kv`). With programmatic dependent launch (mla_kernels/pdl.py) the norm weight, a
 parameter, is read before the wait.
 """
 

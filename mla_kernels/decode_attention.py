@@ -38,9 +38,9 @@ v_scale into the normalized partial output (sum_j p_j · v_j · s = s · sum_j p
 
 MLA in a bf16 or FP8 pool at bs >= WS_MLA_MIN_BS on sm_90 is handed to `decode_attention_ws`
 (the same stage-1 contract and scales, warp-specialized in Gluon) before any of the above; the
-merge is shared.
+merge (`decode_merge`) is shared.
 
-Programmatic dependent launch (kernels/pdl.py) on Hopper: both kernels wait for the kernel in
+Programmatic dependent launch (mla_kernels/pdl.py) on Hopper: both kernels wait for the kernel in
 front before their first load.
 
 No host synchronisation: split counts live on the device, the grids depend only on shapes and
@@ -53,11 +53,19 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_merge import (
+    FP8_DTYPES,
+    MIN_TOKENS_PER_SPLIT,
+    merge_split_block,
+    merge_splits_kernel,
+    split_len,
+)
 from .pdl import launch_options, pdl_enter, use_pdl
 
-# Smallest number of tokens a split is given by `get_num_kv_splits` (short sequences get fewer
-# splits so that each program still has at least this much work).
-MIN_TOKENS_PER_SPLIT = 64
+# The FP8 pool dtypes, as a knob of this module (benchmarks/bench_decode_attention.py's
+# `fp8wide` rebinds it to give FP8 pools the wide plan).
+_FP8_DTYPES = FP8_DTYPES
+
 # `get_num_kv_splits` aims at this many stage-1 programs per SM (rounding the splits up).
 PROGRAMS_PER_SM = 4
 # Wide (MLA 576) heads in a 16-bit pool (`wide_plan`): two programs fit on an SM at once (shared
@@ -173,9 +181,6 @@ def block_n_for(lk: int, bs: int | None = None, kv_dtype: torch.dtype | None = N
     return BLOCK_N_WIDE
 
 
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def wide_plan(head_dim: int, kv_dtype: torch.dtype | None = None, bs: int | None = None) -> bool:
     """Whether decode over a pool of this QK head dim and dtype uses the wide split plan: heads
     wider than 256 (MLA's 576) in a 16-bit pool, and MLA's 576 in an FP8 pool at batches of
@@ -263,14 +268,6 @@ def get_num_kv_splits(seq_lens: torch.Tensor, num_head_groups: int, max_kv_split
 
 
 @triton.jit
-def _split_len(seq_len, n_splits, ALIGN: tl.constexpr):
-    """Tokens per split: cdiv(seq_len, n_splits) rounded up to ALIGN (at least ALIGN)."""
-    per = tl.cdiv(seq_len, n_splits)
-    per = tl.cdiv(per, ALIGN) * ALIGN
-    return tl.maximum(per, ALIGN)
-
-
-@triton.jit
 def mma_operand(q, POOL_FP8: tl.constexpr):
     """q as the operand of its products with a pool's tiles, which are converted to q's dtype: a
     bf16 q becomes fp16 (saturated at +-65504) when the pool is FP8 (POOL_FP8), because FP8 ->
@@ -304,7 +301,7 @@ def _decode_split_kernel(
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     n_splits = tl.minimum(tl.maximum(tl.load(NumKvSplits + b), 1), MAX_KV_SPLITS)
-    per = _split_len(seq_len, n_splits, BLOCK_N)
+    per = split_len(seq_len, n_splits, BLOCK_N)
     start = split * per
     end = tl.minimum(start + per, seq_len)
     if (split < n_splits) & (start < end):
@@ -418,58 +415,6 @@ def _decode_split_kernel(
         tl.store(MidLse + lse_row, lse, mask=mask_h)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    MidO, MidLse, O, SeqLens, NumKvSplits,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh,
-    Lv: tl.constexpr, MAX_KV_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SPLIT_ALIGN: tl.constexpr, SPLIT_BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
-    SKIP_SINGLE: tl.constexpr = False,
-):
-    """o[b, h] = sum_s exp(lse_s - m) * part_s / sum_s exp(lse_s - m), m = max_s lse_s, over the
-    non-empty splits, SPLIT_BLOCK splits per step (the LSEs and partial outputs of a step are
-    loaded together; a plan with no more splits takes one step: one round of loads instead of
-    a dependent chain per split); 0 when there are none. SKIP_SINGLE: requests with exactly one
-    non-empty split are left alone (their stage 1 wrote o itself: `decode_attention_ws`)."""
-    pdl_enter(USE_PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    n_splits = tl.minimum(tl.maximum(tl.load(NumKvSplits + b), 1), MAX_KV_SPLITS)
-    per = _split_len(seq_len, n_splits, SPLIT_ALIGN)
-    n_valid = tl.minimum(n_splits, tl.cdiv(seq_len, per))  # non-empty splits only
-    if SKIP_SINGLE:
-        n_valid = tl.where(n_valid == 1, -1, n_valid)  # -1: neither the loop nor the store
-
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < Lv
-    offs_s = tl.arange(0, SPLIT_BLOCK)
-    mid = MidO + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
-    lse_ptr = MidLse + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
-    m = float("-inf")
-    den = 0.0
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for s0 in range(0, n_valid, SPLIT_BLOCK):
-        live = s0 + offs_s < n_valid  # at least the first: m_new is finite
-        lse = tl.load(lse_ptr + (s0 + offs_s) * stride_ls, mask=live, other=float("-inf"))
-        part = tl.load(mid + (s0 + offs_s)[:, None] * stride_ms + offs_dv[None, :],
-                       mask=live[:, None] & mask_dv[None, :], other=0.0)
-        m_new = tl.maximum(m, tl.max(lse, axis=0))
-        scale_old = tl.exp(m - m_new)  # 0 on the first step
-        w = tl.exp(lse - m_new)  # 0 for the masked splits
-        acc = acc * scale_old + tl.sum(w[:, None] * part, axis=0)
-        den = den * scale_old + tl.sum(w, axis=0)
-        m = m_new
-    out = tl.where(den > 0, acc / tl.maximum(den, 1e-30), 0.0)
-    o_ptr = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_dv
-    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_dv & (n_valid >= 0))
-
-
-def merge_split_block(max_kv_splits: int) -> int:
-    """Splits the merge kernel loads at once: all of them up to 8 (a power of two)."""
-    return min(8, triton.next_power_of_2(max(1, max_kv_splits)))
-
-
 def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          o: torch.Tensor, req_to_token: torch.Tensor,
                          req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -524,6 +469,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     if (ws_batch(bs) and num_kv_heads == 1 and lv == 512
             and v_buffer.data_ptr() == k_buffer.data_ptr()
             and v_buffer.stride()[:2] == k_buffer.stride()[:2]):
+        # imported on first use: it needs triton's Gluon (>= 3.6), which no other path here does
         from .decode_attention_ws import mla_decode_ws_fwd, ws_supported
 
         if ws_supported(q, k_buffer):
@@ -565,7 +511,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                     else STAGE1_NUM_STAGES_WIDE if wide else STAGE1_NUM_STAGES),
         **launch_options(pdl),
     )
-    _merge_splits_kernel[(bs, num_heads)](
+    merge_splits_kernel[(bs, num_heads)](
         attn_logits, attn_lse, o, seq_lens, num_kv_splits,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1), attn_lse.stride(2), o.stride(0), o.stride(1),

