@@ -92,11 +92,10 @@ def graph_time_ms(fn, flush, rounds: int = 10, reps: int = 30) -> float:
     return max(both - flush_only, 1e-6) / rounds
 
 
-# L2 flushes over 256 MB (> the H200's L2). "read" (the default since 2026-12-02): a sum, which
-# leaves the cache full of clean lines, as in a decode step, where the kernels before attention
-# mostly read weights. "write" (the earlier rounds' flush): a memset, which leaves up to an
-# L2 of dirty lines that the timed kernel then has to write back to HBM: bs 64 x 4096 MLA
-# decode measured 90.0 us after it vs 85.3 us after "read" (H200, docs/benchmarks.md).
+# L2 flushes over 256 MB (> the H200's L2). "read" (the default): a sum, which leaves the cache
+# full of clean lines, as in a decode step, where the kernels before attention mostly read
+# weights. "write": a memset, which leaves up to an L2 of dirty lines that the timed kernel then
+# has to write back to HBM, so it times the kernel slower than a decode step sees it.
 FLUSHES = ("read", "write")
 
 

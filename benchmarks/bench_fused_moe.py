@@ -11,7 +11,7 @@ count T it
    graph and replayed (what decode sees: no launch overhead), and (once per T) the loop;
 4. reports the weight bytes the call must read (experts that received a token x 3·H·I elements)
    over the graph-replay time, in GB/s: for small T (a few experts, weight-bound) the number to
-   hold against the HBM bandwidth (about 4.3 TB/s measured copy rate on an H200).
+   hold against the HBM bandwidth (the device's copy rate).
 
 Prints a markdown table, one row per (T, path, config); `auto` marks the path that
 `fused_experts(path="auto")` takes at that T (GEMV iff T*k <= GEMV_MAX_ROWS). The GEMV path is

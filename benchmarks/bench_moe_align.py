@@ -1,6 +1,6 @@
 """The MoE sort on a CUDA GPU: `mla_kernels.fused_moe.moe_align_block_size` (three triton
 launches) against its torch twin `reference.moe_align_block_size_ref` (a stable sort and about
-20 small torch launches, the engine's form until 2026-12-02).
+20 small torch launches, the engine's earlier form).
 
 For each token count T: routes T tokens over E experts with `select_experts` (softmax top-k, as
 DeepSeek-V2-Lite's router), takes BLOCK_M from `get_default_config(T, k, E)` (what

@@ -10,7 +10,7 @@ Sections (`--sections`):
   GEMM, quantization, norms/rotary, elementwise, ...) and the top kernels by time. Programmatic
   dependent launch (mla_kernels/pdl.py) is off here unless `--pdl`: under PDL a kernel's programs
   start early and wait at `griddepcontrol.wait`, and CUPTI counts that wait in its duration
-  (on an H200 at bs 1: 8.45 ms of "kernel time" in a 2.96 ms step), so the durations only mean
+  (at bs 1 the kernel time summed to more than the step's wall time), so the durations only mean
   something without it; the step wall time printed is then the PDL-off step.
 - prefill: the kernels of an eager prefill of `--prefill-requests` x `--prompt` tokens (in
   chunks of `--prefill-chunk` tokens if given: the later chunks then extend a cached prefix),

@@ -182,9 +182,7 @@ def _detokenizer_main(conn, tokenizer_dir: str) -> None:
     od = OutputDetokenizer(AutoTokenizer.from_pretrained(tokenizer_dir))
     # As the adapter's stub does once its model is loaded: without it this process's full
     # collections walk every imported object, and while one runs the pipe fills and the
-    # engine's loop blocks on its send. (Inferred, not rerun: the H200 runs of 2026-12-04,
-    # without the freeze, had decode steps of up to 188 ms, against 22 ms with the engine
-    # detokenizing.)
+    # engine's loop blocks on its send (inferred from long decode steps in runs without it).
     freeze_startup_objects()
     conn.send(("ready",))
     n = chars = 0
@@ -280,10 +278,8 @@ def warm_up(eng: Engine, prompts: list[list[int]]) -> None:
     """Before a timed run of `prompts`: its first 256 prompts, 8 new tokens each. Their first
     two prefills are the run's first two steps (the same prompts in the same order fill the
     same chunks), so the kernels the JIT compiles for those sizes are not compiled inside the
-    timed run. With a 16-prompt warm-up the first step of a 2,000-request V2-Lite run took
-    1.1 s in bf16 and 2.3 s with FP8; with 128 prompts (the first chunk only) the second step
-    of FP8 / FP8 runs on a fresh machine still took 1.4 s, triton compiling a kernel
-    (docs/benchmarks.md, "Grouped-GEMM tiles, the router's GEMM")."""
+    timed run. With a smaller warm-up (16 or 128 prompts) the first steps of a timed run
+    still compiled kernels and took over a second."""
     n = min(256, len(prompts))
     run_requests(eng, prompts[:n], [8] * n)
 

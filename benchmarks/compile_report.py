@@ -6,8 +6,7 @@ Compiles `mla_kernels.decode_attention._decode_split_kernel` for an sm_90 target
 (`-v`), and prints one table row per setting: registers per thread, shared memory per program,
 the shared-memory buffers the software pipeliner allocated (for example `2x32x512xbf16`: two
 32-token K buffers), and the count of warpgroup (wgmma) vs warp-level (mma.sync) MMA
-instructions in the PTX. This is how the second decode-attention round (docs/benchmarks.md) found
-that 3 stages gave the K tile a single buffer.
+instructions in the PTX. It showed, for example, that 3 stages gave the K tile a single buffer.
 
     python benchmarks/compile_report.py SWAP,BLOCK_N,WARPS,STAGES[,POOL] ...
         (e.g. 1,32,4,5 0,32,4,3 0,32,4,3,e4m3)

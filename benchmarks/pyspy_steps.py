@@ -7,9 +7,8 @@ steps` (stacks through `section_steps` and `run_requests`, not `warm_up`) that a
 `Engine.step`, and prints, for each function named, the samples whose stack passes through it
 (inclusive: a function and what it calls), in seconds at `--rate` and as a share of the step
 samples. A sampler times every function alike, where cProfile's per-call cost inflates the
-Python-heavy ones; it still slows a host-bound run (the H200 runs of 2026-12-04: FP8 prefill
-steps 84.5 ms under py-spy against 73.0 without), and `--nonblocking` loses samples, so read
-the shares, not absolute seconds, and take throughput from a run without it.
+Python-heavy ones; it still slows a host-bound run noticeably, and `--nonblocking` loses
+samples, so read the shares, not absolute seconds, and take throughput from a run without it.
 
     py-spy record --nonblocking --idle --rate 200 --format raw -o run.folded -- \\
         python3 benchmarks/bench_profile.py --model deepseek-v2-lite --tokenizer-dir TOK \\

@@ -23,9 +23,8 @@ QUANTIZATION_NAMES = ("", "fp8")  # = layers.quantization.QUANTIZATION_METHODS
 # The cycle collector's generation thresholds while serving (Python's default: 700, 10, 10),
 # set by `engine.freeze_startup_objects` and the tensor-parallel workers. A decode step
 # allocates a few tracked containers per request (outputs, token lists), so with the default a
-# bs-1,024 step ran ~3 young collections, and a peak run on the H200 spent 2.4 s of 29.4 s in
-# 5,554 + 504 + 45 collections (docs/benchmarks.md, issue 6). The engine makes few reference
-# cycles; their garbage waits longer.
+# large batch runs several young collections per step and a peak run spends seconds in the
+# collector (issue 6). The engine makes few reference cycles; their garbage waits longer.
 GC_THRESHOLDS = (20_000, 50, 50)
 
 

@@ -180,8 +180,7 @@ def freeze_startup_objects() -> None:
 
     After start-up a process holds ~350,000 tracked objects (torch, transformers and triton
     modules, the model, the tokenizer), and a generation-2 collection walks all of them with the
-    GIL held: 250-300 ms each, seven times in a 33 s peak-throughput run on the H200 (1.75 s of
-    stalled steps, docs/benchmarks.md, "Garbage-collector pauses"). An earlier freeze is undone
+    GIL held, a few hundred ms each, stalling the engine's steps. An earlier freeze is undone
     first and the garbage collected, so an engine built after another one (tests, benchmarks)
     does not keep the first one's cyclic garbage alive. Called at the end of `Engine.__init__`
     and by the adapter's stub once its model is loaded. Takes one full collection (~0.3 s).

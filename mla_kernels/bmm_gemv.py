@@ -64,8 +64,8 @@ def _bmm_gemv_kernel(X, W, Out, K, N, stride_xt, stride_xh, stride_wh, stride_wk
 def bmm_gemv_config(k: int, n: int) -> dict:
     """BLOCK_N, BLOCK_K, num_warps for w [H, K, N]: 8192-element weight tiles (16 KB in bf16),
     at N >= 256 as 128 x 64 (q_nope · w_kc, N 512: 8 programs per head), else K-deep 512 x 16
-    (o · w_vc, N 128: 8 programs per head), so 16 heads give 128 programs — about one per SM of
-    an H200. Not tuned on the GPU yet."""
+    (o · w_vc, N 128: 8 programs per head), so 16 heads give 128 programs, about one per SM of
+    a 132-SM GPU. Not tuned on the GPU yet."""
     block_n = 64 if n >= 256 else 16
     block_k = min(8192 // block_n, triton.next_power_of_2(max(k, 16)))
     return {"BLOCK_N": min(block_n, triton.next_power_of_2(max(n, 16))), "BLOCK_K": block_k,

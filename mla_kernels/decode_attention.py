@@ -1,50 +1,24 @@
 """Flash-decoding attention over the paged token-slot pool (one query token per request).
 
 Owns the decode attention op of the Triton attention backend: `get_num_kv_splits` (the on-device
-split-count heuristic) and `decode_attention_fwd` (two triton kernels). Its float32 twin is
-`reference.decode_attention_ref`.
+split-count heuristic) and `decode_attention_fwd` (two triton kernels), as in SGLang's Triton
+backend after PR #2394. Its float32 twin is `reference.decode_attention_ref`.
 
-Algorithm (flash-decoding with grouped heads, as in SGLang's Triton backend after PR #2394):
+- Stage 1, grid (bs, head programs, max_kv_splits): a head program owns up to BLOCK_H (>= 16,
+  padded) query heads that read the same KV head, so every K/V tile it gathers serves all of
+  them. Each request's sequence is cut into `num_kv_splits[b]` BLOCK_N-aligned ranges; a
+  program walks its range through `req_to_token` (int64 before any stride multiply), keeps an
+  online softmax in fp32 and writes the normalized partial output and its natural-log LSE to
+  fp32 workspaces. Empty splits read nothing.
+- Wide heads (MLA's 576) in a 16-bit pool at up to SWAP_AB_MAX_BS requests take the transposed
+  path (`SWAP_AB`): scores^T = K · q^T, so tokens are the MMA's M dimension and heads its N.
+- Stage 2, grid (bs, H), merges the splits by their LSE into `o`; a seq_len-0 row gets zeros.
 
-- Stage 1, grid (bs, head programs, max_kv_splits). A *head program* owns up to `BLOCK_H` query
-  heads that all read the same KV head (GQA/MQA/MLA groups), padded to BLOCK_H >= 16 rows so that
-  `tl.dot` has M >= 16; every K/V tile it gathers is reused by all its heads. Request b's sequence
-  is cut into `num_kv_splits[b]` contiguous ranges of equal BLOCK_N-aligned length; a program walks
-  its range through `req_to_token` (slot indices cast to int64 before any stride multiply), keeps
-  an online softmax in fp32 and writes the normalized partial output [Lv] and its natural-log
-  log-sum-exp into the fp32 workspaces. Programs whose split is >= num_kv_splits[b] or starts at or
-  beyond seq_len[b] (empty splits) return without reading anything.
-- Wide heads (QK dim > 256, MLA's 576) in a 16-bit pool at batches of up to SWAP_AB_MAX_BS
-  requests (`transposed_path`) take the transposed path (`SWAP_AB`): scores^T = K · q^T and
-  out^T = V^T · p^T, so the token tile is the MMA's M dimension and the 16 heads are N; the same
-  math, with the reused K tile read by a warpgroup MMA straight from shared memory (a swap-AB
-  trick, as in small-batch GEMMs).
-- Stage 2, grid (bs, H): merges the non-empty splits of each (request, head) by their LSE and
-  writes `o` in o's dtype. A request with seq_len 0 (a padded row) has no non-empty split and gets
-  zeros; its K/V and req_to_token row are never read.
-
-Head dims: the QK dim Lk is handled as one power-of-two part plus, when Lk is the sum of two
-powers of two with the smaller >= 16 (576 = 512 + 64 for MLA absorbed, 192 = 128 + 64,
-96 = 64 + 32, 80 = 64 + 16), a second power-of-two part with its own `tl.dot`; otherwise as
-next_pow2(Lk) with masking. Lv is padded to next_pow2 with masking. The value buffer may be a
-strided view of the key buffer (MLA: `v_buffer = k_buffer[..., :512]`); only the given tensors'
-strides are used (the last dim of q, k, v, o must be contiguous).
-
-FP8 pools (float8_e4m3fn / float8_e5m2) with per-tensor `k_scale` / `v_scale`: tiles are
-converted to q's dtype on load (exact: every fp8 value is a bf16/fp16/fp32 value; a bf16 q is
-first rounded to fp16, `mma_operand`, because FP8 -> fp16 is the cheap conversion) and the scales
-are applied in fp32 where they cost nothing: k_scale folded into the softmax scale of q·k,
-v_scale into the normalized partial output (sum_j p_j · v_j · s = s · sum_j p_j · v_j).
-
-MLA in a bf16 or FP8 pool at bs >= WS_MLA_MIN_BS on sm_90 is handed to `decode_attention_ws`
-(the same stage-1 contract and scales, warp-specialized in Gluon) before any of the above; the
-merge (`decode_merge`) is shared.
-
-Programmatic dependent launch (mla_kernels/pdl.py) on Hopper: both kernels wait for the kernel in
-front before their first load.
-
-No host synchronisation: split counts live on the device, the grids depend only on shapes and
-`max_kv_splits`, so the op can be captured in a CUDA graph.
+Lk that is a sum of two powers of two (576 = 512 + 64) runs as two `tl.dot` parts, else it is
+padded with masks; v may be a strided view of k (MLA). FP8 pools (per-tensor k_scale / v_scale)
+convert tiles to fp16 on load (exact); k_scale folds into the softmax scale, v_scale into the
+partial output. MLA at bs >= WS_MLA_MIN_BS on sm_90 goes to `decode_attention_ws`. Both kernels
+use programmatic dependent launch (`pdl.py`). No host sync: the op can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -71,44 +45,38 @@ PROGRAMS_PER_SM = 4
 # Wide (MLA 576) heads in a 16-bit pool (`wide_plan`): two programs fit on an SM at once (shared
 # memory), so the plan aims at exactly that many and rounds the splits *down*: a whole number of
 # resident waves (bs 64 on 132 SMs: 4 splits = 256 programs, one wave, instead of 9 = 576, 2.2
-# waves). H200 sweep, 2026-11-30.
+# waves).
 WIDE_PROGRAMS_PER_SM = 2
 # Stage-1 launch settings (SGLang's flash-decoding values; tune on the target GPU).
 STAGE1_NUM_WARPS = 4
 STAGE1_NUM_STAGES = 2
 # Wide (MLA 576) tiles, untransposed path: 3 stages, V gathered separately (a reused K tile is
-# not pipelined on that path) — best of the 2026-11-29 H200 sweep (docs/benchmarks.md).
+# not pipelined on that path): the best of a sweep.
 STAGE1_NUM_STAGES_WIDE = 3
 REUSE_K_TILE_AS_V = False
 # Wide tiles, transposed path (`SWAP_AB`: tokens as the MMA's M dimension, the 16 heads as N; the
 # P·V product runs as a warpgroup MMA reading V^T straight from the shared K tile, so the K tile
 # is always reused as V there). With indirect (req_to_token) loads triton's pipeliner gives the K
 # tile floor((stages - 1) / 2) buffers: 5 stages = two 32-token buffers (91.5 KB, two programs
-# per SM; `benchmarks/compile_report.py`). Used for batches of up to SWAP_AB_MAX_BS requests:
-# H200, 2026-11-30 (docs/benchmarks.md), bs 64 context 4096 117 vs 132 us for the untransposed
-# path, bs 16 45 vs 51 us; at bs 256, context 512 the untransposed path is faster (74 vs 116 us).
+# per SM; `benchmarks/compile_report.py`). Used for batches of up to SWAP_AB_MAX_BS requests,
+# where it beats the untransposed path; at larger batches the untransposed path is faster.
 SWAP_AB_WIDE = True
 SWAP_AB_MAX_BS = 64
 STAGE1_NUM_STAGES_SWAP = 5
 # Batches of at most SMALL_BS_MAX requests on the transposed path in a 16-bit pool take
 # 64-token tiles with SMALL_BS_NUM_STAGES stages (`small_batch_tiles`; two 64-token K buffers,
 # 164.5 KB of shared memory in bf16, one program per SM): fewer, longer tile steps where each
-# program walks only a few tiles and the op is latency-bound. H200, 2026-12-01
-# (docs/benchmarks.md, "Profiled, then two fusions and a small-batch tile"), graph-timed with
-# the merge: bs 1 context 128 11.0 -> 9.5 us, 512 12.9 -> 11.1, bs 4 x 2048 21.3 -> 19.4; not
-# at bs 8 (context 2048: 26.8 -> 30.8). fp32 pools keep BLOCK_N_WIDE (their 64-token buffers
-# would not fit).
+# program walks only a few tiles and the op is latency-bound (faster up to bs 4, slower at
+# bs 8). fp32 pools keep BLOCK_N_WIDE (their 64-token buffers would not fit).
 SMALL_BS_MAX = 4
 SMALL_BS_BLOCK_N_WIDE = 64
 SMALL_BS_NUM_STAGES = 4
 SMALL_BS_DTYPES = (torch.bfloat16, torch.float16)
 # MLA (bf16 q, one latent KV head, 576 / 512, a bf16 or FP8 pool with v a view of k) at batches
 # of at least this many requests on sm_90 runs the warp-specialized Gluon kernel
-# (`decode_attention_ws`) instead: bf16 pool on the H200, bs 16 x 4096 37.1 vs 41.4 us,
-# bs 16 x 32768 158.6 vs 214.9, bs 64 x 4096 90.4 vs 114.4, bs 256 x 4096 299.5 vs 409.6
-# (docs/benchmarks.md, decode attention, third round); e4m3 pool: bs 64 x 4096 85.6 vs 180.6,
-# bs 256 x 4096 284.3 vs 595.0 (FP8, seventh look); smaller batches were not measured. None
-# turns it off.
+# (`decode_attention_ws`) instead, faster there for both pool dtypes (docs/benchmarks.md, "MLA
+# decode attention kernel: share of the copy bandwidth"); smaller batches were not measured.
+# None turns it off.
 WS_MLA_MIN_BS: int | None = 16
 # Largest number of fp32 accumulator elements (BLOCK_H x BLOCK_DV) a stage-1 program keeps.
 _MAX_ACC_ELEMS = 8192
@@ -186,11 +154,10 @@ def wide_plan(head_dim: int, kv_dtype: torch.dtype | None = None, bs: int | None
     wider than 256 (MLA's 576) in a 16-bit pool, and MLA's 576 in an FP8 pool at batches of
     `bs` >= WS_MLA_MIN_BS, which the warp-specialized kernel decodes on sm_90 (two programs per
     SM, as the 16-bit pool's). Below that (and with `bs` None) FP8 pools keep the narrow plan and
-    the untransposed path of the triton kernel, which converts tiles in registers (H200
-    2026-11-30: FP8 decode at bs 256-511 20.8 ms per step with those vs 22.2 ms with the wide
-    plan). The plan is shape-only: on a GPU other than sm_90, or with a q that is not bf16 (an
-    fp16 model), an FP8 pool at bs >= WS_MLA_MIN_BS gets the wide plan with the triton kernel
-    (slower there, as above, but correct)."""
+    the untransposed path of the triton kernel, which converts tiles in registers (faster there
+    than the wide plan). The plan is shape-only: on a GPU other than sm_90, or with a q that is
+    not bf16 (an fp16 model), an FP8 pool at bs >= WS_MLA_MIN_BS gets the wide plan with the
+    triton kernel (slower there, as above, but correct)."""
     if head_dim <= 256:
         return False
     if kv_dtype not in _FP8_DTYPES:

@@ -1,68 +1,21 @@
 """Warp-specialized MLA absorbed decode attention for Hopper (sm_90), written in Gluon.
 
 Owns `mla_decode_ws_fwd`, a drop-in for `decode_attention.decode_attention_fwd` restricted to
-the MLA absorbed layout in a bf16 or FP8 pool, `ws_supported` (whether a call can take it) and
-`ws_num_kv_splits` (its split plan). Its float32 twin is `reference.decode_attention_ref` (on
-the dequantized pool for FP8).
+the MLA absorbed layout, `ws_supported` (whether a call can take it) and `ws_num_kv_splits` (its
+split plan). Its float32 twin is `reference.decode_attention_ref` (on the dequantized pool).
 
-Layout: q [bs, H, 576] bf16 (512 latent + 64 rope columns), one latent KV head: k_buffer
-[S, 1, 576] bf16, float8_e4m3fn or float8_e5m2 (per-tensor k_scale / v_scale), v =
-k_buffer[..., :512] (never passed: the value rows are read from the key
-tile), o [bs, H, 512]. Any H >= 1 (programs of 16 heads; a partial group is zero-padded).
-Tokens are addressed through `req_to_token` one slot at a time (token-granular pool).
+Shapes: q [bs, H, 576] bf16 (512 latent + 64 rope columns); k_buffer [S, 1, 576] bf16,
+float8_e4m3fn or float8_e5m2 (per-tensor k_scale / v_scale); v = k_buffer[..., :512] (never
+passed); o [bs, H, 512]. Any H >= 1 (programs of 16 heads, a partial group zero-padded). Tokens
+are read through `req_to_token` one slot at a time.
 
-Algorithm: flash-decoding, stage 1 here and stage 2 = `decode_merge.merge_splits_kernel`.
-Grid (bs, max_kv_splits, cdiv(H, 16)); program (b, split, group) owns the split's contiguous
-token range (the same plan as `decode_attention`: `split_len` with SPLIT_ALIGN = BLOCK_N, so the
-merge reads exactly the splits written here; programs whose split is empty return at once and
-read nothing) and writes the normalized partial output MidO [bs, H, splits, 512] fp32 and its
-natural-log LSE [bs, H, splits]. A request whose only non-empty split this is (every request of
-a large batch: one split each) writes its normalized output to o instead, and the merge
-(`SKIP_SINGLE`) leaves it alone: no fp32 round trip through MidO (at bs 945, 31 MB written and
-read again per layer). Inside a program the warps are specialized
-(`gl.warp_specialize`), as FlashMLA's Hopper kernel splits producer and consumer warps:
-
-- producer (worker partition, LOAD_WARPS warps): prefetches one tile ahead the slot indices of
-  BLOCK_N (64) tokens from req_to_token (int64 before the stride multiply), then gathers the
-  whole 1152-byte rows with `cp.async` (16 bytes per thread and instruction; tokens past the
-  split end are masked, i.e. zero-filled without a read) into a ring of NUM_BUFS shared-memory
-  tiles (kc [64, 512] and kpe [64, 64], NVMMA 128-byte swizzle), and makes each tile's `full`
-  mbarrier complete when its copies land (`cp.async.mbarrier.arrive.noinc`, one arrival per
-  producer thread); it waits on the tile's `empty` mbarrier before refilling it.
-- consumer (default partition, one warpgroup): transposed products as in the triton path
-  (`SWAP_AB`): scores^T [64 tokens, 16 heads] = kc · qc^T + kpe · qpe^T, two async warpgroup
-  MMAs (wgmma, M = 64 tokens, N = 16 heads) reading the tile and q^T (kept in shared memory for
-  the whole program) from shared memory; online softmax over the token axis in fp32 (base-2
-  exponent; the running sum is kept per token row and reduced once at the end); p^T stored to
-  shared memory in bf16 (fp16 for an FP8 pool); out^T [512, 16] += V^T · p^T as one async
-  wgmma with V^T a transposed view of the same shared kc tile. That P·V MMA is left in flight
-  across the next tile's wait and q·K issue; the consumer releases a tile (arrives on `empty`)
-  as soon as its P·V has completed.
-- FP8 pool (`KV_FP8`, from K's dtype) with `REG_A` (module switch FP8_REG_A, off by default
-  until its GPU tests and timings are rerun on this tree): the tiles stay FP8 in shared memory. The producer (`_producer_raw`) is the bf16 one for one-byte
-  values: cp.async of the 576-byte rows into a ring of NUM_BUFS_REG_A FP8 tiles (kc [64, 512],
-  kpe [64, 64]). The consumer (`_consumer_reg_a`) loads each MMA's token-side operand from the
-  FP8 tile straight into the wgmma A-operand register layout, converts it to fp16 there (one
-  `cvt.rn.f16x2.e4m3x2` per pair; exact) and runs register-A wgmmas with q^T and p^T from
-  shared memory as before: q·K in five chunks (4 x 128 latent columns, then the rope part),
-  P·V as V^T in four 128-row chunks, each with its own [128, 16] accumulator. With REG_A_ASYNC
-  each chunk's MMA is left in flight while the next chunk is loaded and converted. The tile is
-  released once its last chunk is in registers. The fp16 products are those of the converting
-  producer below, bit for bit (GPU test), and no tile is held in producer registers.
-- FP8 pool with `REG_A` off (the default): the producer is `_producer_convert`: it gathers the tile's
-  576-byte rows with 16-byte register loads before waiting for the buffer, converts them to
-  fp16 (to bf16 would add a scalar conversion per value) and stores them into the bf16 pool's
-  swizzled fp16 tiles, then fences and arrives once. H200: 0.94–0.96x the bf16 pool's time at
-  bs 64–768 x 4096 (docs/benchmarks.md, FP8, seventh look).
-- Both FP8 paths round q to fp16 and run every MMA in fp16; k_scale is folded into the softmax
-  scale and v_scale into the normalized partial output.
-
-Shared memory: 16-bit tiles: NUM_BUFS x 73.7 KB + q (18.4 KB) + p^T (2 KB): 2 buffers = one
-program per SM, 1 buffer (the default) = two. FP8 tiles (register-operand path): 36.9 KB each,
-so two buffers still let two programs share an SM (92.3 KB). `benchmarks/compile_ws_report.py`
-compiles this for sm_90 without a GPU.
-
-Needs triton >= 3.6 with Gluon (`triton.experimental.gluon`); imports torch and triton only.
+Flash-decoding: stage 1 here, stage 2 is `decode_merge.merge_splits_kernel`, with the same split
+plan as `decode_attention`. A request with one non-empty split writes o directly and the merge
+(`SKIP_SINGLE`) leaves it alone. Each program splits its warps as FlashMLA's Hopper kernel does:
+producer warps gather KV tiles with cp.async into a shared-memory ring, one consumer warpgroup
+runs the wgmmas and the online softmax (see the notes above `_producer` and `_consumer`). An FP8
+pool runs every MMA in fp16. `benchmarks/compile_ws_report.py` compiles this for sm_90 without a
+GPU. Needs triton >= 3.6 with Gluon; imports torch and triton only.
 """
 
 from __future__ import annotations
@@ -86,11 +39,10 @@ from .decode_merge import FP8_DTYPES, MIN_TOKENS_PER_SPLIT, merge_split_block, m
 LK, LV, D_MAIN, D_ROPE = 576, 512, 512, 64  # MLA absorbed: 512 latent + 64 rope columns
 HEADS_PER_PROG = 16  # wgmma N (query heads of one program; fewer are zero-padded)
 # Launch settings (tuning knobs: `benchmarks/bench_decode_ws.py --bufs --load-warps --load-regs
-# --maxnreg --per-sm`; the H200 sweep of 2026-12-01 is in docs/benchmarks.md).
+# --maxnreg --per-sm`).
 BLOCK_N = 64  # tokens per tile = the wgmma M of q·K (64 per warpgroup)
-# Tiles in the shared-memory ring per program: 1 (92 KB, maxnreg 128: two programs per SM) beat
-# 2 (164 KB, one per SM) on the H200 — bs 64 x 4096: 90.4 vs 111.1 us, bs 256 x 4096: 299.5 vs
-# 406.2 us with 4 producer warps (docs/benchmarks.md, decode attention, third round).
+# Tiles in the shared-memory ring per program: 1 (92 KB, maxnreg 128: two programs per SM) was
+# faster than 2 (164 KB, one program per SM) with 4 producer warps.
 NUM_BUFS = 1
 # Producer warps: the worker partition is given a whole warpgroup's registers anyway, and 4 warps
 # spread the gather issue over the 4 schedulers (PTX per tile and warp: 174 instructions with 4
@@ -104,7 +56,8 @@ LOAD_REGS_FP8 = 120
 # An FP8 pool's tiles stay FP8 in shared memory, copied by cp.async, and the consumer converts
 # them into register operands of its MMAs (`_producer_raw`, `_consumer_reg_a`) instead of the
 # producer converting them into fp16 tiles (`_producer_convert`). A 36.9 KB FP8 tile lets each
-# program keep NUM_BUFS_REG_A of them in flight at two programs per SM.
+# program keep NUM_BUFS_REG_A of them in flight at two programs per SM. Off until its GPU tests
+# and timings are rerun on this tree; its fp16 products equal the converting producer's (GPU test).
 FP8_REG_A = False
 NUM_BUFS_REG_A = 2
 # The register-operand path's MMAs: each 128-column chunk's wgmma left in flight while the next
@@ -174,6 +127,16 @@ def _fp16_saturated(x):
     return gl.minimum(x, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(gl.float16)
 
 
+# The producer (worker partition, LOAD_WARPS warps) prefetches one tile ahead the slot indices of
+# BLOCK_N tokens from req_to_token (int64 before the stride multiply), then gathers the whole
+# 1152-byte rows with cp.async (16 bytes per thread and instruction; tokens past the split end
+# are masked, i.e. zero-filled without a read) into a ring of NUM_BUFS shared-memory tiles
+# (kc [64, 512] and kpe [64, 64], NVMMA 128-byte swizzle). Each tile's `full` mbarrier completes
+# when its copies land (`cp.async.mbarrier.arrive.noinc`, one arrival per producer thread); the
+# producer waits on the tile's `empty` mbarrier before refilling it. An FP8 pool uses
+# `_producer_convert` (the default: fp16 tiles) or `_producer_raw` (`REG_A`: FP8 tiles).
+# Shared memory per program: 16-bit tiles NUM_BUFS x 73.7 KB + q 18.4 KB + p^T 2 KB, so 1 buffer
+# lets two programs share an SM; FP8 tiles are 36.9 KB, so two of them still do.
 @gluon.jit
 def _producer(K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bars, start, end, n_tiles,
               BLOCK_N: gl.constexpr, NUM_BUFS: gl.constexpr, LOAD_WARPS: gl.constexpr):
@@ -225,7 +188,7 @@ def _producer_convert(K, r2t, stride_kn, kc_bufs, kpe_bufs, full_bars, empty_bar
     # latent part as two [BLOCK_N, 256] halves, 16 bytes per thread and load, 4 lanes per row
     # and 8 rows per warp. Each thread's 16 values become two 16-byte fp16 chunks (2j, 2j + 1
     # of its 128-byte swizzle row), so 16 lanes on one row put two lanes on every 16-byte bank
-    # group (2-way conflicts on every shared store: H200 profile, docs/benchmarks.md); 4 lanes
+    # group (2-way conflicts on every shared store, seen in a profile); 4 lanes
     # on each of rows r and r ^ 1 cover the eight bank groups once
     lay_c: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
     # rope part [BLOCK_N, 64]: 4 lanes x 16 bytes = a row, 8 rows per warp
@@ -338,6 +301,16 @@ def _load_q(Q, q_base, stride_qh, head0, num_heads, qc_smem, qpe_smem, HB: gl.co
     gl.thread_barrier()  # every consumer thread's part of q before the first wgmma
 
 
+# The consumer (default partition, one warpgroup) computes transposed products as the triton
+# path does (`SWAP_AB`): scores^T [64 tokens, 16 heads] = kc · qc^T + kpe · qpe^T as two async
+# wgmmas reading the tile and q^T (in shared memory for the whole program); online softmax over
+# the token axis in fp32 (base-2 exponent; the running sum is kept per token row and reduced once
+# at the end); p^T stored to shared memory in bf16 (fp16 for an FP8 pool); out^T [512, 16] +=
+# V^T · p^T as one async wgmma, V^T a transposed view of the same kc tile. That P·V MMA stays in
+# flight across the next tile's wait and q·K issue; the tile is released (`empty`) once its P·V
+# has completed. It writes the normalized partial output MidO [bs, H, splits, 512] fp32 and its
+# natural-log LSE [bs, H, splits], or o for a one-split request. For an FP8 pool q is rounded to
+# fp16, k_scale is folded into the softmax scale and v_scale into the partial output.
 @gluon.jit
 def _consumer(kc_bufs, kpe_bufs, qc_smem, qpe_smem, p_smem, full_bars, empty_bars,
               MidO, MidLse, start, end, n_tiles, qk_scale, v_scale, mid_base, lse_base, head0,

@@ -199,7 +199,7 @@ def split_head_dim(lq: int) -> tuple[int, int]:
 
 
 # BLOCK_M of the wide-head (MLA absorbed, lq > 256) extend over an FP8 pool on sm_90+, or None for
-# the 16-bit pool's 32. Compiled for sm_90 on the CPU (2026-12-02, triton 3.6; bf16 q, 8 warps,
+# the 16-bit pool's 32. Compiled for sm_90 on the CPU (triton 3.6; bf16 q, 8 warps,
 # BLOCK_N 64): the e4m3 / e5m2 pool variant spills 932 bytes per thread at BLOCK_M 32 (the bf16
 # pool's: 80) and none at 16 (238 registers). Not yet timed on a GPU, so not the default:
 # `benchmarks/bench_extend_attention.py --kv-dtype fp8_e4m3 --fp8-block-m 16` compares them.

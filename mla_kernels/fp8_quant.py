@@ -1,45 +1,25 @@
 """FP8 (e4m3) activation quantization on the GPU, no host sync: per tensor (dynamic or static)
 in two triton launches, per token (dynamic) in one.
 
-Owns `quantize_fp8` (per tensor: what `mla_backend.layers.quantization.quantize_fp8_per_tensor`
-runs on CUDA, for static activation scales and weights), `quantize_fp8_per_token` (one scale per
-row, one launch) and `quantize_per_token` (the engine's per-token quantization wherever x lives:
-that kernel on CUDA, the same math in torch elsewhere; what every dynamic FP8 linear,
-`quantization.fp8_per_token_mm`, and the FP8 MoE, `fused_moe.quantize_activations_fp8`, call),
-`fp8_amax_partials` (the amax pass alone: `bmm_fp8` reduces its partials inside the GEMM) and the
-jit helpers `_scale_from_partials` / `_to_e4m3` that `bmm_fp8` shares. Float32 twins:
+Owns `quantize_fp8` (per tensor, what `layers.quantization.quantize_fp8_per_tensor` runs on
+CUDA), `quantize_fp8_per_token` (one scale per row, one launch), `quantize_per_token` (that
+kernel on CUDA, the same math in torch elsewhere; called by every dynamic FP8 linear and the FP8
+MoE), `fp8_amax_partials` (the amax pass alone, for `bmm_fp8`) and the jit helpers
+`_scale_from_partials` / `_to_e4m3` that `bmm_fp8` shares. Float32 twins:
 `reference.quantize_fp8_ref`, `reference.quantize_fp8_per_token_ref`.
 
-Math (identical to the torch path): scale = max(amax(|x|) / 448, 1e-12) (`MIN_SCALE`, the same
-floor as `quantization._MIN_SCALE`), q = e4m3(clamp(x / scale, -448, 448)), round to nearest
-even; the divisions are IEEE (`div_rn`), so scale and q equal torch's CPU results bit for bit
-(torch on CUDA multiplies by the reciprocal of 448, so its scale can differ in the last bit).
-Per token, q = e4m3(clamp(x * (1 / scale), ...)) instead: the row's reciprocal rounded once
-(IEEE, `div_rn`), then one rounded multiply per element, what torch computes for
-`x * (1 / scale)` bit for bit. An IEEE division per element made the per-token kernels
-compute-bound: on an H200 the MoE intermediate [3,072, 1,408] took 11.6 us against 4.2 with the
-reciprocal, [36,864, 1,408] 101 against 38 (docs/benchmarks.md, twenty-second session). The
-two differ only where x / scale falls within a rounding of an e4m3 tie (one step; ~0.08% of
-the elements of random bf16 rows, which hit exact ties often).
+Math: scale = max(amax(|x|) / 448, 1e-12) (`MIN_SCALE`), q = e4m3(clamp(x / scale, -448, 448)),
+round to nearest even, IEEE divisions (`div_rn`): bit for bit torch's CPU result (torch on CUDA
+multiplies by 1/448, so its scale can differ in the last bit). Per token, q = e4m3(x * (1 /
+scale)) with the reciprocal rounded once, as torch computes `x * (1 / scale)`: a division per
+element made the kernel compute-bound. The two differ by one step only near an e4m3 tie.
 
-Launches: 1. `_amax_partials_kernel`, G = min(cdiv(numel, BLOCK), MAX_PARTIALS) programs, each
-grid-strides over blocks and writes max |x| of its blocks to partials[G] (float32). 2.
-`_quant_kernel`, the same G programs: each reduces the G partials to the scale (program 0 also
-writes it out), then quantizes its blocks. A static scale skips launch 1.
-
-x may be any contiguous tensor or a strided tensor of at most 3 dims (addressed through its
-strides, no copy); other layouts are copied to contiguous first.
-
-Per token (`_per_token_quant_kernel`): one program per row of a [M, K] x (any strides); the row's
-scale = max(amax(|x[m]|) / 448, 1e-12), the same formula and rounding as above per row. One
-launch instead of two, and no program waits on the others' partials: in a 768-token FP8 decode
-step the two per-tensor launches averaged 7.4 + 5.3 us (H200, docs/benchmarks.md, FP8 "Fifth
-look").
-
-NaN: on CUDA the amax ignores NaN elements and they quantize to NaN (the torch path instead
-makes the scale, so every element, NaN). Triton's interpreter (CPU tests) converts float32 ->
-fp8 wrongly for some values, so there (`EXACT=True`) values are first rounded to e4m3 in
-float32 arithmetic and the cast is then exact; NaN there gives an unspecified value.
+Per tensor: `_amax_partials_kernel` writes max |x| of each program's blocks to partials[G]
+(float32), then `_quant_kernel` reduces them to the scale and quantizes (a static scale skips
+the first launch). x may be contiguous or strided with at most 3 dims; other layouts are copied.
+NaN: on CUDA the amax ignores NaN and NaN quantizes to NaN (in torch it makes everything NaN).
+The interpreter converts float32 -> fp8 wrongly for some values, so there (`EXACT=True`) values
+are rounded to e4m3 in float32 first; NaN there gives an unspecified value.
 """
 
 from __future__ import annotations
@@ -94,8 +74,7 @@ def _addr(offs, D1, D2, s0, s1, s2, CONTIG: tl.constexpr):
 
 
 # Sizes and strides vary with the token count: not specialized, so one compile serves them all.
-# (D1, D2 as compile-time constants made a strided [16, 768, 128] amax 4x slower on the H200:
-# 53.1 vs 13.6 us, 2026-12-01.)
+# (D1, D2 as compile-time constants made a strided amax several times slower.)
 @triton.jit(do_not_specialize=["numel", "D1", "D2", "s0", "s1", "s2"])
 def _amax_partials_kernel(x_ptr, part_ptr, numel, D1, D2, s0, s1, s2,
                           BLOCK: tl.constexpr, CONTIG: tl.constexpr):
@@ -208,8 +187,8 @@ def _dense_order(x: torch.Tensor) -> torch.Tensor:
     """x with its dims permuted by decreasing stride (size-1 dims first): contiguous when x
     is a permutation of a contiguous tensor (e.g. a [T, H, D] buffer viewed as [H, T, D]).
     The order of elements does not change a max, so the amax pass reads that instead: flat,
-    without strided index arithmetic (absorbed MLA's o [16, 768, 512] viewed from [768, 16,
-    512], bf16: 10.6 vs 39.3 us on the H200, 2026-12-01; benchmarks/bench_fp8_amax.py)."""
+    without strided index arithmetic, several times faster for absorbed MLA's o [16, T, 512]
+    viewed from [T, 16, 512] (benchmarks/bench_fp8_amax.py)."""
     order = sorted(range(x.dim()), key=lambda d: (x.shape[d] != 1, -x.stride(d)))
     return x.permute(order)
 
@@ -301,7 +280,7 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if k == 0:
         return q, scale.fill_(MIN_SCALE)
     block = min(triton.next_power_of_2(k), PER_TOKEN_MAX_BLOCK)
-    # 2 warps per 2,048 columns: H200, bf16 rows of 1,408 and 2,048 columns, 512 to 36,864 rows,
+    # 2 warps per 2,048 columns: for bf16 rows of 1,408 and 2,048 columns, 512 to 36,864 rows,
     # as fast as or faster than 4 (bench_fp8_epilogue.py)
     _per_token_quant_kernel[(m,)](x, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0),
                             BLOCK=block, ONE_BLOCK=block >= k, EXACT=not x.is_cuda,

@@ -1,60 +1,22 @@
 """Fused MoE: routed SiLU-gated experts as triton kernels, two paths chosen by the row count.
 
-Owns `moe_align_block_size` (the sort), `grouped_gemm` (the sorted-path kernel launch),
-`gemv_experts` (the small-batch path), `get_default_config` / `get_default_gemv_config`,
+Owns `moe_align_block_size` (the sort), `grouped_gemm`, `gemv_experts`, the default configs,
 `use_gemv_path` and `fused_experts` (the whole routed-expert computation); float32 twin
-`reference.fused_experts_ref`. Inputs come from the MoE layer (`mla_backend.layers.moe`): hidden
-states x [T, H], the stacked expert weights w13 [E, 2I, H] (gate rows then up rows) and
-w2 [E, H, I], and the router's choice topk_weights / topk_ids [T, k]; the output [T, H] goes back
-to the layer, which adds the shared experts.
-
-Both paths compute, for the T*k (token, slot) pairs numbered row = t*k + j with e = topk_ids[t, j]:
+`reference.fused_experts_ref`. The MoE layer (`mla_backend.layers.moe`) passes x [T, H], w13
+[E, 2I, H] (gate rows then up rows), w2 [E, H, I] and the router's topk_weights / topk_ids
+[T, k]; the output [T, H] goes back to it, which adds the shared experts. For row = t*k + j,
+e = topk_ids[t, j]:
 
     GEMM1  inter[row] = silu(x[t] @ w13[e, :I]^T) * (x[t] @ w13[e, I:]^T)      [T*k, I]
     GEMM2  out[t]     = sum_j topk_weights[t, j] * (inter[t*k + j] @ w2[e]^T)   [T, H]
 
-Gate and up are computed in the same program (two fp32 accumulators), so the [T*k, 2I] product
-never reaches memory; inter is rounded to x's dtype.
-
-Sorted path (T*k > GEMV_MAX_ROWS, prefill). `moe_align_block_size` sorts the rows by expert and
-pads each expert's run to a multiple of BLOCK_M with the sentinel T*k, so every BLOCK_M-row block
-of `sorted_token_ids` belongs to one expert (`expert_ids`); `grouped_gemm` runs one program per
-(row block, column block) with tl.dot tiles, so each expert's weights are read once per column
-block for all its rows. GEMM2 writes y[row] = topk_weights[row] * (inter[row] @ w2[e]^T) [T*k, H]
-(rounded to x's dtype) and a torch sum over k gives out. Three small launches (the sort) plus
-three kernels.
-
-GEMV path (T*k <= GEMV_MAX_ROWS, decode). No sort: two kernels read each row's expert straight
-from topk_ids. `_gemv_gate_up_kernel`, grid (T*k, cdiv(I, BLOCK_N)): one row's BLOCK_N gate and up
-outputs, a loop over H in BLOCK_K chunks of fp32 multiply + tl.sum. `_gemv_down_kernel`, grid
-(T, cdiv(H, DOWN_BLOCK_N)): one token's BLOCK_N outputs for all k slots at once (a
-[k_pad, BLOCK_N, BLOCK_K] weight tile per step, k_pad = next power of two >= k), weighted and
-summed over the slots in fp32 and written once, so no separate sum. Rows are grid axis 0, so rows
-of one expert at the same column block run at about the same time and share weight tiles through
-L2. Each row reads its expert's weights itself (no tl.dot, whose 16-row minimum would waste 15/16
-of the tile at T=1), and the grid is T*k*cdiv(I, BLOCK_N) programs, enough to fill the SMs at
-T=1. Measured on an H200 (V2-Lite shapes, bf16, T=1): the two GEMV kernels take 19 + 12 us of GPU
-time, about what the two grouped GEMMs take (2 x 16 us); the gain, 100 -> 43 us per CUDA-graph
-replay of one call, is mostly the sort's launches that are gone. It loses once many rows share
-experts (the weight reads then repeat, L2 saves only part of it): see `GEMV_MAX_ROWS`.
-
-FP8 weights (W8A8, both paths; `fused_experts` documents the layouts): w13/w2
-float8_e4m3fn with per-expert per-tensor scales [E] or DeepSeek-V3 block scales
-[E, nb, kb]; each GEMM's activations are quantized before it (`quantize_activations_fp8`: one
-scale per token, `fp8_quant.quantize_per_token`: one launch on CUDA, torch elsewhere; or per
-token per 128 columns), never inside the GEMM, since the
-interpreter's in-kernel float -> fp8 rounding is wrong for a few percent of values (its fp8
-loads are exact). `_grouped_gemm_kernel`
-(QUANT 1 / 2) accumulates fp8 x fp8 tl.dots in fp32 (tiles upcast to fp32 off sm89+ GPUs and in
-the interpreter) and applies the scales: per expert and row once after the K loop, per block on each
-BLOCK_K step (BLOCK_K divides the 128-column scale group). The GEMV kernels (in
-`fused_moe_gemv`) do the same with fp32 multiply + tl.sum. Twin: `reference.fused_experts_fp8_ref`.
-
-Nothing here reads device data on the host: the sort's kernels write buffers sized by the
-worst case (T*k + min(E, T*k) * (BLOCK_M - 1) rows), the sorted kernels read the used row count
-(`num_tokens_post_padded`) on the device and skip the blocks beyond it, and the GEMV kernels read
-topk_ids / topk_weights on the device. So a call with fixed shapes can be captured in a CUDA
-graph; the path is chosen from shapes only.
+Gate and up share a program, so [T*k, 2I] never reaches memory; inter is rounded to x's dtype.
+Sorted path (T*k > GEMV_MAX_ROWS): rows sorted by expert and padded to BLOCK_M blocks, tl.dot
+tiles, each expert's weights read once per column block. GEMV path (decode): no sort, each row
+reads its expert's weights itself (`fused_moe_gemv`). FP8 weights (W8A8; per-tensor [E] or
+DeepSeek-V3 block scales) have their activations quantized before each GEMM, never inside it
+(the interpreter's in-kernel fp8 rounding is wrong). No host reads of device data: a call with
+fixed shapes can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -96,12 +58,9 @@ class MoEConfig(NamedTuple):
 
 # Rows per expert (T*k/E) above which the sorted path takes 128-row blocks (one block per
 # expert, each weight tile read once for up to 128 rows, 128-wide N blocks halving the re-reads
-# of the gathered activation rows) instead of 64-row ones. H200, V2-Lite's experts, T 945 (89
-# rows per expert), each GEMM alone (`bench_moe_tiles.py --tokens 945 --block-ms 64 128`,
-# 2026-12-03): FP8 gate/up 146.1 -> 134.3 us, down 89.2 (64 x 64 tiles; the 128-wide TMA
-# tiles took 82.5 at T 1,024) -> 74.8; bf16 266.6 -> 230.7 and 154.9 -> 126.4. At T 640 (60
-# rows) the 64-row tiles stay faster (FP8 gate/up 117.1 us, bf16 207.2, neither 128-row config
-# among the six fastest), at T 768 (72 rows) the 128-row ones win (FP8 131.4 vs 138.1).
+# of the gathered activation rows) instead of 64-row ones. Chosen with
+# `bench_moe_tiles.py --block-ms 64 128` on V2-Lite's experts: the 64-row tiles stay faster at
+# 60 rows per expert, the 128-row ones win from about 72.
 BLOCK_M_128_ROWS = 64
 
 # Under triton's interpreter (CPU tests) small tiles keep each program cheap and exercise masking.
@@ -114,27 +73,20 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
     """Tile config for a call, chosen from shapes only (so it is fixed for a captured graph).
 
     On CUDA, BLOCK_M follows the average rows per expert, T*k/E: small decode batches (a few
-    rows per expert) use 16-row blocks so little padding is computed; from 17 rows per expert
-    (bf16: 33) one 64-row block per expert, so each weight tile is read once for all of its
-    rows; above `BLOCK_M_128_ROWS` (64) rows per expert 128 x 128 tiles with 8 warps (large
-    decode batches: T > 682 at V2-Lite's E 64, top-6; and prefill). FP8 weights take 128-deep K
-    steps (one byte per element: the same bytes per step as bf16's 64). The tiles above 16 rows
-    per expert are the fastest of a per-GEMM sweep on an H200 at V2-Lite's expert shapes
-    (E 64, top-6, H 2048, I 1408; CUDA-graph replay of each GEMM alone; BLOCK_M 16/32/64 (128
-    for prefill), BLOCK_N 64/128/256, two K steps, 4/8 warps, 3-5 stages; gate/up + down, us):
-    FP8 T 256 180 -> 174, T 512 236 -> 178, T 3072 486 -> 438; bf16 T 256 310 -> 299,
-    T 512 395 -> 310, T 3072 897 -> 797 (the earlier defaults -> these; docs/benchmarks.md,
-    "Grouped-GEMM tiles"). A GPU with less shared memory per block than the tiles take gets
-    narrower ones (`fit_shared_memory`). On other devices (the interpreter) small tiles.
-    The second (down) GEMM may take other tiles of the same BLOCK_M (`down`): on Hopper (sm 9.x,
-    where they were timed; TMA), with FP8 weights from 17 to 64 rows per expert, 128-wide N
-    blocks whose weight tiles load through a tensor descriptor. Each GEMM alone
-    (`bench_moe_tiles.py --b-desc both`, H200, 2026-12-03): 63.8 / 82.5 us against 66.7 / 90.5
-    at T 512 / 1,024; the whole call (graph replay,
-    `bench_fused_moe.py --down-tiles same default`) at T 256 / 512 / 768 / 1,024: 190.7 /
-    203.9 / 254.8 / 282.4 us against 193.6 / 206.5 / 266.4 / 291.4. From 65 to 256 rows per
-    expert the gate/up GEMM pipelines 4 stages, the down GEMM 3 (both dtypes; the sweep at T
-    768 / 945 with `--block-ms 64 128`, the comment at `BLOCK_M_128_ROWS`).
+    rows per expert) use 16-row blocks so little padding is computed; from 17 rows per expert (bf16:
+    33) one 64-row block per expert, so each weight tile is read once for all of its rows; above
+    `BLOCK_M_128_ROWS` (64) rows per expert 128 x 128 tiles with 8 warps (large decode batches: T >
+    682 at V2-Lite's E 64, top-6; and prefill). FP8 weights take 128-deep K steps (one byte per
+    element: the same bytes per step as bf16's 64). The tiles above 16 rows per expert are the
+    fastest of a per-GEMM sweep at V2-Lite's expert shapes (E 64, top-6, H 2048, I 1408;
+    `benchmarks/bench_moe_tiles.py`). A GPU with less shared memory per block than the tiles take
+    gets narrower ones (`fit_shared_memory`). On other devices (the interpreter) small tiles. The
+    second (down) GEMM may take other tiles of the same BLOCK_M (`down`): on Hopper (sm 9.x, where
+    they were timed; TMA), with FP8 weights from 17 to 64 rows per expert, 128-wide N blocks whose
+    weight tiles load through a tensor descriptor, a little faster per GEMM and per call
+    (`bench_moe_tiles.py --b-desc both`, `bench_fused_moe.py --down-tiles`). From 65 to 256 rows per
+    expert the gate/up GEMM pipelines 4 stages, the down GEMM 3 (both dtypes; the sweep at T 768 /
+    945 with `--block-ms 64 128`, the comment at `BLOCK_M_128_ROWS`).
     Args:
         num_tokens: T. top_k: k. num_experts: E. device: where the tensors live. fp8: the
             weights are float8_e4m3fn. down: the tiles of the second GEMM.
@@ -588,11 +540,9 @@ def _weight_descriptor(w: torch.Tensor,
 # expert's weights once per (token, slot) row that uses it (a second row of the same expert finds
 # the tiles in L2 only when its programs run at about the same time), the sorted path once per
 # expert; but the sorted path pays ~20 launches for the sort (~40 us of GPU time and gaps) and,
-# below ~16 rows per expert, tl.dot tiles that are mostly padding. Measured on an H200 at
-# DeepSeek-V2-Lite shapes (E 64, top-6, bf16, CUDA-graph replay of one call): GEMV 43 / 165 /
-# 224 / 275 / 369 us against sorted 100 / 233 / 269 / 292 / 341 us at T = 1 / 8 / 12 / 16 / 24
-# (T*k = 6 / 48 / 72 / 96 / 144), so the crossover lies between 96 and 144 rows; 96 (T <= 16 at
-# k = 6) keeps every batch where GEMV was not slower. With more experts (fewer rows sharing one)
+# below ~16 rows per expert, tl.dot tiles that are mostly padding. At DeepSeek-V2-Lite shapes
+# (E 64, top-6, bf16) the crossover lies between 96 and 144 rows; 96 (T <= 16 at k = 6) keeps
+# every batch where GEMV was not slower. With more experts (fewer rows sharing one)
 # the GEMV path stays ahead longer. Re-check with benchmarks/bench_fused_moe.py.
 GEMV_MAX_ROWS = 96
 
@@ -629,17 +579,16 @@ def use_gemv_path(num_tokens: int, top_k: int) -> bool:
 def get_default_gemv_config(top_k: int, device: torch.device | str) -> GemvConfig:
     """GEMV tile sizes for a call, from shapes only (fixed for a captured graph).
 
-    On CUDA, tiles picked by a sweep on an H200 at V2-Lite shapes (bench_fused_moe.py --gemv-*):
+    On CUDA, tiles picked by a sweep at V2-Lite shapes (bench_fused_moe.py --gemv-*):
     the first kernel loads 2 x 16 x 256 weights per step (16 KB in bf16), 6 x 88 = 528 programs
     at T=1 (4 per SM); every block_n 8..64 / block_k 128..256 / 2..8 warps was within ~5%. The
     second loads k_pad x down_block_n x 128 with 8 warps and down_block_n = 64 // k_pad (at least
     8): 8 for k 6 or 8 (256 programs at T=1 with H 2048); it is the more sensitive one (4 warps,
-    or a 256 step with 4 warps, ran up to 1.8x slower). At T=1 the two kernels take 19 + 12 us
-    of GPU time (104 MB of weights, 3.3 TB/s). Other devices (the interpreter): small tiles.
+    or a 256 step with 4 warps, ran up to 1.8x slower). Other devices (the interpreter): small
+    tiles.
     With the two shared experts folded in (batch-size-1 decode) a 512-column first step timed
-    faster in isolation (`bench_fused_moe.py --tokens 1 --shared 2 --route kernel --cold`:
-    40.8 vs 44.7 us per call) but made the model's bs-1 step slower (2.43 vs 2.17 ms, H200
-    2026-12-01; not profiled), so 256 stays.
+    faster in isolation (`bench_fused_moe.py --tokens 1 --shared 2 --route kernel --cold`) but
+    made the model's bs-1 step slower (not profiled), so 256 stays.
     Args:
         top_k: k. device: where the tensors live.
     Returns:

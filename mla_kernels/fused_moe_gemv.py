@@ -1,6 +1,13 @@
 """The GEMV path's two kernels of `fused_moe` (the small-batch, sort-free path; its launch,
 tile configs and path choice live in `fused_moe`: `gemv_experts`, `GemvConfig`,
-`GEMV_MAX_ROWS`). See `fused_moe`'s module docstring for the design and measurements.
+`GEMV_MAX_ROWS`; `fused_moe`'s module docstring gives the math).
+
+`_gemv_gate_up_kernel`, grid (T*k, cdiv(I, BLOCK_N)): one row's BLOCK_N gate and up outputs, a
+loop over H in BLOCK_K chunks of fp32 multiply + tl.sum. `_gemv_down_kernel`, grid
+(T, cdiv(H, DOWN_BLOCK_N)): one token's outputs for all k slots at once ([k_pad, BLOCK_N,
+BLOCK_K] weight tiles, k_pad = next power of two >= k), weighted and summed in fp32 and written
+once. Rows are grid axis 0, so rows of one expert share weight tiles through L2. No tl.dot: its
+16-row minimum would waste most of the tile at T=1.
 
 QUANT (constexpr) picks the weight format, as in `fused_moe._grouped_gemm_kernel`:
 0 = weights in the activations' float dtype; 1 = float8_e4m3fn weights with one scale per

@@ -3,11 +3,10 @@
 Owns `gemv` and its launch configuration `gemv_config`; float32 twin `reference.linear_ref`.
 At one token per step every linear layer is a read of its whole weight with almost no math, and
 cuBLAS's kernels for M = 1 reach well under the card's copy bandwidth on the shapes of
-DeepSeek-V2-Lite (e.g. q_proj 2048 -> 3072 in 6.6 us, 1.9 TB/s; docs/benchmarks.md, "Decode
-latency"). Here each program owns BLOCK_N output features and streams their weight rows through
-K in BLOCK_K chunks (the loads software-pipelined over NUM_STAGES), with the fp32 accumulation
-in registers; the grid covers N for every token row (rows beyond the first re-read the weight),
-so it is meant for one row: at two it already loses to cuBLAS on large weights
+DeepSeek-V2-Lite. Here each program owns BLOCK_N output features and streams their weight rows
+through K in BLOCK_K chunks (the loads software-pipelined over NUM_STAGES), with the fp32
+accumulation in registers; the grid covers N for every token row (rows beyond the first re-read the
+weight), so it is meant for one row: at two it already loses to cuBLAS on large weights
 (`benchmarks/bench_gemv.py --rows 2`).
 
 Layout: x [T, K] and W [N, K] (the `nn.Linear` weight), last dims contiguous, any row stride;
@@ -73,12 +72,12 @@ def _gemv_kernel(X, W, B, Out, XS, WS, N, K, stride_xt, stride_wn, stride_ot,
 def gemv_config(n: int, k: int, prefetch: bool = False) -> dict:
     """Launch settings for an [N, K] weight: BLOCK_N, BLOCK_K, NUM_STAGES, num_warps, PREFETCH_K.
 
-    From the sweep of `benchmarks/bench_gemv.py --sweep` on an H200 (docs/benchmarks.md,
-    "Decode latency"; one token row): below 4096 outputs the narrowest tiles with the longest K
-    chunks won (4 x 512, 2 warps: more programs for the few rows), above it 8 x 256 (within 4%
-    of each shape's best). `prefetch` (a static weight launched with PDL): PREFETCH_K columns of
-    each program's rows are read before the grid-dependency wait — up to 2048 at 4 rows per
-    program (64 bf16 registers per thread at 2 warps), 1024 at 8 — and the rest in the loop."""
+    From the sweep of `benchmarks/bench_gemv.py --sweep` (one token row): below 4096 outputs the
+    narrowest tiles with the longest K chunks won (4 x 512, 2 warps: more programs for the few
+    rows), above it 8 x 256 (within 4% of each shape's best). `prefetch` (a static weight launched
+    with PDL): PREFETCH_K columns of each program's rows are read before the grid-dependency wait —
+    up to 2048 at 4 rows per program (64 bf16 registers per thread at 2 warps), 1024 at 8 — and the
+    rest in the loop."""
     if n < 4096:
         block_n, block_k = 4, 512
     else:

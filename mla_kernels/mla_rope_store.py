@@ -2,28 +2,21 @@
 and the store of the new latent row into the KV pool (16-bit, fp32 or FP8: an FP8 pool's row is
 quantized in the kernel with the layer's k scale).
 
-Owns `mla_norm_rope_store`; float32 twin `reference.mla_norm_rope_store_ref`. In the absorbed
-decode path of `models/deepseek_v2.py` these are otherwise three launches per layer (RMSNorm of
-the latent into the key row, the rotary kernel writing the rope columns of the query and the key
-row, the pool store of the key row): at batch size 1 each is a few-microsecond kernel that only
-moves ~1-3 KB (docs/benchmarks.md, "Decode latency"). Here the key row never exists outside the
-pool: it is normalized, rotated and written straight to its slot, and the decode attention reads
-it from there (the backend is called with `save_kv_cache=False`).
+Owns `mla_norm_rope_store`; float32 twin `reference.mla_norm_rope_store_ref`. It replaces three
+small launches per layer in the absorbed decode path of `models/deepseek_v2.py`. The key row
+never exists outside the pool: it is normalized, rotated and written straight to its slot, and
+the decode attention reads it from there (the backend is called with `save_kv_cache=False`).
 
 Math per token t (DeepSeek-V2, arXiv:2405.04434 §2.1.3; the model card's `modeling_deepseek.py`):
   c = kv_a[t, :L] (the compressed latent, L = kv_lora_rank), k_pe = kv_a[t, L:L + R]
   pool[loc[t], 0, :L]      = c / sqrt(mean(c^2) + eps) * weight   (fp32 math, one rounding)
   pool[loc[t], 0, L:L + R] = rope(k_pe)                          (interleaved pairs, GPT-J style)
   q_out[t, h, :R]          = rope(q_pe[t, h])                    for every head h
-with rope's cos ‖ sin row `table[t]` ([R] fp32, DeepSeek YaRN's mscale folded in, as
-`layers.rotary_deepseek.DeepseekRotaryEmbedding.table` builds it). The rounding matches the
-separate kernels (`rmsnorm`, `rotary_embedding`, `store_kv`), so results are identical up to the
-norm's reduction order.
-
-Grid (T,): one program per token (the latent row and all heads' rope parts of one token fit in
-registers). Slot offsets are 64-bit. Padded rows of a CUDA-graph batch carry loc 0, the padding
-sink (see `store_kv`). With programmatic dependent launch (mla_kernels/pdl.py) the norm weight, a
-parameter, is read before the wait.
+with rope's cos ‖ sin row `table[t]` ([R] fp32, YaRN's mscale folded in, as
+`DeepseekRotaryEmbedding.table` builds it). Results equal the separate kernels (`rmsnorm`,
+`rotary_embedding`, `store_kv`) up to the norm's reduction order. Grid (T,), one program per
+token; slot offsets are 64-bit; padded rows of a CUDA-graph batch carry loc 0, the padding sink.
+With programmatic dependent launch (`pdl.py`) the norm weight is read before the wait.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Owns `softmax_topk`; float32 twin `reference.softmax_topk_ref`. Replaces the three to four torch
 launches of the router after the gate GEMM (softmax, top-k, optional renormalization, the
-`routed_scaling_factor` multiply) with one: at batch size 1 each of those is a separate ~1-5 us
-kernel in every MoE layer (docs/benchmarks.md, "Decode latency"). The math is DeepSeek-V2's
+`routed_scaling_factor` multiply) with one: at batch size 1 each of those is a separate short
+kernel in every MoE layer. The math is DeepSeek-V2's
 `topk_method="greedy"` (the `MoEGate` of its model code): p = softmax(logits) in fp32, the top_k
 largest p of each row, divided by their sum when renormalizing, times the scaling factor.
 

@@ -1,31 +1,21 @@
 """Programmatic dependent launch (PDL) for the decode-path kernels: when to use it and how.
 
 Owns the switch (`ENABLED`, environment variable `MLA_PDL`, default on), the per-device check
-`use_pdl` and the two in-kernel helpers `pdl_trigger` / `pdl_wait` that the kernels of this
-package call. Nothing here touches data; the kernels own their buffers.
+`use_pdl` and the in-kernel helpers `pdl_trigger` / `pdl_wait`. Nothing here touches data.
 
-What PDL is (CUDA programming guide, "Programmatic Dependent Launch and Synchronization";
-PTX ISA `griddepcontrol`; Hopper, sm_90, and later): a kernel launched with the
-programmatic-stream-serialization attribute (triton's `launch_pdl=True` launch option) may start
-before the kernel in front of it on the stream has finished — as soon as every program of that
-kernel has executed `griddepcontrol.launch_dependents` (`pdl_trigger`) or exited. It must then
-execute `griddepcontrol.wait` (`pdl_wait`) before it reads anything an earlier kernel wrote and
-before it writes anything an earlier kernel may still read; the wait returns once the kernel in
-front has completed and its memory is visible. CUDA-graph capture keeps these as programmatic
-edges, so replays overlap the same way.
+PDL (CUDA programming guide, "Programmatic Dependent Launch and Synchronization"; PTX
+`griddepcontrol`; sm_90 and later): a kernel launched with triton's `launch_pdl=True` may start
+before the kernel in front of it has finished, once every program of that kernel has run
+`griddepcontrol.launch_dependents` (`pdl_trigger`) or exited. Its `griddepcontrol.wait`
+(`pdl_wait`) returns once the kernel in front has completed and its memory is visible. CUDA
+graphs keep these edges. At batch size 1 a decode step is hundreds of short dependent kernels,
+so overlapping each kernel's start (and a static weight's read) with its predecessor's tail pays.
 
-At batch size 1 a decode step is ~630 dependent kernels of 1-20 us; each boundary costs the
-drain of one grid plus the launch and memory-latency ramp of the next. With PDL a kernel's
-programs become resident during its predecessor's tail, and a kernel whose main input is static
-(a linear layer's weight: `mla_kernels.gemv`) streams it before the wait, overlapping the
-predecessor (docs/benchmarks.md, "Decode latency").
-
-The contract every kernel here follows when launched with PDL: `pdl_trigger` first (so the next
-kernel can launch), then only reads of buffers that no kernel writes during a forward (weights),
-then `pdl_wait` on *every* path through the program (also early-return paths: a kernel that
-never waits would let its successor run ahead of its predecessor), and only then other loads and
-any store. Kernels that are not launched with PDL skip both helpers (USE_PDL=False), as do the
-interpreter (TRITON_INTERPRET) and pre-Hopper devices.
+The contract every kernel here follows when launched with PDL: `pdl_trigger` first, then only
+reads of buffers no kernel writes during a forward (weights), then `pdl_wait` on *every* path
+through the program (early returns too: a kernel that never waits lets its successor run ahead
+of its predecessor), and only then other loads and any store. Kernels launched without PDL skip
+both helpers (USE_PDL=False), as do the interpreter (TRITON_INTERPRET) and pre-Hopper devices.
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """Greedy token choice and its logprob in one pass over the logits (the sampler's common case).
 
-`Sampler.launch` (mla_backend/model_executor/sampler.py) needs, per request row of the last
-positions' logits [bs, V] (fp32, or bf16 / fp16 from a CUDA graph replay, read as they are and
-upcast on load): the argmax (greedy rows) and the chosen token's logprob
-logit[chosen] - logsumexp(logits). In torch that is an argmax and a logsumexp (amax, a
-broadcast subtraction, exp, sum, log) plus a gather: five or six passes over [bs, V]
-(V = 102,400 for DeepSeek; on an H200 at bs 512 about 0.43 ms per decode step,
-docs/benchmarks.md, "Grouped-GEMM tiles, the router's GEMM"). `greedy_with_logprob` reads each
-row once: per lane a running maximum with its first index, and an online softmax sum
-(Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018), combined across lanes
-at the end. From SPLIT_MAX_ROWS rows (or for rows of one block) one program reads a whole row
-(`_greedy_logprob_kernel`); below, several programs each read a range of whole blocks of it
-(`_greedy_partial_kernel`) and a second launch combines their partials per row
-(`_greedy_combine_kernel`: the first column of the largest maximum, the max-shifted sum of the
-partial sums). H200, V 102,400: 9.5 us at bs 1, 94 us at bs 512, against 72 and 442 us for
-torch (docs/benchmarks.md, "The sampler in one pass, measured").
+`greedy_with_logprob` serves `Sampler.launch` (mla_backend/model_executor/sampler.py): for each
+row of the last positions' logits [bs, V] (fp32, or bf16 / fp16 from a CUDA graph replay,
+upcast on load) it returns the argmax and its logprob logit[chosen] - logsumexp(logits). Torch
+needs five or six passes over [bs, V] for that; this reads each row once, keeping per lane a
+running maximum with its first index and an online softmax sum (Milakov & Gimelshein, "Online
+normalizer calculation for softmax", 2018). From SPLIT_MAX_ROWS rows one program reads a whole
+row (`_greedy_logprob_kernel`); below, several programs read parts of a row
+(`_greedy_partial_kernel`) and a second launch combines them (`_greedy_combine_kernel`).
 
-Same results as torch: the index is the first position of the row's maximum (torch.argmax's
-rule), or the first NaN when the row has one (torch.argmax treats NaN as the maximum); the
-logprob is the chosen logit minus the row's logsumexp in fp32 (summation order differs from
-torch's: ~1e-6 relative). A row that is entirely -inf gives index 0 and a NaN logprob, as torch.
-Float64 / torch twin: the tests compare against torch.argmax and torch.logsumexp in float64.
+Same results as torch: the index is the first position of the row's maximum, or the first NaN
+(torch.argmax's rules); the logprob differs from torch's by ~1e-6 relative (summation order).
+A row that is entirely -inf gives index 0 and a NaN logprob, as torch does. The tests compare
+against torch.argmax and torch.logsumexp in float64.
 """
 
 from __future__ import annotations
@@ -36,9 +28,7 @@ GREEDY_BLOCK = 4096
 # the GPU idle at small batches. Splits per row: cdiv(SPLIT_TARGET_PROGRAMS, bs), at most the
 # row's BLOCKs and MAX_SPLITS, rounded up to a power of two (the combine's tl.arange); each split
 # starts at a whole BLOCK, so the rounding can leave the last splits empty (they read nothing).
-# H200, V 102,400 fp32, µs, one program per row -> split (docs/benchmarks.md, "The sampler in one
-# pass, measured", call 4): bs 1 35.7 -> 9.5 (32 splits), bs 64 39.7 -> 26.0 (8), bs 128
-# 44.4 -> 39.9 (4); in call 3 two splits lost at bs 192 (50.3 -> 57.8) and 256 (53.0 -> 61.0).
+# Splitting helps most at bs 1 and loses from about bs 192, hence SPLIT_MAX_ROWS.
 SPLIT_MAX_ROWS = 160
 SPLIT_TARGET_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
 MAX_SPLITS = 64

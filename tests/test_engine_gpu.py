@@ -1,4 +1,4 @@
-"""The engine on a CUDA GPU (marker `gpu`, run on the lent H200): the same greedy tokens as Hugging
+"""The engine on a CUDA GPU (marker `gpu`): the same greedy tokens as Hugging
 Face on the CPU in fp32, bf16 logits close to fp32, and pools sized from free GPU memory.
 
     MLA_TEST_TOKENIZER_DIR=<folder with SmolLM2's tokenizer files> PYTHONPATH=. \

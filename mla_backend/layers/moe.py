@@ -316,10 +316,8 @@ class RouterGate(ReplicatedLinear):
     more than one row (outside torch.compile) then runs as one cuBLAS 16-bit GEMM with fp32
     output (`torch.mm(..., out_dtype=torch.float32)`): the products of two bf16 values are
     exact in fp32 and are summed in fp32, as `F.linear(x.float(), weight)` does, but without
-    the cast of x and the fp32 SIMT GEMM (a bs-512 H200 profile lists two fp32 SIMT kernels
-    of 9.0 and 5.8 us per MoE layer and 28 9-us copies per step, the router's among them;
-    docs/benchmarks.md, "Grouped-GEMM tiles, the router's GEMM"). The sums may differ from
-    the fp32 GEMM's in the last bits (another summation order).
+    the cast of x and the slow fp32 SIMT GEMM. The sums may differ from the fp32 GEMM's in the
+    last bits (another summation order).
     """
 
     def __init__(self, in_features: int, num_experts: int) -> None:
@@ -489,7 +487,7 @@ class DeepseekV2MoE(nn.Module):
 
 # Token rows up to which the shared experts run inside the routed experts' GEMV launches
 # (`DeepseekV2MoE._foldable_shared`): each row reads the shared weights itself there, so only
-# decode at batch size 1 gains (docs/benchmarks.md, "Decode latency").
+# decode at batch size 1 gains.
 SHARED_FOLD_MAX_ROWS = 1
 
 

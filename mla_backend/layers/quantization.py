@@ -111,7 +111,7 @@ class BlockFP8Config:
 
 
 # Token rows up to which a 16-bit CUDA linear runs as `mla_kernels.gemv` instead of cuBLAS
-# (decode at batch size 1; benchmarks/bench_gemv.py, docs/benchmarks.md "Decode latency").
+# (decode at batch size 1; benchmarks/bench_gemv.py measures it).
 GEMV_MAX_ROWS = 1
 
 
@@ -364,21 +364,17 @@ def fp8_per_token_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale_row: torch.Tens
 
 # Token rows up to which a CUDA dynamic FP8 linear runs as the triton FP8 `gemv` (a stream
 # of the fp8 weight, like the 16-bit linears' GEMV at GEMV_MAX_ROWS) instead of
-# `torch._scaled_mm`: H200, V2-Lite bs-1 FP8 decode 2.90 ms per step with it vs 3.46 with
-# _scaled_mm (docs/benchmarks.md, FP8, sixth and seventh looks). Wider batches not measured.
+# `torch._scaled_mm`: faster for V2-Lite's bs-1 FP8 decode. Wider batches not measured.
 FP8_GEMV_MAX_ROWS = 1
 
 # `torch._scaled_mm(use_fast_accum=)` for the dense FP8 linears: Hopper's FP8 MMA then keeps
 # its own accumulator over the whole K loop instead of adding it into fp32 registers every few
 # steps; DeepSeek-V3's report (arXiv 2412.19437, section 3.3.2) puts that accumulator at about
 # 14 bits. (The triton FP8 GEMMs here, fused MoE, bmm_fp8 and block-FP8, accumulate that way on
-# sm_90: triton's default `max_num_imprecise_acc` there is 2**30.) Off: on an H200
-# (`benchmarks/bench_dense_fp8.py --sections accum`, 2026-12-04) it made V2-Lite's four dense
-# FP8 linears 9% faster at 945 token rows (77.9 -> 70.9 us per layer) and 13% at 6,144 (304 ->
-# 265 us), about 0.2 ms of a bs-945 FP8 decode step, and raised the GEMM's own error 1.5-1.8x
-# (largest error 2.0-3.6e-3 -> 3.6-5.6e-3 of the largest output, against the float64 product
-# of the same FP8 operands); the rowwise GEMM test (a row's largest x 1e-3 plus bf16 rounding)
-# failed with it on.
+# sm_90: triton's default `max_num_imprecise_acc` there is 2**30.) Off: it makes the dense FP8
+# linears somewhat faster (`benchmarks/bench_dense_fp8.py --sections accum`) but raises the
+# GEMM's own error, and the rowwise GEMM test (a row's largest x 1e-3 plus bf16 rounding)
+# fails with it on.
 FP8_FAST_ACCUM = False
 
 

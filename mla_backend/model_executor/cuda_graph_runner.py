@@ -124,8 +124,8 @@ class CudaGraphRunner:
         self.out_cache_loc = zeros(PAD_OUT_CACHE_LOC)
         # One static logits buffer for all buckets (graphs write rows [:bs]); per-bucket
         # outputs would keep sum(buckets) x vocab values alive. In the model dtype: the lm_head
-        # GEMM writes it directly (fp32 would cost a conversion pass per step, ~80 us at bs 512
-        # x 102,400 on an H200), and the greedy sampler reads 16-bit logits as they are.
+        # GEMM writes it directly (fp32 would cost a conversion pass per step), and the greedy
+        # sampler reads 16-bit logits as they are.
         self.logits = torch.zeros(self.max_bs, mr.vocab_size, dtype=mr.dtype,
                                   device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

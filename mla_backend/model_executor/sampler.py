@@ -310,9 +310,8 @@ class Sampler:
             # all greedy on unprocessed logits: argmax, logsumexp and the chosen logprob in
             # one read of the logits (`mla_kernels.sampling`), the same values as below (16-bit
             # logits, as a CUDA graph replay gives them, are read as they are: their fp32 form
-            # is the same values); on an H200 faster than torch's passes at every batch size
-            # (V 102,400: 9.5 vs 71.9 us at bs 1, 94 vs 442 at bs 512;
-            # `benchmarks/bench_sampling.py`)
+            # is the same values); faster than torch's passes at every batch size measured
+            # (`benchmarks/bench_sampling.py`)
             from mla_kernels.sampling import greedy_with_logprob
 
             next_ids, chosen_lp, lse = greedy_with_logprob(view)

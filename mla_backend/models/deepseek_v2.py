@@ -18,45 +18,12 @@ Attention paths (REFERENCE §1.2), chosen once per batch by `DeepseekV2Model.att
 | mha          | `ModelConfig.disable_mla` (every batch)   | per-head K/V (MHA) | pool (MHA)   |
 
 Absorbed MQA: H query heads, 1 KV head of kv_lora + rope dims, V = the first kv_lora columns.
-In decode one triton kernel (`mla_kernels.mla_rope_store`) normalizes and rotates each new latent
-row straight into its pool slot and rotates the query's rope part. The first query projection
-(q_proj or q_a_proj) and kv_a_proj_with_mqa, which both read the layer input, are stored as one
-matrix after load (`w_input_proj`: unquantized weights, or dynamic per-tensor FP8 with each
-part's scale per column in `w_input_proj_scale`) and run as one GEMM / GEMV.
-Softmax scale in every path: qk_head_dim^-0.5 x mscale(factor, mscale_all_dim)^2 (never
-(kv_lora+rope)^-0.5). RoPE: interleaved pairs with DeepSeek YaRN (`layers.rotary_deepseek`).
-
-V3 is the same model math with other routing (`MoERouting`, REFERENCE §1.6): V2 routes by
-softmax (`greedy` / `group_limited_greedy`), V3 by sigmoid + `e_score_correction_bias`
-(`noaux_tc`), chosen from the config by `DeepseekV2ForCausalLM.moe_routing`, which
-`DeepseekV3ForCausalLM` overrides.
-
-Block-FP8 checkpoints (DeepSeek-V3's published format, `quantization_config` quant_method "fp8"
-with `weight_block_size`; see `layers.quantization.BlockFP8Config`): every linear of attention, dense
-MLP and shared experts keeps `weight` float8_e4m3fn + `weight_scale_inv` and runs the block-scaled
-triton GEMM; the embedding, router, LM head and norms are unquantized (they have no scales in the
-checkpoint). Routed experts keep their FP8 weights and block scales too (`layers.moe.
-BlockFP8MoEMethod`, run by the FP8 fused-MoE kernel), unless a tensor-parallel slice of the
-intermediate dim would cut 128-blocks: then they are dequantized at load (`_dequantize_experts`)
-into the model-dtype stacked weights. `kv_b_proj` stays FP8 for the decompressed path; the
-absorbed `w_kc`/`w_vc` are split from its dequantized weight in `post_load_weights`.
-
-Per-tensor FP8 (`layers.quantization.Fp8Config`: a vLLM/ModelOpt-style FP8 checkpoint, or the
-engine setting `quantization="fp8"` on an unquantized one): the same linears become
-`Fp8LinearMethod` (fp8 weight, one scale, `torch._scaled_mm`). Routed experts become FP8 per
-expert per tensor (`layers.moe.Fp8MoEMethod`, amax / 448 of each expert's stacked w13 and w2
-in `post_load_weights`): with online "fp8" from the model-dtype weights; a per-tensor FP8
-checkpoint's expert weights are first dequantized at load (weight * weight_scale; input_scale
-dropped, activations are dynamic) and then requantized.
-
-Absorbed matrices with per-tensor FP8 linears (kv_b_proj `Fp8LinearMethod`: FP8 checkpoint or
-online "fp8"): `w_kc`/`w_vc` are float8_e4m3fn, each with one float32 scale (`w_kc_scale`,
-`w_vc_scale` = amax/448 of the dequantized matrix), stored column-major per head for
-`torch._scaled_mm`; the two absorbed products run as `layers.quantization.fp8_per_tensor_bmm`
-(dynamic per-tensor activation scale) up to `FP8_BMM_MAX_ROWS` token rows, and above it on CUDA
-as 16-bit `torch.bmm`s over the same weights dequantized (`w_kc_dq`, `w_vc_dq`). Otherwise
-(unquantized, or block-FP8 for now: its tests pin w_kc/w_vc to the dequantized kv_b_proj) they
-are model-dtype `torch.bmm`s.
+The first query projection and kv_a_proj_with_mqa run as one GEMM (`w_input_proj`). Softmax
+scale in every path: qk_head_dim^-0.5 x mscale(factor, mscale_all_dim)^2, never
+(kv_lora+rope)^-0.5. RoPE: interleaved pairs with DeepSeek YaRN (`layers.rotary_deepseek`).
+V3 differs only in routing (`MoERouting`, REFERENCE §1.6: sigmoid + `e_score_correction_bias`,
+`noaux_tc`). Block-FP8 and per-tensor FP8 weights, and how `w_kc`/`w_vc` are stored for each,
+are described in docs/architecture.md ("models/ and layers/") and in `post_load_weights`.
 """
 
 from __future__ import annotations
@@ -104,15 +71,14 @@ if TYPE_CHECKING:
 ABSORBED, DECOMPRESSED, MHA = "absorbed", "decompressed", "mha"
 # Token rows up to which absorbed MLA's w_kc / w_vc products run as `mla_kernels.bmm_gemv`
 # (written straight into the query / o_proj input) instead of torch.bmm plus a copy: decode at
-# batch size 1 (docs/benchmarks.md, "Decode latency").
+# batch size 1.
 BMM_GEMV_MAX_ROWS = 1
 # Token rows up to which absorbed MLA's products with FP8 w_kc / w_vc run as the FP8 batched
 # matmul (`fp8_per_tensor_bmm`: an amax pass over x, then the triton `bmm_fp8`). Above it, on
 # CUDA, they run as torch.bmm over the dequantized weights in the model dtype (`w_kc_dq`,
-# `w_vc_dq`: 2 x 2 MB per V2-Lite layer), written straight into the query / o_proj input: at a
-# bs-512 decode step on an H200 the FP8 pair took 19.4 us per product (13.6 GEMM + 5.8 amax)
-# against ~5.5 us for cuBLAS's bf16 bmm (docs/benchmarks.md, "The MoE sort in three launches;
-# FP8's decode prologue and absorbed products"). None: always FP8.
+# `w_vc_dq`: 2 x 2 MB per V2-Lite layer), written straight into the query / o_proj input: at
+# large batches the FP8 pair (amax pass plus GEMM) is slower than cuBLAS's bf16 bmm.
+# None: always FP8.
 FP8_BMM_MAX_ROWS: int | None = 64
 
 

@@ -15,7 +15,7 @@ chunk could not hold it whole anyway (or it would be the batch's first request).
 waits for the next batch, which it then leads. A request split across two batches makes the
 second one an extend over a cached prefix, and for DeepSeek's MLA a batch with any cached
 prefix runs absorbed for all of its tokens, slower than the decompressed prefill of
-prefix-free tokens (docs/benchmarks.md, "Whole requests per prefill batch").
+prefix-free tokens.
 """
 
 from __future__ import annotations

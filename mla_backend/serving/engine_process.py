@@ -1,37 +1,30 @@
 """`EngineProcess`: the adapter's `Engine` in a child process of the Python-backend stub.
 
-Why a process: in one process the engine thread and the adapter's response and sender threads
-share one GIL. Every `InferenceResponseSender.send` takes the GIL back when its IPC round trip
-returns; with per-token streaming that is one GIL handoff per token, and each handoff makes the
-engine thread (which drops the GIL inside every torch operation) block, switch out and wait for
-a core again. Measured on a 2-core CPU VM (deepseek-v2-tiny, 64 concurrent streams, per-step
-`/proc/<tid>/schedstat` of the engine thread; docs/benchmarks.md, "Server-path cost"): a decode
-step took 38-40 ms in the stub against 32 ms for the same engine stepped on a thread of an idle
-process, with ~65 context switches and 3.4-4 ms of run-queue wait per step. In its own process
-the engine has its own GIL; what crosses the boundary is one message per step.
+Why a process: in the stub the engine thread shares one GIL with the response and sender
+threads. Every `InferenceResponseSender.send` takes the GIL back when its IPC round trip
+returns, so per-token streaming makes the engine thread block and wait for a core once per
+token, which slowed its decode steps on a small CPU VM. In its own process the engine has its
+own GIL; what crosses the boundary is one message per step.
 
-Owns: the child process (spawned with the `python3` of this environment, as the tensor-parallel
-workers are; it spawns those workers itself), the pipe to it, and a stub-side front with the
-subset of `Engine`'s interface the adapter uses (`add_request`, `abort`, `wait_for_work`,
-`step`, `check_health`, `failed`, `stats`, `check_invariant`, `close`, `tokenizer`,
-`context_len`, `max_total_tokens`). Requests are checked and tokenized in the stub
-(`engine.validate_request` with the stub's own tokenizer and the limits the child reports), so a
-bad request is refused at once, as with an in-process engine; the child gets prompt ids. The
-child's engine does not detokenize (`Engine(detokenize=False)`) except for requests with stop
-strings: the stub, which receives every output anyway, fills their text with its own tokenizer
-(`tokenizer.detokenizer.OutputDetokenizer`) in `step`, off the engine's step loop.
+Owns the child process (spawned with this environment's `python3`; it spawns the tensor-parallel
+workers itself), the pipe to it, and a stub-side front with the part of `Engine`'s interface the
+adapter uses (`add_request`, `abort`, `wait_for_work`, `step`, `check_health`, `failed`, `stats`,
+`check_invariant`, `close`, `tokenizer`, `context_len`, `max_total_tokens`). Requests are
+checked and tokenized in the stub (`engine.validate_request`), so a bad request is refused at
+once; the child gets prompt ids and does not detokenize (`Engine(detokenize=False)`) except
+where stop strings need it: the stub fills the text in `step` (`OutputDetokenizer`).
 
 Messages (one duplex `multiprocessing` pipe, pickled tuples):
 - stub → child: ("add", GenerateRequest with input_ids), ("abort", rid), ("check",), ("close",).
 - child → stub: ("ready", facts) or ("load_error", message) once; then ("out", rows, failed,
-  stats or None) after a step that produced outputs, a change of `failed` or of the counters,
-  rows = `pack_outputs` of the step's [RequestOutput] (plain tuples: unpickling dataclass
-  instances costs several times more, and the stub does it under its GIL;
-  `benchmarks/bench_engine_pipe.py`); ("step_error", message) when a step raised; ("check", verdict or None, stats).
+  stats or None) after a step that produced outputs or changed `failed` or the counters, rows =
+  `pack_outputs` of the step's [RequestOutput] (plain tuples unpickle faster than dataclasses;
+  `benchmarks/bench_engine_pipe.py`); ("step_error", message) when a step raised; ("check",
+  verdict or None, stats).
 
-If the child dies (killed, crashed), `failed` says so ("the engine process (pid N) exited
-(signal 9, SIGKILL); the model must be reloaded") and every live request ends with that error,
-as for a dead tensor-parallel worker. If the stub dies, the child sees the pipe close and exits.
+If the child dies, `failed` says so ("the engine process (pid N) exited (signal 9, SIGKILL); the
+model must be reloaded") and every live request ends with that error, as for a dead
+tensor-parallel worker. If the stub dies, the child sees the pipe close and exits.
 """
 
 from __future__ import annotations
@@ -87,10 +80,8 @@ class _Channel:
     `Connection.send` / `poll` work too but cost more per call, and the engine process calls
     them once per step: `send` pickles through `ForkingPickler` (it rebuilds its dispatch table
     on every call, for the tensors and file descriptors our messages never carry) and `poll`
-    builds a new selector each time. Measured in a step log of the engine process on the 2-core
-    CPU VM (deepseek-v2-tiny, one request at a time): median 100-128 us between two ~5.5 ms
-    steps with `Connection`, 72-78 us with this class (docs/benchmarks.md, "Server-path cost",
-    item 7).
+    builds a new selector each time. This class cuts the gap between two steps of the engine
+    process.
 
     Raises (every method): EOFError / OSError when the other end is gone.
     """
@@ -389,8 +380,8 @@ def _own_session() -> None:
     it changes nothing). There the CPU scheduler weighs the engine against tritonserver, the
     stub and the clients as one group against another, instead of one thread against each of
     their threads: with per-token streaming their threads wake ~60 times per decode step of 64
-    requests, and on a machine with few cores many of those wake-ups preempted the engine
-    (docs/benchmarks.md, "Server-path cost", item 7). Signals of the terminal's session no
+    requests, and on a machine with few cores many of those wake-ups preempted the engine.
+    Signals of the terminal's session no
     longer reach this process, which is what we want: the stub decides when it stops (closing
     the pipe or sending ("close",)). No-op where setsid is refused."""
     try:

@@ -226,7 +226,7 @@ class TritonPythonModel:
         self._steps_may_start = threading.Event()  # set once initialize has finished
         self._engine_error: BaseException | None = None
         # The engine is built on the engine thread that steps it: torch work on one thread only
-        # (see `_engine_main` and docs/benchmarks.md, "Server-path cost").
+        # (see `_engine_main`).
         self._engine_thread = threading.Thread(
             target=self._engine_main, args=(config, threads), name="mla-engine", daemon=True
         )

@@ -2,7 +2,7 @@
 
 `TRITON_INTERPRET=1` must be set before triton is first imported (triton reads it at import),
 so this is done at the very top, before anything imports triton, torch's triton helpers or the
-kernels. On a CUDA machine (the lent H200) it is left unset so kernels compile for real. Tests get
+kernels. On a CUDA machine it is left unset so kernels compile for real. Tests get
 their device from the `device` fixture (or `DEVICE`): "cuda" when available, else "cpu".
 """
 

@@ -11,10 +11,9 @@ Tolerances:
   differences are ~1e-7 relative to max |ref|.
 - bf16 output: the bound above plus 2^-7 |ref|: triton's interpreter truncates float32 -> bf16
   (no rounding: an error below one bf16 ulp, 2^-7 relative); GPUs round (half of that).
-GPU (`gpu` marker, for the H200): bf16 inputs, engine-sized shapes. Hopper's fp8 tensor cores
-add within each 128-deep K chunk at reduced precision (the kernel promotes to fp32 between
-chunks): measured on an H200 up to 4.5e-4 of max |ref| (0.2% of elements beyond 1e-4), so the
-float32 bound there is 1e-3 of max |ref|.
+GPU (`gpu` marker): bf16 inputs, engine-sized shapes. Hopper's fp8 tensor cores add within
+each 128-deep K chunk at reduced precision (the kernel promotes to fp32 between chunks), with
+errors seen up to about 4.5e-4 of max |ref|, so the float32 bound there is 1e-3 of max |ref|.
 """
 
 from __future__ import annotations

@@ -23,8 +23,7 @@ move the output far outside FP32 (checked > 100x).
 GPU (`gpu` marker): bf16 activations at DeepSeek-V2-Lite shapes (H 2048, I 1408, E 64, top-6), both
 paths and both scale kinds, vs the fp32 reference (max abs error <= 2% of max|ref|: bf16 rounding
 of the intermediate and the per-slot outputs plus rare e4m3 rounding flips it causes), and a
-CUDA-graph capture/replay on both paths (no host sync). Passed on an H200 (torch 2.11, triton
-3.6).
+CUDA-graph capture/replay on both paths (no host sync).
 """
 
 from __future__ import annotations
@@ -251,9 +250,8 @@ def _rel_mean(out: torch.Tensor, ref: torch.Tensor) -> float:
 # boundary goes one step either way with any change of summation order, and that step times a
 # down-projection weight lands in one output. The twin against itself with one extra bf16
 # rounding of its gate_up product (`round_gate_up`) moved by up to 4.0%, the kernels by 0.3-3.4%
-# (max) and at most 0.09% (mean): `benchmarks/bench_fp8_moe_error.py` on the H200
-# (docs/benchmarks.md, twenty-fourth session). Tolerances: 5% max, 0.2% mean. Ignored or
-# misplaced scales fail far beyond them (test_fp8_scales_matter).
+# (max) and at most 0.09% (mean): `benchmarks/bench_fp8_moe_error.py` on a GPU. Tolerances:
+# 5% max, 0.2% mean. Ignored or misplaced scales fail far beyond them (test_fp8_scales_matter).
 BF16_REL_MAX, BF16_REL_MEAN = 5e-2, 2e-3
 
 

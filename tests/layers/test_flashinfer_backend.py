@@ -170,8 +170,8 @@ def test_tiny_llama_greedy_equals_triton(tmp_path):
     differences grow). All decode eagerly: flashinfer has no CUDA graphs (the engine falls back
     with graphs left enabled), triton's are turned off (same path, and no capture time);
     torch_native, the reference backend, is the control. In bf16 no two backends agree over
-    all 32 tokens of every prompt (H200, 2026-12-02: triton and torch_native part too, in a
-    repetition loop of near-tied logits), so the first GREEDY_PREFIX tokens are compared; the
+    all 32 tokens of every prompt (triton and torch_native part too, in a repetition loop of
+    near-tied logits), so the first GREEDY_PREFIX tokens are compared; the
     kernels themselves are compared within stated tolerances by the tests above."""
     from mla_backend.config import EngineConfig
     from mla_backend.engine import Engine

@@ -1,4 +1,4 @@
-"""CUDA graphs and torch.compile on a GPU (marker `gpu`, run on the lent H200): graph replay equals
+"""CUDA graphs and torch.compile on a GPU (marker `gpu`): graph replay equals
 eager decode (logits and greedy tokens), padded rows touch only the sink slot, compiled buckets
 never recompile after capture, and the memory plan gives MLA ≈ 8.9x MHA's tokens.
 

@@ -1,4 +1,4 @@
-"""FP8 paths on a CUDA GPU (marker `gpu`, run on the lent H200): the FP8 KV cache, online per-tensor
+"""FP8 paths on a CUDA GPU (marker `gpu`): the FP8 KV cache, online per-tensor
 FP8 weights (linears, routed experts, absorbed w_kc/w_vc) and DeepSeek-V3's block-FP8 checkpoint,
 through `ModelRunner` with the `triton` attention backend and CUDA graphs (decode steps replay a
 graph), in bf16, against the same model in bf16 without FP8 (or, for the block-FP8 checkpoint,
@@ -15,10 +15,8 @@ the tiny models' logits move by ~1% between bf16 and fp32 (tests/test_engine_gpu
 - online FP8 weights: DeepSeek REL 0.05, top-1 0.9; Llama REL 0.35, top-1 0.6.
 - block-FP8 V3 (bf16) vs its dequantized fp32 twin on the GPU: REL 0.06, top-1 0.85 (the CPU
   test against HF on the twin measured 0.016-0.022).
-Measured on an H200 (2026-11-29): KV cache DeepSeek 0.0013 / 0.0016 (e4m3 / e5m2, top-1 1.0),
-Llama 0.0166 / 0.0277 (top-1 1.0 / 0.967). The weight and block-FP8 tests were corrected after
-that run (they counted the embedding in the FP8 share; the reference ran triton kernels on the
-CPU without the interpreter) and have not run on a GPU since.
+The KV-cache figures measured on a GPU are in docs/benchmarks.md ("FP8 vs bf16"). The weight
+and block-FP8 tests were corrected after their last GPU run and have not run on a GPU since.
 
     MLA_TEST_TOKENIZER_DIR=<SmolLM2 tokenizer folder> PYTHONPATH=. \
         python3 -m pytest -m gpu tests/model_executor/test_fp8_gpu.py -s

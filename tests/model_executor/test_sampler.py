@@ -21,7 +21,7 @@ from mla_backend.model_executor.sampler import (
 from mla_backend.request import Req, SamplingParams
 
 EOS = 2
-# The contracts that matter on the GPU are also run there (pytest -m gpu on the lent H200).
+# The contracts that matter on the GPU are also run there (pytest -m gpu).
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 

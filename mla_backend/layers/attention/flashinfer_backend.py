@@ -5,10 +5,8 @@ Optional (`attention_backend="flashinfer"`): this module is imported only by
 naming the package when flashinfer is missing. Written against flashinfer-python 0.7.2.post1
 (tvm-ffi JIT wheel; its FA2 kernels, `backend="fa2"` everywhere: they compile for any SM >= 80
 and faster than the sm90 FA3 ones). Verification: `benchmarks/flashinfer_device_check.sh` runs
-tests/layers/test_flashinfer_backend.py on the H200 (outputs against the triton and torch_native
-backends, the first greedy tokens of a tiny model against both; 13 passed on 2026-12-02, the four
-JIT modules built there in 40 s); they were first compiled for sm_90a with nvcc 13.0 on a CPU
-machine from the same trimmed bundle.
+tests/layers/test_flashinfer_backend.py on a GPU (outputs against the triton and torch_native
+backends, the first greedy tokens of a tiny model against both).
 
 Owns, per step, the page tables flashinfer reads and one planned wrapper per layer geometry:
 
