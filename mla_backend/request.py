@@ -79,6 +79,8 @@ class SamplingParams:
         kwargs: dict[str, Any] = {}
         given_as: dict[str, str] = {}  # field → the key the caller used (for messages)
         for key, value in d.items():
+            if key == "lora_name":  # the vLLM backend's message, which clients match on
+                raise ValueError("LoRA feature is not enabled.")
             if not isinstance(key, str) or key not in _PARSERS:
                 raise ValueError(
                     f"unknown sampling parameter {key!r}; accepted: {', '.join(sorted(_PARSERS))}"

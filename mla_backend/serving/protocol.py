@@ -61,13 +61,16 @@ RESERVED_PARAMETERS: frozenset[str] = frozenset(
      "headers"}
 )
 # config.pbtxt `parameters` read by the adapter, not by `EngineConfig`.
+# ENABLE_VLLM_HEALTH_CHECK (the vLLM backend's) is accepted so that its config.pbtxt loads; the
+# adapter always checks the engine's health (`triton_model`: it logs what it does instead).
 ADAPTER_PARAMETERS: tuple[str, ...] = ("REPORT_CUSTOM_METRICS", "LOG_REQUESTS",
                                        "STREAM_INTERVAL", "UNLOAD_ON_FATAL_ERROR",
                                        "INTRA_OP_THREAD_COUNT", "RESPONSE_SENDER_THREADS",
-                                       "ENGINE_PROCESS")
+                                       "ENGINE_PROCESS", "ENABLE_VLLM_HEALTH_CHECK")
 
+# The vLLM backend's text, which clients match on.
 STREAMING_ECHO_ERROR = (
-    "exclude_input_in_output: when streaming, exclude_input_in_output = false is not allowed"
+    "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
 )
 
 

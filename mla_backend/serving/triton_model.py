@@ -208,6 +208,11 @@ class TritonPythonModel:
         self._log_requests = _flag(params, "LOG_REQUESTS", False)
         self._stream_interval = _positive_int(params, "STREAM_INTERVAL", 1)
         self._unload_on_fatal = _flag(params, "UNLOAD_ON_FATAL_ERROR", False)
+        if _flag(params, "ENABLE_VLLM_HEALTH_CHECK", False):
+            self.logger.log_info(
+                "[mla_backend] ENABLE_VLLM_HEALTH_CHECK: accepted, not needed: this model always "
+                "checks its engine; a failed engine fails every request with UNAVAILABLE (set "
+                "UNLOAD_ON_FATAL_ERROR to also unload the model)")
         self._engine_process = _flag(params, "ENGINE_PROCESS", True)
         self._num_senders = _positive_int(params, "RESPONSE_SENDER_THREADS",
                                           _DEFAULT_SENDER_THREADS)

@@ -7,8 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from mla_backend.config import ConfigError, EngineConfig
 from mla_backend.request import FinishReason, RequestOutput
 from mla_backend.serving.protocol import (
+    ADAPTER_PARAMETERS,
     OutputOptions,
     ProtocolError,
     build_outputs,
@@ -249,3 +251,25 @@ def test_instance_layout_for_tensor_parallel():
     check_instance_layout("CPU", 2)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 .*KIND_MODEL"):
         check_instance_layout("GPU", 2)
+
+
+def test_vllm_backend_error_texts():
+    """Clients of the vLLM backend match on its texts: streaming with echo, and lora_name."""
+    with pytest.raises(ProtocolError) as e:
+        parse_request({"text_input": s("x"), "stream": b(True),
+                       "exclude_input_in_output": b(False)}, None, "r")
+    assert str(e.value) == ("Error generating stream: When streaming, "
+                            "`exclude_input_in_output` = False is not allowed.")
+    with pytest.raises(ProtocolError, match="LoRA feature is not enabled."):
+        parse_request({"text_input": s("x"),
+                       "sampling_parameters": s('{"lora_name": "adapter-1"}')}, None, "r")
+
+
+def test_a_vllm_backend_config_with_its_health_check_parameter_loads():
+    params = {k: {"string_value": v} for k, v in
+              {"model_path": "weights", "ENABLE_VLLM_HEALTH_CHECK": "true"}.items()}
+    config = EngineConfig.from_parameters(params, base_dir="/models/m",
+                                          ignore=ADAPTER_PARAMETERS)
+    assert config.model.model_path == "/models/m/weights"
+    with pytest.raises(ConfigError, match="ENABLE_VLLM_HEALTH_CHECK"):
+        EngineConfig.from_parameters(params, base_dir="/models/m")
