@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     variants = list(itertools.product(args.bufs, args.load_warps, args.load_regs, args.maxnreg,
                                       args.per_sm, args.reg_a, args.async_mma))
     print(f"L2 flush: {args.flush}")
-    print("| bufs,lw,lr,maxnreg,per_sm,reg_a(a: async) | bs | ctx | triton splits | triton err | triton us "
+    print("| bufs,lw,lr,maxnreg,per_sm,reg_a(a: async) | bs | ctx | triton splits | triton err "
+          "| triton us "
           "| triton % | ws splits | ws err | ws us | ws GB/s | ws % copy BW | speedup |")
     print("|---" * 13 + "|")
     flush = bda.make_flush(args.flush)

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import resource
 import shlex
 import shutil
@@ -37,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE), str(REPO / "tests" / "serving")]  # as serving_client
 
+from serving_helpers import engine_config, pbtxt_parameters  # noqa: E402
 from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
 
 CLIENTS = ("perf_analyzer", "own_client")
@@ -158,12 +158,6 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------- workers
-def pbtxt_parameters(text: str) -> dict[str, str]:
-    """The `parameters` of a config.pbtxt (key → string value)."""
-    pairs = re.findall(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
-    return dict(pairs)
-
-
 def hardware() -> str:
     """The GPU (when torch sees one) and the CPU of this machine, in words."""
     import torch
@@ -185,14 +179,11 @@ def in_process_worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from serving_client import engine_load
 
-    from mla_backend.config import EngineConfig
     from mla_backend.engine import Engine
-    from mla_backend.serving.protocol import ADAPTER_PARAMETERS
 
     config_path = Path(spec["config"])
-    params = pbtxt_parameters(config_path.read_text())
-    config = EngineConfig.from_parameters(params, base_dir=str(config_path.parent),
-                                          ignore=ADAPTER_PARAMETERS)
+    params = pbtxt_parameters(config_path)
+    config = engine_config(config_path.parent)
     if params.get("INTRA_OP_THREAD_COUNT", "auto") != "auto":  # as the adapter sets them
         torch.set_num_threads(int(params["INTRA_OP_THREAD_COUNT"]))
     t = time.perf_counter()
@@ -335,7 +326,7 @@ def model_folder(args, workdir: Path) -> tuple[str, bool]:
         return folder, True
     from mla_tools.prepare import DEFAULT_MODEL_REPOSITORY, prepare, weights_dir
 
-    prepare(DEFAULT_MODEL_REPOSITORY)
+    prepare(DEFAULT_MODEL_REPOSITORY, models=[args.model])
     folder = weights_dir(DEFAULT_MODEL_REPOSITORY, args.model)
     if not folder.is_dir():
         raise SystemExit(f"--model {args.model}: no {folder} (a model of model_repository/ or "
@@ -615,7 +606,7 @@ def main(argv: list[str]) -> int:
         config = write_repository(workdir / "repository", settings, args.device)
         log(f"{len(requests):,} requests ({sum(o for _, o in requests):,} output tokens); runs: "
             f"{', '.join(r.label for r in runs)}; engine settings (both sides): "
-            f"{pbtxt_parameters(config.read_text())}")
+            f"{pbtxt_parameters(config)}")
         spec = {"requests": str(requests_path)}
 
         log("in-process engine (a child process)")

@@ -62,6 +62,8 @@ from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
 from mla_backend.config import EngineConfig  # noqa: E402
 from mla_backend.engine import Engine  # noqa: E402
 from mla_backend.request import GenerateRequest, SamplingParams  # noqa: E402
+from mla_backend.serving.engine_process import (  # noqa: E402
+    _Channel, pack_outputs, unpack_outputs)
 from mla_tools.model_shapes import SHAPES, write_shape_model  # noqa: E402
 
 SECTIONS = ("throughput", "latency", "mla", "prefix", "breakdown")
@@ -144,9 +146,6 @@ class DetokenizerProcess:
     def __init__(self, tokenizer_dir: str) -> None:
         import multiprocessing as mp
 
-        from mla_backend.serving.engine_process import _Channel, pack_outputs
-
-        self._pack = pack_outputs
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe(duplex=True)
         self._conn = _Channel(conn)
@@ -162,7 +161,7 @@ class DetokenizerProcess:
 
     def send(self, outputs: list) -> None:
         if outputs:
-            self._conn.send(("out", self._pack(outputs)))
+            self._conn.send(("out", pack_outputs(outputs)))
 
     def close(self) -> tuple[int, int, int]:
         self._conn.send(("close", None))
@@ -175,7 +174,6 @@ def _detokenizer_main(conn, tokenizer_dir: str) -> None:
     from transformers import AutoTokenizer
 
     from mla_backend.engine import freeze_startup_objects
-    from mla_backend.serving.engine_process import _Channel, unpack_outputs
     from mla_backend.tokenizer.detokenizer import OutputDetokenizer
 
     conn = _Channel(conn)

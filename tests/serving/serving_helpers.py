@@ -4,12 +4,17 @@
   model repository, renamed, with engine parameters overridden and `model_path` pointing at the
   real weights folder (made by `mla_tools.prepare` if missing).
 - `read_metrics` / `series`: the Prometheus text of a server's metrics port as numbers.
+- `pbtxt_parameters` / `engine_config`: a written config.pbtxt's parameters, and the
+  EngineConfig the adapter builds from them (for in-process engines with the server's settings).
+- `gauges` / `wait_gauges`: a model's running / waiting / KV-usage gauges, and a wait until they
+  reach given values.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
+import time
 from pathlib import Path
 
 import requests
@@ -80,3 +85,49 @@ def series(metrics: dict[tuple[str, str], float], name: str, model: str,
         if all(f'{k}="{val}"' in lab for k, val in labels.items()):
             return v
     return None
+
+
+IDLE = {"running": 0.0, "waiting": 0.0, "kv": 0.0}  # cached-but-evictable slots count as free
+
+
+def gauges(server, model: str) -> dict[str, float]:
+    """running / waiting / kv of `model` from the metrics port (absent series: -1)."""
+    metrics = read_metrics(server)
+    out = {}
+    for key, name in (("running", "mla_backend:num_requests_running"),
+                      ("waiting", "mla_backend:num_requests_waiting"),
+                      ("kv", "mla_backend:kv_cache_usage_ratio")):
+        value = series(metrics, name, model)
+        out[key] = -1.0 if value is None else value
+    return out
+
+
+def wait_gauges(server, model: str, want: dict[str, float], timeout_s: float = 30.0) -> None:
+    """Wait until `model`'s gauges equal `want` (a subset of running / waiting / kv).
+
+    Raises:
+        AssertionError: not within `timeout_s` (the last values in the message).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = gauges(server, model)
+        if all(got[k] == v for k, v in want.items()):
+            return
+        assert time.monotonic() < deadline, f"{model}: gauges {got}, want {want}"
+        time.sleep(0.1)
+
+
+def pbtxt_parameters(config: Path) -> dict[str, str]:
+    """key → string_value of every `parameters` entry of a config.pbtxt."""
+    pattern = r'\{\s*key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}\s*\}'
+    return dict(re.findall(pattern, config.read_text()))
+
+
+def engine_config(model_dir: Path):
+    """The EngineConfig the adapter builds for the model in `model_dir` (its config.pbtxt;
+    `model_path` relative to the folder)."""
+    from mla_backend.config import EngineConfig
+    from mla_backend.serving.protocol import ADAPTER_PARAMETERS
+
+    return EngineConfig.from_parameters(pbtxt_parameters(model_dir / "config.pbtxt"),
+                                        base_dir=str(model_dir), ignore=ADAPTER_PARAMETERS)

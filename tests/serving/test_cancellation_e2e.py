@@ -40,7 +40,7 @@ from mla_backend.request import SamplingParams
 from mla_tools.tritonserver import TritonServer
 
 from test_triton_e2e import Stream, grpc_inputs, is_final, text_of
-from serving_helpers import read_metrics, series, write_model
+from serving_helpers import IDLE, gauges, wait_gauges, write_model
 
 pytestmark = pytest.mark.e2e
 
@@ -84,28 +84,6 @@ def _long_prompt(tag: str) -> str:
     return f"[{tag}] " + " ".join(f"item {i} is a {words[i % 6]}" for i in range(75))
 
 
-def gauges(server: TritonServer) -> dict[str, float]:
-    """running / waiting / kv of MODEL from the metrics port (absent series → -1)."""
-    metrics = read_metrics(server)
-    out = {}
-    for key, name in (("running", "mla_backend:num_requests_running"),
-                      ("waiting", "mla_backend:num_requests_waiting"),
-                      ("kv", "mla_backend:kv_cache_usage_ratio")):
-        value = series(metrics, name, MODEL)
-        out[key] = -1.0 if value is None else value
-    return out
-
-
-def wait_gauges(server: TritonServer, want: dict[str, float]) -> None:
-    deadline = time.monotonic() + SETTLE_S
-    while True:
-        got = gauges(server)
-        if all(got[k] == v for k, v in want.items()):
-            return
-        assert time.monotonic() < deadline, f"gauges {got}, want {want}"
-        time.sleep(0.2)
-
-
 def abort_lines(server: TritonServer, rid: str = r"\S+") -> list[str]:
     log = server.log_path.read_text(errors="replace")
     return re.findall(rf"{MODEL}: request ({rid}) was cancelled by the client; aborted", log)
@@ -121,7 +99,7 @@ def wait_abort(server: TritonServer, rid: str) -> None:
 
 def assert_clean_after(server: TritonServer, rid: str | None) -> None:
     """Gauges back to 0, abort logged once (if `rid`), a greedy request gives the baseline."""
-    wait_gauges(server, {"running": 0.0, "waiting": 0.0, "kv": 0.0})
+    wait_gauges(server, MODEL, IDLE, SETTLE_S)
     if rid is not None:
         time.sleep(0.5)  # a duplicate abort would be logged within a few cancel polls
         assert len(abort_lines(server, rf"{re.escape(rid)}#\d+")) == 1
@@ -135,7 +113,7 @@ def assert_clean_after(server: TritonServer, rid: str | None) -> None:
     assert errors == []
     assert [is_final(r) for r in by_rid["check"]].count(True) == 1
     assert text_of(by_rid["check"]) == baseline(PROMPT, CHECK_TOKENS)
-    wait_gauges(server, {"running": 0.0, "waiting": 0.0, "kv": 0.0})
+    wait_gauges(server, MODEL, IDLE, SETTLE_S)
 
 
 # ------------------------------------------------------------------------------------ tests
@@ -166,7 +144,7 @@ def test_cancel_while_queued_leaves_the_running_request_unchanged(server):
         r, e = first.responses.get(timeout=TIMEOUT)  # "running" holds the only request slot
         assert e is None, e
         second.send(MODEL, grpc_inputs(PROMPT, sampling=LONG_JOB), "queued")
-        wait_gauges(server, {"running": 1.0, "waiting": 1.0})
+        wait_gauges(server, MODEL, {"running": 1.0, "waiting": 1.0}, SETTLE_S)
         second.close(cancel=True)
         wait_abort(server, "queued")
         by_rid, errors = first.collect(1)
@@ -189,7 +167,7 @@ def test_cancel_many_at_once(server):
     try:
         for rid in rids:
             s.send(MODEL, grpc_inputs(f"{PROMPT} {rid}", sampling=LONG_JOB), rid)
-        wait_gauges(server, {"running": 1.0, "waiting": 23.0})
+        wait_gauges(server, MODEL, {"running": 1.0, "waiting": 23.0}, SETTLE_S)
     finally:
         s.close(cancel=True)
     for rid in rids:
@@ -211,7 +189,7 @@ def test_cancel_during_chunked_prefill(server):
         deadline = time.monotonic() + SETTLE_S
         # KV slots held and no token yet: its prefill chunks are running (best effort, see the
         # module doc; the engine is known to hold it, so the cancel must reach Engine.abort).
-        while gauges(server)["kv"] <= 0.0 and s.responses.empty():
+        while gauges(server, MODEL)["kv"] <= 0.0 and s.responses.empty():
             assert time.monotonic() < deadline, "the long prompt never started prefilling"
             time.sleep(0.05)
         if not s.responses.empty():  # a (much) faster host: already decoding

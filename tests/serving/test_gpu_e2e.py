@@ -33,16 +33,15 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from mla_backend.config import EngineConfig
 from mla_backend.request import SamplingParams
-from mla_backend.serving.protocol import ADAPTER_PARAMETERS
 from mla_tools.model_shapes import write_shape_model
 from mla_tools.prepare import DEFAULT_MODEL_REPOSITORY, SMOLLM2, is_complete, weights_dir
 from mla_tools.tritonserver import TritonServer
 
 from test_triton_e2e import (Stream, _settled_counters, _tensor, grpc_inputs, is_final, scalar,
                              text_of)
-from serving_helpers import read_metrics, series, write_model
+from serving_helpers import (IDLE, engine_config, gauges, read_metrics, series, wait_gauges,
+                             write_model)
 
 DEVICE = os.environ.get("MLA_GPU_E2E_DEVICE", "cuda")
 if DEVICE not in ("cuda", "cpu"):
@@ -144,31 +143,18 @@ def _release_engines() -> Iterator[None]:
         torch.cuda.empty_cache()
 
 
-def pbtxt_parameters(config: Path) -> dict[str, str]:
-    """key → string_value of every `parameters` entry of a config.pbtxt."""
-    pattern = r'\{\s*key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}\s*\}'
-    return dict(re.findall(pattern, config.read_text()))
-
-
-def engine_config(model_repo: Path, model: str) -> EngineConfig:
-    """The EngineConfig the server builds for `model` (from its written config.pbtxt)."""
-    folder = model_repo / model
-    return EngineConfig.from_parameters(pbtxt_parameters(folder / "config.pbtxt"),
-                                        base_dir=str(folder), ignore=ADAPTER_PARAMETERS)
-
-
 def engine(model_repo: Path, model: str) -> Any:
     """In-process Engine with the served model's settings (made once)."""
     from mla_backend.engine import Engine
 
     if model not in _ENGINES:
-        _ENGINES[model] = Engine(engine_config(model_repo, model))
+        _ENGINES[model] = Engine(engine_config(model_repo / model))
     return _ENGINES[model]
 
 
 # ------------------------------------------------------------------------------------ helpers
 def vocab_size(model_repo: Path, model: str) -> int:
-    cfg = engine_config(model_repo, model)
+    cfg = engine_config(model_repo / model)
     return json.loads((Path(cfg.model.model_path) / "config.json").read_text())["vocab_size"]
 
 
@@ -235,31 +221,6 @@ def run_all(server: TritonServer, model: str, jobs: dict[str, tuple],
     return by_rid
 
 
-def gauges(server: TritonServer, model: str) -> dict[str, float]:
-    """running / waiting / kv of `model` from the metrics port (absent series: -1)."""
-    metrics = read_metrics(server)
-    out = {}
-    for key, name in (("running", "mla_backend:num_requests_running"),
-                      ("waiting", "mla_backend:num_requests_waiting"),
-                      ("kv", "mla_backend:kv_cache_usage_ratio")):
-        value = series(metrics, name, model)
-        out[key] = -1.0 if value is None else value
-    return out
-
-
-IDLE = {"running": 0.0, "waiting": 0.0, "kv": 0.0}  # cached-but-evictable slots count as free
-
-
-def wait_gauges(server: TritonServer, model: str, want: dict[str, float]) -> None:
-    deadline = time.monotonic() + SETTLE_S
-    while True:
-        got = gauges(server, model)
-        if all(got[k] == v for k, v in want.items()):
-            return
-        assert time.monotonic() < deadline, f"{model}: gauges {got}, want {want}"
-        time.sleep(0.1)
-
-
 def abort_count(server: TritonServer, model: str, rid: str) -> int:
     log = server.log_path.read_text(errors="replace")
     return len(re.findall(rf"{re.escape(model)}: request {re.escape(rid)}#\d+ was cancelled by "
@@ -308,7 +269,7 @@ def test_greedy_through_server_equals_in_process_engine(server: TritonServer, mo
     # seed: another seed gives other logprobs.
     from mla_backend.engine import Engine
 
-    other = Engine(engine_config(model_repo, model).replace(seed=LITE_SEED + 1))
+    other = Engine(engine_config(model_repo / model).replace(seed=LITE_SEED + 1))
     got = other.generate([prompts[0]], SamplingParams.from_dict(sampling))[0]
     del other
     gc.collect()
@@ -343,7 +304,7 @@ def test_streaming_equals_non_streaming_with_requests_in_flight(server: TritonSe
             == "length"
     texts = {text_of(by_rid[f"n{i}"]) for i in range(len(prompts))}
     assert len(texts) == len(prompts)
-    wait_gauges(server, model, IDLE)
+    wait_gauges(server, model, IDLE, SETTLE_S)
 
 
 def test_cancellation_returns_the_slots(server: TritonServer) -> None:
@@ -351,12 +312,12 @@ def test_cancellation_returns_the_slots(server: TritonServer) -> None:
     fifth completes unchanged, the gauges return to idle and later requests are served."""
     check = {"max_tokens": 48, **GREEDY_IDS}
     later = {f"later{i}": (p, check, True) for i, p in enumerate(PROMPTS)}
-    wait_gauges(server, DSV2, IDLE)
+    wait_gauges(server, DSV2, IDLE, SETTLE_S)
     baseline = run_all(server, DSV2, later, return_logprobs=True, return_num_output_tokens=True)
     survivor_job = {"max_tokens": 200, **GREEDY_IDS}
     survivor_ref = run_all(server, DSV2, {"alone": (PROMPTS[1], survivor_job, True)},
                            return_logprobs=True, return_num_output_tokens=True)["alone"]
-    wait_gauges(server, DSV2, IDLE)
+    wait_gauges(server, DSV2, IDLE, SETTLE_S)
 
     long_job = {"max_tokens": 1900, **GREEDY_IDS}
     victims = {f"victim{i}": Stream(server.grpc_url) for i in range(4)}
@@ -394,7 +355,7 @@ def test_cancellation_returns_the_slots(server: TritonServer) -> None:
     while not all(abort_count(server, DSV2, rid) for rid in victims):
         assert time.monotonic() < deadline, "the adapter did not abort every cancelled stream"
         time.sleep(0.1)
-    wait_gauges(server, DSV2, IDLE)
+    wait_gauges(server, DSV2, IDLE, SETTLE_S)
     time.sleep(0.5)  # a duplicate abort would be logged within a few cancellation polls
     assert all(abort_count(server, DSV2, rid) == 1 for rid in victims)
     assert abort_count(server, DSV2, "survivor") == 0
@@ -402,7 +363,7 @@ def test_cancellation_returns_the_slots(server: TritonServer) -> None:
     for rid in later:
         assert ids_of(after[rid]) == ids_of(baseline[rid]) and tokens_of(after[rid]) == 48
         assert text_of(after[rid]) == text_of(baseline[rid])
-    wait_gauges(server, DSV2, IDLE)
+    wait_gauges(server, DSV2, IDLE, SETTLE_S)
 
 
 BAD_CASES = [  # (name, prompt, sampling, text the error must contain)
@@ -458,7 +419,7 @@ def test_bad_input_fails_alone_among_good_requests_in_flight(server: TritonServe
         assert ids_of(results) == ids_of(_GOOD_BASELINE[rid]) and len(ids_of(results)) == 96, rid
         assert text_of(results) == text_of(_GOOD_BASELINE[rid]), rid
         assert tokens_of(results) == 96
-    wait_gauges(server, DSV2, IDLE)
+    wait_gauges(server, DSV2, IDLE, SETTLE_S)
 
 
 HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
@@ -530,7 +491,7 @@ def test_metrics_count_exactly_what_was_served(server: TritonServer, model_repo:
     assert delta["vllm:time_per_output_token_seconds_sum"] > 0
     assert 0 < delta["vllm:time_to_first_token_seconds_sum"] < delta[
         "vllm:e2e_request_latency_seconds_sum"]
-    wait_gauges(server, DSV2, IDLE)
+    wait_gauges(server, DSV2, IDLE, SETTLE_S)
 
 
 def test_no_adapter_errors_and_pools_balanced_at_unload(server: TritonServer,

@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from mla_backend.serving.stub_check import NUMPY_REQUIREMENT
-from mla_tools.tritonserver import TritonServer, TritonServerError, server_env
+from mla_tools.tritonserver import TritonServer, server_env
 from serving_helpers import write_model
 
 pytestmark = pytest.mark.e2e
@@ -34,9 +34,9 @@ def numpy2_env(tmp_path_factory) -> dict[str, str]:
     """Server environment whose `python3` sees numpy 2 first, then this venv's packages."""
     venv = tmp_path_factory.mktemp("numpy2") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    site = Path(subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        capture_output=True, text=True, check=True).stdout.strip())
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", purelib],
+                               capture_output=True, text=True, check=True).stdout.strip())
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                     str(site), NUMPY_2], check=True, timeout=600)
     # This venv's packages (torch, transformers, mla_backend's editable install) after numpy 2.
