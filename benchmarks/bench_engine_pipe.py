@@ -3,12 +3,13 @@
     .venv/bin/python benchmarks/bench_engine_pipe.py [--batch 64 256 1024] [--steps 200]
 
 A child process sends `--steps` messages of `batch` decode outputs (one token each, as a decode
-step of that many streaming requests makes them) over `engine_process._Channel`, the adapter's
-pipe; the parent receives and decodes each. Encodings: "objects" (the [RequestOutput] list
-pickled as it is) and "rows" (`engine_process.pack_outputs` / `unpack_outputs`, what the
-adapter sends). Reports per step (median over the steps after 20 warm-up ones): the child's
-encode time (pack + pickle; it runs on the engine's loop), the parent's decode time (unpickle +
-unpack; it runs in the stub, under its GIL) and the bytes. Waiting on the pipe is not counted.
+step of that many streaming requests makes them) over `client.engine_client._PipeChannel`, the
+engine process's pipe; the parent receives and decodes each. Encodings: "objects" (the
+[RequestOutput] list pickled as it is) and "rows" (`engine_client.pack_outputs` /
+`unpack_outputs`, what the engine process sends). Reports per step (median over the steps after 20
+warm-up ones): the child's encode time (pack + pickle; it runs on the engine's loop), the parent's
+decode time (unpickle + unpack; it runs in the stub, under its GIL) and the bytes. Waiting on the
+pipe is not counted.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mla_backend.request import RequestOutput  # noqa: E402
-from mla_backend.serving.engine_process import _Channel, pack_outputs, unpack_outputs  # noqa: E402
+from mla_backend.client.engine_client import (  # noqa: E402
+    _PipeChannel,
+    pack_outputs,
+    unpack_outputs,
+)
 
 ENCODE = {"objects": lambda outs: outs, "rows": pack_outputs}
 DECODE = {"objects": lambda rows: rows, "rows": unpack_outputs}
@@ -34,11 +39,11 @@ WARMUP = 20  # steps left out of the medians
 def step_outputs(batch: int, step: int) -> list[RequestOutput]:
     """One decode step's outputs for `batch` streaming requests (text left to the stub)."""
     return [RequestOutput(f"{i}-{step % 7}", [1000 + (i * 31 + step) % 30000], "", False, None,
-                          200, step + 1, 0, detokenized=False) for i in range(batch)]
+                          200, step + 1, 0) for i in range(batch)]
 
 
 def _child(conn, encoding: str, batch: int, steps: int) -> None:
-    channel = _Channel(conn)
+    channel = _PipeChannel(conn)
     messages = [step_outputs(batch, s) for s in range(steps)]
     encode = ENCODE[encoding]
     spent = []
@@ -46,7 +51,7 @@ def _child(conn, encoding: str, batch: int, steps: int) -> None:
         t0 = time.perf_counter()
         raw = pickle.dumps(("out", encode(outs), None, None), protocol=pickle.HIGHEST_PROTOCOL)
         spent.append(time.perf_counter() - t0)
-        channel.conn.send_bytes(raw)  # as _Channel.send, with the encoding timed apart
+        channel.conn.send_bytes(raw)  # as _PipeChannel.send, with the encoding timed apart
     channel.send(("done", statistics.median(spent[WARMUP:])))
 
 
@@ -57,7 +62,7 @@ def run(encoding: str, batch: int, steps: int) -> tuple[float, float, int]:
     proc = ctx.Process(target=_child, args=(child, encoding, batch, steps), daemon=True)
     proc.start()
     child.close()
-    channel = _Channel(parent)
+    channel = _PipeChannel(parent)
     decode = DECODE[encoding]
     spent = []
     nbytes = 0

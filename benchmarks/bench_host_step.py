@@ -7,15 +7,13 @@ float32), `--requests` streaming greedy requests of 16 prompt tokens submitted a
 methods, scheduling (`Scheduler.get_next_batch`), the forward batch
 (`ModelRunner.make_forward_batch`), the forward, the sampler launch, committing the tokens
 (`Engine._commit_tokens`), handing the batch back (`Scheduler.process_batch_result`) and
-detokenizing / emitting them (`Engine._flush_tokens`). The forward
-and the sampler are the CPU's compute here; the other parts are the per-request Python a GPU
-host runs too. Prints one table row of ms per step and the per-request µs of the host parts.
-`--detokenize caller` builds the engine with `detokenize=False` (as the adapter's engine
-process runs) and times the caller's `OutputDetokenizer.fill` of each step's outputs as one
-more column, "caller detokenizes" (not a host part of the engine's loop).
+emitting them (`Engine._flush_tokens`), and, as one more column outside the step, the output
+processor (`OutputProcessor.process`: text and stop strings of the step's outputs, which the
+engine's front door runs on its own side). The forward and the sampler are the CPU's compute
+here; the other parts are the per-request Python a GPU host runs too. Prints one table row of
+ms per step and the per-request µs of the host parts.
 
-    .venv/bin/python benchmarks/bench_host_step.py [--requests 512] [--steps 20] \
-        [--detokenize engine|caller]
+    .venv/bin/python benchmarks/bench_host_step.py [--requests 512] [--steps 20]
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from bench_suite import table  # noqa: E402
 from mla_backend.config import EngineConfig  # noqa: E402
 from mla_backend.engine import Engine  # noqa: E402
 from mla_backend.request import GenerateRequest, SamplingParams  # noqa: E402
-from mla_backend.tokenizer.detokenizer import OutputDetokenizer  # noqa: E402
+from mla_backend.tokenizer.output_processor import OutputProcessor  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HOST_PARTS = ("schedule", "forward batch", "commit", "release", "flush")
@@ -47,13 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--detokenize", default="engine", choices=["engine", "caller"])
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     eng = Engine(EngineConfig.create(model_path=args.model, dtype="float32", device="cpu",
-                                     max_running_requests=args.requests, context_length=256),
-                 detokenize=args.detokenize == "engine")
-    detok = None if eng.detokenize else OutputDetokenizer(eng.tokenizer)
+                                     max_running_requests=args.requests, context_length=256))
+    processor = OutputProcessor(eng.tokenizer)
     spent: dict[str, float] = collections.defaultdict(float)
 
     def timed(obj: object, name: str, part: str) -> None:
@@ -77,19 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     for i in range(args.requests):
         prompt = torch.randint(10, 1000, (16,), generator=gen).tolist()
-        if detok is not None:
-            detok.start(f"h{i}", prompt, True)
-        eng.add_request(GenerateRequest(
-            rid=f"h{i}", input_ids=prompt,
-            sampling_params=SamplingParams(max_new_tokens=args.warmup + args.steps + 8,
-                                           temperature=0.0, ignore_eos=True), stream=True))
+        sp = SamplingParams(max_new_tokens=args.warmup + args.steps + 8, temperature=0.0,
+                            ignore_eos=True)
+        processor.add(f"h{i}", prompt, sp, stream=True)
+        eng.add_request(GenerateRequest(rid=f"h{i}", input_ids=prompt, sampling_params=sp,
+                                        stream=True))
 
     def step() -> int:
         outs = eng.step()
-        if detok is not None:
-            t = time.perf_counter()
-            detok.fill(outs)
-            spent["caller detokenizes"] += time.perf_counter() - t
+        t = time.perf_counter()
+        processor.process(outs)
+        spent["output processor"] += time.perf_counter() - t
         return len(outs)
 
     for _ in range(args.warmup):

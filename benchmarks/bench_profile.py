@@ -36,9 +36,9 @@ Sections (`--sections`):
 
 `--quantization fp8 --kv-cache-dtype fp8_e4m3` profiles the FP8 engine (issue 6);
 `--fp8-fast-accum true|false` sets `layers.quantization.FP8_FAST_ACCUM` for the run.
-`--detokenize process` builds the engines with `detokenize=False` and detokenizes every step's
-outputs in a child process instead (`bench_suite.DetokenizerProcess`; the step's wall time
-includes pickling and sending them), which is how the adapter's engine process runs.
+`--detokenize process` processes every step's outputs (text) in a child process instead of the
+stepping loop (`bench_suite.DetokenizerProcess`; the step's wall time includes pickling and
+sending them), which is how the engine process and the stub's front door run.
 
     PYTHONPATH=. python3 benchmarks/bench_profile.py --model deepseek-v2-lite \
         --tokenizer-dir TOK --sections kernels steps --bs 1 64 --num-requests 800
@@ -606,9 +606,8 @@ def main() -> None:
                          "(engine.freeze_startup_objects) before the run")
     ap.add_argument("--out", default=None)
     ap.add_argument("--detokenize", default="engine", choices=["engine", "process"],
-                    help="process: the engine leaves detokenization to a child process that "
-                         "gets every step's outputs, as the adapter's stub does "
-                         "(bench_suite.DetokenizerProcess)")
+                    help="process: every step's outputs get their text in a child process, as "
+                         "in the stub's front door (bench_suite.DetokenizerProcess)")
     ap.add_argument("--fp8-fast-accum", default=None, choices=["true", "false"],
                     help="layers.quantization.FP8_FAST_ACCUM for the run (default: as set)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],

@@ -61,9 +61,9 @@ from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
 
 from mla_backend.config import EngineConfig  # noqa: E402
 from mla_backend.engine import Engine  # noqa: E402
+from mla_backend.client.engine_client import _PipeChannel  # noqa: E402
 from mla_backend.request import GenerateRequest, SamplingParams  # noqa: E402
-from mla_backend.serving.engine_process import (  # noqa: E402
-    _Channel, pack_outputs, unpack_outputs)
+from mla_backend.tokenizer.output_processor import OutputProcessor  # noqa: E402
 from mla_tools.model_shapes import SHAPES, write_shape_model  # noqa: E402
 
 SECTIONS = ("throughput", "latency", "mla", "prefix", "breakdown")
@@ -128,27 +128,27 @@ def release() -> None:
 
 
 ENGINE_SETTINGS: dict[str, Any] = {}  # from --quantization / --kv-cache-dtype: every engine
-# Where the outputs are detokenized (bench_profile.py --detokenize): "engine" (in the step loop,
-# `Engine(detokenize=True)`) or "process" (`Engine(detokenize=False)`, and `run_requests` sends
-# every step's outputs to a `DetokenizerProcess`, as the adapter's engine process sends them to
-# the stub, which detokenizes them).
+# Where the outputs get their text (bench_profile.py --detokenize): "engine" (an `OutputProcessor`
+# in the stepping loop, as `Engine.generate` and the in-process front door run it) or "process"
+# (`run_requests` sends every step's outputs to a `DetokenizerProcess`, as the engine process
+# sends them to the stub's front door, which processes them).
 DETOKENIZE = "engine"
 
 
 class DetokenizerProcess:
-    """The detokenization an `Engine(detokenize=False)` leaves to its caller, in a child process
-    (`tokenizer.detokenizer.OutputDetokenizer` there), over the pipe channel the adapter's
-    engine process uses to reach the stub (`serving.engine_process._Channel`: one pickled
-    message each): `start` registers requests, `send` a step's outputs (pickled and written
-    here: the cost the engine's loop keeps, as the engine process pays it); `close` waits for
-    the child and returns (outputs detokenized, characters of text, requests left unfinished)."""
+    """The engine's outputs processed in a child process (`OutputProcessor` there), over the
+    pipe channel the engine process uses to reach its front door (`client.engine_client.
+    _PipeChannel`: one pickled message each): `start` registers requests, `send` a step's
+    outputs (pickled and written here: the cost the engine's loop keeps, as the engine process
+    pays it); `close` waits for the child and returns (outputs processed, characters of text,
+    requests left unfinished)."""
 
     def __init__(self, tokenizer_dir: str) -> None:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe(duplex=True)
-        self._conn = _Channel(conn)
+        self._conn = _PipeChannel(conn)
         self._proc = ctx.Process(target=_detokenizer_main, args=(child, tokenizer_dir),
                                  daemon=True)
         self._proc.start()
@@ -161,7 +161,7 @@ class DetokenizerProcess:
 
     def send(self, outputs: list) -> None:
         if outputs:
-            self._conn.send(("out", pack_outputs(outputs)))
+            self._conn.send(("out", outputs))
 
     def close(self) -> tuple[int, int, int]:
         self._conn.send(("close", None))
@@ -174,10 +174,11 @@ def _detokenizer_main(conn, tokenizer_dir: str) -> None:
     from transformers import AutoTokenizer
 
     from mla_backend.engine import freeze_startup_objects
-    from mla_backend.tokenizer.detokenizer import OutputDetokenizer
+    from mla_backend.request import SamplingParams
+    from mla_backend.tokenizer.output_processor import OutputProcessor
 
-    conn = _Channel(conn)
-    od = OutputDetokenizer(AutoTokenizer.from_pretrained(tokenizer_dir))
+    conn = _PipeChannel(conn)
+    op = OutputProcessor(AutoTokenizer.from_pretrained(tokenizer_dir))
     # As the adapter's stub does once its model is loaded: without it this process's full
     # collections walk every imported object, and while one runs the pipe fills and the
     # engine's loop blocks on its send (inferred from long decode steps in runs without it).
@@ -188,14 +189,13 @@ def _detokenizer_main(conn, tokenizer_dir: str) -> None:
         kind, payload = conn.recv()
         if kind == "start":
             for rid, ids, skip in payload:
-                od.start(rid, ids, skip)
+                op.add(rid, ids, SamplingParams(skip_special_tokens=skip), stream=True)
         elif kind == "out":
-            payload = unpack_outputs(payload)
-            od.fill(payload)
+            payload = op.process(payload)[0]
             n += len(payload)
             chars += sum(len(o.new_text) for o in payload)
         else:
-            conn.send((n, chars, len(od)))
+            conn.send((n, chars, len(op)))
             return
 
 
@@ -205,8 +205,7 @@ def make_engine(model_dir: str, **settings: Any) -> Engine:
     t = time.perf_counter()
     eng = Engine(EngineConfig.create(model_path=model_dir, load_format="dummy",
                                      dtype="bfloat16" if DEVICE == "cuda" else "float32",
-                                     device=DEVICE, **settings),
-                 detokenize=DETOKENIZE == "engine")
+                                     device=DEVICE, **settings))
     cgr = eng.runner.cuda_graph_runner
     log(f"engine up in {time.perf_counter() - t:.1f} s: {eng.max_total_tokens:,} KV tokens, "
         f"{eng.runner.max_running_requests} rows"
@@ -226,15 +225,22 @@ def greedy(n: int) -> SamplingParams:
 def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
                  on_step: Callable[[float, list], None] | None = None) -> dict:
     """Submit all at once (streaming), step to completion. Returns timing and token counts;
-    per-request first-token times (seconds from submission) in "ttft". An engine that does not
-    detokenize (`DETOKENIZE` "process") gets a `DetokenizerProcess` for the run, which gets every
-    step's outputs; its counts are in "detokenized" (outputs, characters)."""
+    per-request first-token times (seconds from submission) in "ttft". The outputs get their
+    text from an `OutputProcessor` in this loop (`DETOKENIZE` "engine") or in a
+    `DetokenizerProcess` ("process"); its counts are in "detokenized" (outputs, characters)."""
     rids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    detok = None if eng.detokenize else DetokenizerProcess(eng.config.model.model_path)
+    detok = processor = None
+    if DETOKENIZE == "process":
+        detok = DetokenizerProcess(eng.config.model.model_path)
+    else:
+        processor = OutputProcessor(eng.tokenizer)
     t0 = time.perf_counter()
     if detok is not None:
         detok.start([(rid, p, True) for rid, p in zip(rids, prompts)])
+    chars = processed = 0
     for rid, p, o in zip(rids, prompts, outs):
+        if processor is not None:
+            processor.add(rid, p, greedy(o), stream=True)
         eng.add_request(GenerateRequest(rid=rid, input_ids=p, sampling_params=greedy(o),
                                         stream=True))
     first: dict[str, float] = {}
@@ -251,6 +257,10 @@ def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
         step_outs = eng.step()
         if detok is not None:
             detok.send(step_outs)
+        else:
+            step_outs = processor.process(step_outs)[0]
+            processed += len(step_outs)
+            chars += sum(len(o.new_text) for o in step_outs)
         te = time.perf_counter()
         if on_step is not None:
             on_step(te - ts, step_outs)
@@ -269,6 +279,8 @@ def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
         if left:
             raise RuntimeError(f"the detokenizer process has {left} unfinished requests")
         res["detokenized"] = (n, chars)
+    else:
+        res["detokenized"] = (processed, chars)
     return res
 
 

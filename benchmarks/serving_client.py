@@ -182,15 +182,18 @@ def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
 
 def engine_load(engine, jobs: list[Job], concurrency: int,
                 record_times: bool = False) -> LoadStats:
-    """The same closed loop on an in-process Engine (streaming requests, this thread steps).
+    """The same closed loop on an in-process Engine (streaming requests, this thread steps;
+    text and stop strings from an `OutputProcessor` here, as the server's front door has one).
 
     Args:
         record_times: fill `stats.times` (the outputs of one `engine.step()` share the time it
             returned; tokens: len(new_token_ids)).
     """
-    from mla_backend.request import GenerateRequest, SamplingParams
+    from mla_backend.request import GenerateRequest, SamplingParams, validate_request
+    from mla_backend.tokenizer.output_processor import OutputProcessor
 
     stats = LoadStats()
+    processor = OutputProcessor(engine.tokenizer)
     times = stats.times if record_times else None
     todo = deque(enumerate(jobs))
     live: dict[str, float] = {}
@@ -207,13 +210,18 @@ def engine_load(engine, jobs: list[Job], concurrency: int,
         if times is not None:
             index[rid] = i
             times[i] = RequestTimes(time.perf_counter_ns())
-        engine.add_request(request)
+        ids = validate_request(request, engine.tokenizer, engine.vocab_size, engine.context_len,
+                               engine.max_total_tokens)
+        processor.add(rid, ids, request.sampling_params, stream=True)
+        engine.submit(rid, ids, request.sampling_params, stream=True)
         live[rid] = time.perf_counter()
 
     while todo and len(live) < concurrency:
         add_next()
     while live:
-        outs = engine.step()
+        outs, stopped = processor.process(engine.step())
+        for rid in stopped:
+            engine.abort(rid)
         now_ns = time.perf_counter_ns() if times is not None else 0
         for out in outs:
             if out.rid not in live:

@@ -2,12 +2,14 @@
 
 Owns the request lifecycle. Requests come in through `add_request` / `abort` (thread-safe: they go
 through an inbox), one thread calls `step()`, which drains the inbox, asks the `Scheduler` for a
-batch, runs it on the `ModelRunner`, samples with the `Sampler`, applies stop rules and the
-incremental detokenizer, hands the batch back to the scheduler and returns `RequestOutput`s.
-With `overlap_schedule` (on by default on CUDA) the detokenization, stop strings and outputs of
-one step's tokens run on the host while the GPU computes the next step (as SGLang's overlap
-scheduler hides host work), so outputs leave one step later.
-Used by the Triton adapter (`mla_backend.serving`), tests and benchmarks.
+batch, runs it on the `ModelRunner`, samples with the `Sampler`, applies the stop rules of token
+ids (EOS, stop token ids, max_tokens, context), hands the batch back to the scheduler and returns
+`RequestOutput`s of token ids. Text, stop strings and logprob text are the consumer's
+(`tokenizer.output_processor.OutputProcessor`): `generate` / `stream` here, the engine's front door
+(`client.EngineClient`) for servers, which runs this engine's loop (`serve_engine`) in a process or
+thread of its own. With `overlap_schedule` (on by default on CUDA) a step's outputs are made on
+the host while the GPU computes the next step (as SGLang's overlap scheduler hides host work), so
+outputs leave one step later.
 
 A failed forward fails its batch's requests and the engine goes on, except a tensor-parallel
 failure (`TpWorkerError`: a worker died, the ranks are out of step): then `failed` holds the
@@ -22,7 +24,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 from transformers import AutoTokenizer
@@ -35,78 +37,21 @@ from mla_backend.model_executor.model_runner import ModelRunner
 from mla_backend.model_executor.sampler import LaunchedSample, Sampler
 from mla_backend.model_executor.tp_workers import TpWorkerError
 from mla_backend.request import (
+    EngineFailedError,
     FinishReason,
     GenerateRequest,
+    InvalidRequestError,
     Req,
     RequestOutput,
     SamplingParams,
+    validate_request,
 )
 from mla_backend.scheduler.schedule_batch import ScheduleBatch
 from mla_backend.scheduler.scheduler import Scheduler
-from mla_backend.tokenizer.detokenizer import IncrementalDetokenizer
-from mla_backend.tokenizer.stop import StopStringMatcher
+from mla_backend.tokenizer.output_processor import OutputProcessor, engine_streams
 
-
-class InvalidRequestError(ValueError):
-    """The client's request is malformed or can never be served; the message names the field."""
-
-
-class EngineFailedError(RuntimeError):
-    """The engine stopped for good (`Engine.failed`: a tensor-parallel worker died); the message
-    says why. The model must be reloaded."""
-
-
-def validate_request(request: GenerateRequest, tokenizer, vocab_size: int, context_len: int,
-                     max_total_tokens: int) -> list[int]:
-    """Check a request against a model's limits and return its prompt token ids.
-
-    Used by `Engine.add_request` and by the adapter's engine-process front
-    (`mla_backend.serving.engine_process`), which checks requests before they cross to the
-    engine's process.
-
-    Args:
-        request: exactly one of `text` (tokenized with `tokenizer`) / `input_ids`.
-        tokenizer: a transformers tokenizer (callable; `.input_ids` of its result).
-        vocab_size: token ids must lie in [0, vocab_size).
-        context_len: prompt + max_tokens limit (tokens).
-        max_total_tokens: the KV pool's size (tokens); a request larger than it can never run.
-    Returns:
-        The prompt's token ids (list of int, non-empty).
-    Raises:
-        InvalidRequestError: empty prompt, both/neither of text and input_ids, ids outside the
-            vocab, bad sampling values, prompt + max_tokens beyond the context or the pool.
-    """
-    if (request.text is None) == (request.input_ids is None):
-        raise InvalidRequestError("give exactly one of text_input and input_ids")
-    if request.text is not None:
-        if not isinstance(request.text, str) or request.text == "":
-            raise InvalidRequestError("text_input must be a non-empty string")
-        ids = list(tokenizer(request.text).input_ids)
-        if not ids:
-            raise InvalidRequestError("text_input tokenizes to no tokens")
-    else:
-        ids = list(request.input_ids or [])
-        if not ids:
-            raise InvalidRequestError("input_ids must not be empty")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-               or t < 0 or t >= vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"input_ids: token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
-    sp = request.sampling_params
-    try:
-        sp.verify(vocab_size)
-    except ValueError as e:
-        raise InvalidRequestError(str(e)) from None
-    if len(ids) + sp.max_new_tokens > context_len:
-        raise InvalidRequestError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_new_tokens}) exceeds the context "
-            f"length of {context_len} tokens")
-    if len(ids) + sp.max_new_tokens > max_total_tokens:
-        raise InvalidRequestError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_new_tokens}) can never fit the KV "
-            f"pool of {max_total_tokens} tokens")
-    return ids
+_IDLE_POLL_S = 0.1  # `serve_engine`'s wait for a message while the engine has no work (s)
+_STATS_EVERY_S = 0.1  # `serve_engine` sends changed counters at most this often while busy (s)
 
 
 @dataclass
@@ -124,16 +69,12 @@ class GenerateResult:
 
 @dataclass(slots=True)
 class _Token:
-    """A sampled token appended to its request, not yet detokenized and emitted: `n_out` is
-    the request's output length with it; `stopped_by_token`: it is an EOS / stop token id that
-    ended the request (its text is not emitted)."""
+    """A sampled token appended to its request, not yet emitted."""
 
     req: Req
     token_id: int
     logprob: float
     top: dict[int, float] | None
-    n_out: int
-    stopped_by_token: bool
 
 
 @dataclass
@@ -166,12 +107,9 @@ class _ReqState:
     non-streaming request's unsent fields gather its whole output until it ends)."""
 
     req: Req
-    detok: IncrementalDetokenizer | None  # None: the caller detokenizes (`detokenize=False`)
-    stopper: StopStringMatcher | None
     unsent_ids: list[int] = field(default_factory=list)
     unsent_logprobs: list[float] = field(default_factory=list)
     unsent_top: list[dict[int, float]] = field(default_factory=list)
-    unsent_text: str = ""
 
 
 def freeze_startup_objects() -> None:
@@ -195,20 +133,12 @@ def freeze_startup_objects() -> None:
 class Engine:
     """Args:
         config: the frozen engine configuration.
-        detokenize: run the incremental detokenizer here (every output's `new_text` filled).
-            False: only for requests with stop strings (whose matching needs the text); the
-            others' outputs come with `new_text` "" and `detokenized` False, for the caller to
-            fill with `tokenizer.detokenizer.OutputDetokenizer` (the same text), so the step
-            loop does not pay for it. SGLang's scheduler likewise hands token ids to a separate
-            detokenizer process. The adapter's engine process runs this way: the stub, which
-            receives the outputs anyway, detokenizes them (`serving.engine_process`).
     Raises:
         ConfigError / ValueError / OSError while loading (bad parameters, missing weights).
     """
 
-    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.detokenize = detokenize
         self.runner = ModelRunner(config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.model_path)
         self.vocab_size: int = self.runner.vocab_size
@@ -255,7 +185,8 @@ class Engine:
 
     # ------------------------------------------------------------------ any thread
     def add_request(self, request: GenerateRequest) -> None:
-        """Validate, tokenize and queue a request.
+        """Validate, tokenize and queue a request (outputs of token ids; `generate` / `stream`
+        add text and stop strings).
 
         Raises:
             InvalidRequestError: empty prompt, both/neither of text and input_ids, token ids outside
@@ -265,16 +196,29 @@ class Engine:
         """
         if self.failed is not None:
             raise EngineFailedError(self.failed)
-        if self._closed:
-            raise InvalidRequestError("the engine is shutting down")
         ids = validate_request(request, self.tokenizer, self.vocab_size, self.context_len,
                                self.max_total_tokens)
-        sp = request.sampling_params
+        self.submit(request.rid, ids, request.sampling_params, request.stream)
+
+    def submit(self, rid: str, prompt_ids: list[int], sampling_params: SamplingParams,
+               stream: bool) -> None:
+        """Queue a request already checked by `request.validate_request` (the front door's
+        path). `stream`: emit its tokens every step (else one output when it ends).
+
+        Raises:
+            InvalidRequestError: duplicate request id, engine shut down.
+            EngineFailedError: the engine has failed (`failed`).
+        """
+        if self.failed is not None:
+            raise EngineFailedError(self.failed)
+        if self._closed:
+            raise InvalidRequestError("the engine is shutting down")
         with self._rid_lock:
-            if request.rid in self._known_rids:
-                raise InvalidRequestError(f"request id {request.rid!r} is already in use")
-            self._known_rids.add(request.rid)
-        req = Req(rid=request.rid, origin_input_ids=ids, sampling_params=sp, stream=request.stream)
+            if rid in self._known_rids:
+                raise InvalidRequestError(f"request id {rid!r} is already in use")
+            self._known_rids.add(rid)
+        req = Req(rid=rid, origin_input_ids=prompt_ids, sampling_params=sampling_params,
+                  stream=stream)
         self._inbox.put(("add", req))
         self._wakeup.set()
 
@@ -294,7 +238,7 @@ class Engine:
 
     def has_work(self) -> bool:
         """Requests queued or live, a batch in flight, or a request the scheduler still has to
-        release (ended by a stop string after its batch was handed back)."""
+        release (aborted after its batch was handed back)."""
         return (not self._inbox.empty() or bool(self._live) or self._inflight is not None
                 or self.scheduler.has_work())
 
@@ -331,21 +275,20 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration (at most one forward pass launched).
 
-        Serial (`overlap` off): schedule, forward, sample, record the tokens (stop rules,
-        detokenization, stop strings), hand the batch back to the scheduler.
+        Serial (`overlap` off): schedule, forward, sample, record the tokens (stop rules of token
+        ids), hand the batch back to the scheduler.
 
         Overlap schedule (`overlap` on, SGLang's overlap scheduler): the batch launched by the
         previous step is still running on the GPU when this step schedules and launches the
         next one, whose decode rows take their input tokens from the GPU (`future_rows`); only
-        then does the host wait for the previous batch's tokens, apply the stop rules that
-        need no text (EOS, stop token ids, max_tokens, context), hand it to the scheduler, and
-        detokenize and emit them, while the GPU computes. So every output leaves one step
-        later, a request ended by EOS or a stop string runs one extra decode row (its token is
-        dropped), and the host's work per step hides behind the GPU's. The previous batch is
-        finished first (no overlap for that step) when it was a prefill, its requests'
-        sampling reads their output token ids (penalties) or the next decode batch
-        could retract; such a batch is completed in its own step, its host work overlapping
-        only with what the previous steps left to detokenize.
+        then does the host wait for the previous batch's tokens, apply the stop rules (EOS,
+        stop token ids, max_tokens, context), hand it to the scheduler and emit them, while the
+        GPU computes. So every output leaves one step later, a request ended by EOS runs one
+        extra decode row (its token is dropped), and the host's work per step hides behind the
+        GPU's. The previous batch is finished first (no overlap for that step) when it was a
+        prefill, its requests' sampling reads their output token ids (penalties) or the next
+        decode batch could retract; such a batch is completed in its own step, its host work
+        overlapping only with what the previous steps left to emit.
 
         Returns:
             Outputs produced in this step: increments of streaming requests, final outputs of
@@ -360,8 +303,8 @@ class Engine:
         for req in self.scheduler.take_rejected():
             st = self._live.get(req.rid)
             if st is not None:
-                outputs.append(self._final_error(st, "request can not be scheduled: it does not fit "
-                                                     "the KV pool"))
+                outputs.append(self._final_error(
+                    st, "request can not be scheduled: it does not fit the KV pool"))
         prev, self._inflight = self._inflight, None
         if prev is not None and (not prev.overlappable or self.scheduler.decode_may_retract()):
             self._complete(prev, outputs)
@@ -426,15 +369,13 @@ class Engine:
 
     def _complete(self, launched: "_Launched", outputs: list[RequestOutput]) -> None:
         """Wait for a launched batch's tokens, record them (`_commit_tokens`; serially also
-        detokenize them first: a stop string ends its request before the scheduler sees the
-        batch) and hand the batch to the scheduler. A failure fails the batch's requests (a
+        emit them) and hand the batch to the scheduler. A failure fails the batch's requests (a
         tensor-parallel failure: the engine)."""
         batch = launched.batch
         try:
             finished = self._commit_tokens(launched)
             if not self.overlap:
                 self._flush_tokens(outputs)
-                finished = [f or r.finished() for f, r in zip(finished, batch.reqs)]
         except Exception as e:  # noqa: BLE001 - fail the batch's requests, keep the engine alive
             self._fail_batch(batch, e, outputs)
             return
@@ -458,9 +399,9 @@ class Engine:
 
     def _commit_tokens(self, launched: "_Launched") -> list[bool]:
         """Wait for the sampled tokens, append them to their requests and apply the stop rules
-        that need no text; queue them for `_flush_tokens`. Returns finished [bs]: the requests
-        the scheduler must release (also aborted ones and, with overlap, those a stop string
-        or EOS ended after this batch was scheduled: their token here is dropped)."""
+        of token ids; queue them for `_flush_tokens`. Returns finished [bs]: the requests the
+        scheduler must release (also aborted ones and, with overlap, those EOS ended after this
+        batch was scheduled: their token here is dropped)."""
         batch = launched.batch
         finished = [False] * len(batch.reqs)
         for i in launched.rows:
@@ -484,55 +425,30 @@ class Engine:
             n_out = len(output_ids)
             by_token = n_out >= sp.min_new_tokens and (
                 (tok in eos and not sp.ignore_eos) or tok in sp.stop_token_ids)
-            if by_token:
-                req.finished_reason = FinishReason.STOP  # the stop token's text is not emitted
+            if by_token:  # (the output processor emits no text for this token)
+                req.finished_reason = FinishReason.STOP
             elif n_out >= sp.max_new_tokens or len(req.origin_input_ids) + n_out >= ctx:
                 req.finished_reason = FinishReason.LENGTH
-            unflushed.append(_Token(req, tok, lp, tops[j], n_out, by_token))
+            unflushed.append(_Token(req, tok, lp, tops[j]))
             finished[i] = req.finished_reason is not None
         return finished
 
     def _flush_tokens(self, outputs: list[RequestOutput]) -> None:
-        """Detokenize the committed tokens, match stop strings, and emit the increments of
-        streaming requests and the final outputs of finished ones."""
+        """Record the committed tokens in their requests' output state and emit the increments
+        of streaming requests and the final outputs of finished ones."""
         tokens, self._unflushed = self._unflushed, []
-        live, on_token, emit = self._live, self._on_token, self._emit
+        live, emit = self._live, self._emit
         for t in tokens:
             req = t.req
             st = live.get(req.rid)
             if st is None:  # aborted or failed meanwhile: its final output went out
                 continue
-            on_token(st, t)
+            st.unsent_ids.append(t.token_id)
+            st.unsent_logprobs.append(t.logprob)
+            if req.sampling_params.logprobs is not None:
+                st.unsent_top.append(t.top or {})
             if req.stream or req.finished_reason is not None:
                 outputs.append(emit(st))
-
-    def _on_token(self, st: _ReqState, t: "_Token") -> None:
-        """Record one committed token in the request's output state: detokenization and stop
-        strings (a matched stop string ends the request with STOP, also over LENGTH)."""
-        req, sp = st.req, st.req.sampling_params
-        st.unsent_ids.append(t.token_id)
-        st.unsent_logprobs.append(t.logprob)
-        if sp.logprobs is not None:
-            st.unsent_top.append(t.top or {})
-        if st.detok is None:  # the caller detokenizes (`detokenize=False`, no stop strings)
-            return
-        by_string = False
-        if not t.stopped_by_token:
-            delta = st.detok.add_token(t.token_id)
-            if st.stopper is not None:
-                delta, by_string = st.stopper.feed(delta, can_stop=t.n_out >= sp.min_new_tokens)
-                if by_string:
-                    req.finished_reason = FinishReason.STOP
-                    # its batch may already be handed back (overlap): released by the scheduler
-                    self.scheduler.finish_request(req.rid)
-            if delta:
-                st.unsent_text += delta
-        if req.finished_reason is not None and not by_string:
-            # Release text held back for an incomplete UTF-8 char or a possible stop string.
-            rest = st.detok.flush()
-            if st.stopper is not None:
-                rest = st.stopper.feed(rest, can_stop=False)[0] + st.stopper.flush()
-            st.unsent_text += rest
 
     def _emit(self, st: _ReqState) -> RequestOutput:
         req = st.req
@@ -540,11 +456,11 @@ class Engine:
         top = st.unsent_top if req.sampling_params.logprobs is not None else None
         # Positional, in field order (cheaper than keywords, per output per step).
         out = RequestOutput(
-            req.rid, st.unsent_ids, st.unsent_text, reason is not None, reason,
+            req.rid, st.unsent_ids, "", reason is not None, reason,
             len(req.origin_input_ids), len(req.output_ids), req.cached_tokens,
-            top, st.unsent_logprobs, req.cumulative_logprob, None, st.detok is not None,
+            top, st.unsent_logprobs, req.cumulative_logprob, None,
         )
-        st.unsent_ids, st.unsent_text, st.unsent_logprobs = [], "", []
+        st.unsent_ids, st.unsent_logprobs = [], []
         if top is not None:  # (no list per output for requests without logprobs)
             st.unsent_top = []
         if reason is not None:
@@ -566,17 +482,7 @@ class Engine:
             if kind == "add":
                 req = item  # type: ignore[assignment]
                 assert isinstance(req, Req)
-                st = _ReqState(
-                    req=req,
-                    detok=IncrementalDetokenizer(
-                        self.tokenizer, req.sampling_params.skip_special_tokens,
-                        prompt_ids=req.origin_input_ids,
-                    ) if self.detokenize or req.sampling_params.stop else None,
-                    stopper=StopStringMatcher(req.sampling_params.stop,
-                                              req.sampling_params.include_stop_str_in_output)
-                    if req.sampling_params.stop else None,
-                )
-                self._live[req.rid] = st
+                self._live[req.rid] = _ReqState(req)
                 self._num_reading_outputs += _reads_outputs(req)
                 self.scheduler.add_request(req)
             else:
@@ -645,74 +551,185 @@ class Engine:
             "retractions": self.scheduler.num_retractions,
         }
 
-    # ------------------------------------------------------------------ in-process API
-    def _check_detokenizes(self, what: str) -> None:
-        if not self.detokenize:
-            raise RuntimeError(f"Engine.{what} returns text: build the engine with "
-                               "detokenize=True, or step it and fill the outputs with "
-                               "tokenizer.detokenizer.OutputDetokenizer")
+    def fail_live(self, message: str) -> list[RequestOutput]:
+        """Engine thread, after `step()` raised (a bug, not a failed forward): end every live
+        request with `message` (their slots are released at the next batch boundary) and return
+        their final outputs; the engine goes on."""
+        outputs: list[RequestOutput] = []
+        for rid, st in list(self._live.items()):
+            self.scheduler.abort_request(rid)
+            outputs.append(self._final_error(st, message))
+        return outputs
 
+    # ------------------------------------------------------------------ in-process API
     def generate(
         self,
         prompts: Sequence[str | list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerateResult]:
-        """Run prompts (text or token ids) to completion together; for tests and benchmarks.
-
-        Must not be mixed with a concurrent engine thread.
+        """Run prompts (text or token ids) to completion together, with text and stop strings
+        (an `OutputProcessor`); for tests and benchmarks. Steps the engine itself: not with a
+        concurrent engine thread.
 
         Raises:
-            RuntimeError: the engine was built with `detokenize=False` (its results would
-                have no text).
+            InvalidRequestError / EngineFailedError: as `add_request`.
         """
-        self._check_detokenizes("generate")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sps = [sampling_params or SamplingParams()] * len(prompts)
         else:
             sps = list(sampling_params)
+        processor = OutputProcessor(self.tokenizer)
         rids = []
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             rid = f"gen-{id(self)}-{time.monotonic_ns()}-{i}"
-            gr = GenerateRequest(rid=rid, sampling_params=sp, stream=True,
-                                 **({"text": p} if isinstance(p, str) else {"input_ids": list(p)}))
-            self.add_request(gr)
+            self._add_processed(processor, rid, p, sp, stream=False)
             rids.append(rid)
         acc = {rid: GenerateResult("", [], None, 0, 0, 0.0) for rid in rids}
-        pending = set(rids)
-        while pending:
-            for out in self.step():
-                if out.rid not in acc:
-                    continue
+        stopped: set[str] = set()
+        while processor:
+            for out in self._step_processed(processor, stopped):
                 r = acc[out.rid]
-                r.text += out.new_text
-                r.token_ids += out.new_token_ids
+                r.text, r.token_ids = out.new_text, out.new_token_ids
                 r.num_input_tokens = out.num_input_tokens
                 r.cached_tokens = out.cached_tokens
                 r.cumulative_logprob = out.cumulative_logprob
-                if out.finished:
-                    r.finish_reason = out.finish_reason
-                    r.error = out.error
-                    pending.discard(out.rid)
+                r.finish_reason, r.error = out.finish_reason, out.error
+        self._settle(stopped)
         return [acc[rid] for rid in rids]
 
     def stream(self, prompt: str | list[int],
                sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Stream one request's outputs (steps the engine itself; not with an engine thread).
+        """Stream one request's outputs, with text and stop strings (steps the engine itself;
+        not with an engine thread).
 
         Raises:
-            RuntimeError: the engine was built with `detokenize=False`.
+            InvalidRequestError / EngineFailedError: as `add_request`.
         """
-        self._check_detokenizes("stream")
+        processor = OutputProcessor(self.tokenizer)
         rid = f"stream-{id(self)}-{time.monotonic_ns()}"
-        kw = {"text": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}
-        self.add_request(GenerateRequest(rid=rid, sampling_params=sampling_params or SamplingParams(),
-                                         stream=True, **kw))
-        while True:
-            for out in self.step():
-                if out.rid == rid:
-                    yield out
-                    if out.finished:
-                        return
+        self._add_processed(processor, rid, prompt, sampling_params or SamplingParams(),
+                            stream=True)
+        stopped: set[str] = set()
+        while processor:
+            yield from self._step_processed(processor, stopped)
+        self._settle(stopped)
+
+    def _add_processed(self, processor: OutputProcessor, rid: str, prompt: str | list[int],
+                       sp: SamplingParams, stream: bool) -> None:
+        kw: dict[str, Any] = ({"text": prompt} if isinstance(prompt, str)
+                              else {"input_ids": list(prompt)})
+        ids = validate_request(GenerateRequest(rid=rid, sampling_params=sp, **kw), self.tokenizer,
+                               self.vocab_size, self.context_len, self.max_total_tokens)
+        processor.add(rid, ids, sp, stream)
+        self.submit(rid, ids, sp, engine_streams(sp, stream))
+
+    def _step_processed(self, processor: OutputProcessor, stopped: set[str]
+                        ) -> list[RequestOutput]:
+        """One step's outputs through `processor`; requests a stop string ended are aborted
+        (and added to `stopped`)."""
+        outputs, ended = processor.process(self.step())
+        for rid in ended:
+            self.abort(rid)
+        stopped.update(ended)
+        return outputs
+
+    def _settle(self, stopped: set[str]) -> None:
+        """Step until the engine has released the requests in `stopped` (their final ABORT
+        outputs are not the caller's: a stop string ended them already)."""
+        while stopped & self._live.keys():
+            self.step()
 
 
-__all__ = ["Engine", "EngineFailedError", "GenerateResult", "InvalidRequestError"]
+class Channel(Protocol):
+    """One end of the link between an engine's loop (`serve_engine`) and its front door: a
+    pipe to another process or a pair of queues in this one. Messages are tuples."""
+
+    def poll(self, timeout_s: float) -> bool: ...  # a message (or EOF) waits; waits <= timeout
+    def recv(self) -> tuple: ...  # raises EOFError / OSError when the other end is gone
+    def send(self, message: tuple) -> None: ...  # raises OSError when the other end is gone
+
+
+def serve_engine(channel: Channel, config: EngineConfig) -> None:
+    """Build an `Engine` and serve `channel` until ("close",) or the other end goes: the one
+    loop body of the engine's front door (`client.EngineClient`), in a child process or a
+    thread. The engine is closed on the way out.
+
+    Messages in: ("add", rid, prompt_ids, SamplingParams, stream) (already validated),
+    ("abort", rid), ("check",), ("close",). Out: ("ready", facts) or ("load_error", message)
+    once; then ("out", [RequestOutput], failed, stats or None) after a step that produced
+    outputs or changed `failed` or (at most every `_STATS_EVERY_S`) the counters;
+    ("check", verdict or None, stats). A request the engine refuses (duplicate id, failed) gets
+    its final error output; a step that raises ends every live request with
+    "Error generating stream: <error>" and the loop goes on.
+    """
+    try:
+        engine = Engine(config)
+    except BaseException as e:  # noqa: BLE001 - the front door fails its load with this message
+        channel.send(("load_error", str(e) or repr(e)))
+        return
+    try:
+        workers = engine.runner.tp_workers
+        channel.send(("ready", {
+            "vocab_size": engine.vocab_size, "context_len": engine.context_len,
+            "max_total_tokens": engine.max_total_tokens, "device": str(engine.runner.device),
+            "torch_threads": torch.get_num_threads(),
+            "tp_worker_pids": None if workers is None else workers.pids(),
+            "stats": engine.stats()}))
+        _run_loop(engine, channel)
+    except (EOFError, OSError):  # the front door is gone
+        pass
+    finally:
+        engine.close()
+
+
+def _run_loop(engine: Engine, channel: Channel) -> None:
+    """`serve_engine`'s loop: the channel's messages, then a step (or a health check)."""
+    last_stats: dict[str, int] | None = None
+    last_stats_t = 0.0
+    failed_sent: str | None = None
+    while True:
+        wait = 0.0 if engine.has_work() else _IDLE_POLL_S
+        while channel.poll(wait):
+            message = channel.recv()
+            kind = message[0]
+            if kind == "close":
+                return
+            if kind == "add":
+                _, rid, ids, sp, stream = message
+                try:
+                    engine.submit(rid, ids, sp, stream)
+                except (InvalidRequestError, EngineFailedError) as e:
+                    channel.send(("out", [RequestOutput(rid, [], "", True, error=str(e))],
+                                  engine.failed, None))
+            elif kind == "abort":
+                engine.abort(message[1])
+            elif kind == "check":
+                try:
+                    engine.check_invariant()
+                    verdict = None
+                except AssertionError as e:
+                    verdict = f"{e!r}"
+                channel.send(("check", verdict, engine.stats()))
+            wait = 0.0
+        outputs: list[RequestOutput] = []
+        if engine.has_work():
+            try:
+                outputs = engine.step()
+            except Exception as e:  # noqa: BLE001 - fail the live requests, keep serving
+                outputs = engine.fail_live(f"Error generating stream: {e!r}")
+        else:
+            engine.check_health()
+        now = time.monotonic()
+        stats = None
+        if now - last_stats_t >= _STATS_EVERY_S or not engine.has_work():
+            current = engine.stats()
+            if current != last_stats:
+                stats = last_stats = current
+                last_stats_t = now
+        if outputs or stats is not None or engine.failed != failed_sent:
+            failed_sent = engine.failed
+            channel.send(("out", outputs, engine.failed, stats))
+
+
+__all__ = ["Channel", "Engine", "EngineFailedError", "GenerateResult", "InvalidRequestError",
+           "serve_engine"]

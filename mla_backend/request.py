@@ -172,6 +172,15 @@ class SamplingParams:
         need(self.n == 1, "n", "1 (only one sequence per request is supported)")
 
 
+class InvalidRequestError(ValueError):
+    """The client's request is malformed or can never be served; the message names the field."""
+
+
+class EngineFailedError(RuntimeError):
+    """The engine stopped for good (a tensor-parallel worker or the engine process died); the
+    message says why. The model must be reloaded."""
+
+
 @dataclass
 class GenerateRequest:
     """A request as handed to `Engine.add_request`. Filled by: the adapter or tests.
@@ -186,9 +195,63 @@ class GenerateRequest:
     stream: bool = False
 
 
+def validate_request(request: GenerateRequest, tokenizer, vocab_size: int, context_len: int,
+                     max_total_tokens: int) -> list[int]:
+    """Check a request against a model's limits and return its prompt token ids.
+
+    The one check of a request, at whichever edge it enters: `Engine.add_request` (in-process
+    callers) or `client.EngineClient.add_request` (servers), whose engine then trusts it.
+
+    Args:
+        request: exactly one of `text` (tokenized with `tokenizer`) / `input_ids`.
+        tokenizer: a transformers tokenizer (callable; `.input_ids` of its result).
+        vocab_size: token ids must lie in [0, vocab_size).
+        context_len: prompt + max_tokens limit (tokens).
+        max_total_tokens: the KV pool's size (tokens); a request larger than it can never run.
+    Returns:
+        The prompt's token ids (list of int, non-empty).
+    Raises:
+        InvalidRequestError: empty prompt, both/neither of text and input_ids, ids outside the
+            vocab, bad sampling values, prompt + max_tokens beyond the context or the pool.
+    """
+    if (request.text is None) == (request.input_ids is None):
+        raise InvalidRequestError("give exactly one of text_input and input_ids")
+    if request.text is not None:
+        if not isinstance(request.text, str) or request.text == "":
+            raise InvalidRequestError("text_input must be a non-empty string")
+        ids = list(tokenizer(request.text).input_ids)
+        if not ids:
+            raise InvalidRequestError("text_input tokenizes to no tokens")
+    else:
+        ids = list(request.input_ids or [])
+        if not ids:
+            raise InvalidRequestError("input_ids must not be empty")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+               or t < 0 or t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"input_ids: token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    sp = request.sampling_params
+    try:
+        sp.verify(vocab_size)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    if len(ids) + sp.max_new_tokens > context_len:
+        raise InvalidRequestError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_new_tokens}) exceeds the context "
+            f"length of {context_len} tokens")
+    if len(ids) + sp.max_new_tokens > max_total_tokens:
+        raise InvalidRequestError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_new_tokens}) can never fit the KV "
+            f"pool of {max_total_tokens} tokens")
+    return ids
+
+
 @dataclass
 class RequestOutput:
-    """One increment of a request's output. Filled by: `Engine.step` / `Engine.abort`.
+    """One increment of a request's output. Filled by: `Engine.step` (token ids and counts;
+    `new_text` "") and then `tokenizer.output_processor.OutputProcessor` (`new_text`; a stop
+    string's cut).
 
     Streaming consumers concatenate `new_text`; `text` is not repeated in every increment.
     `Engine._emit` passes the fields positionally: keep their order in step with it.
@@ -207,10 +270,6 @@ class RequestOutput:
     new_token_logprobs: list[float] | None = None  # logprob of each chosen new token
     cumulative_logprob: float = 0.0
     error: str | None = None  # set when the engine failed this request (finished is True)
-    # False: `new_text` is not filled yet ("") — an engine built with `detokenize=False` leaves
-    # the text of requests without stop strings to its caller, whose
-    # `tokenizer.detokenizer.OutputDetokenizer.fill` then sets it (and this to True).
-    detokenized: bool = True
 
 
 @dataclass

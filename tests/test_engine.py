@@ -233,18 +233,15 @@ def test_engines_freeze_startup_objects_and_release_earlier_garbage(llama_dir):
     del eng_a, eng_b
 
 
-def test_deferred_detokenization_gives_the_engines_text(smollm2_dir):
-    """An engine that leaves detokenization to its caller (`Engine(detokenize=False)`, the
-    adapter's engine process) plus the caller's `OutputDetokenizer` gives every output exactly
-    what the detokenizing engine gives it (all fields, output by output): streaming and
-    non-streaming requests, a stop token id (its text not emitted), a stop string (left to the
-    engine), special tokens kept, hot seeded sampling (odd tokens, UTF-8 split over tokens), an
-    abort after the first output, max_tokens."""
-    import dataclasses
+def test_step_outputs_take_their_text_from_the_output_processor(smollm2_dir):
+    """`Engine.step` emits token ids only; one `OutputProcessor` over its outputs (as the front
+    door runs it) gives each request the text of one decode of its ids: streaming and
+    non-streaming requests, a stop token id (its text not emitted), a stop string (the request
+    cut there and aborted in the engine), special tokens kept, hot seeded sampling (odd tokens,
+    UTF-8 split over tokens), an abort after the first output, max_tokens."""
+    from mla_backend.tokenizer.output_processor import OutputProcessor, engine_streams
 
-    from mla_backend.tokenizer.detokenizer import OutputDetokenizer
-
-    eng = make_engine(smollm2_dir, enable_radix_cache=False)  # (cached_tokens alike)
+    eng = make_engine(smollm2_dir, enable_radix_cache=False)
     tok = eng.tokenizer
     ids = [tok(p).input_ids for p in PROMPTS]
     probe = eng.generate([ids[0]], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
@@ -252,45 +249,54 @@ def test_deferred_detokenization_gives_the_engines_text(smollm2_dir):
         (ids[0], SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True), True),
         (ids[0], SamplingParams(max_new_tokens=12, temperature=0.0,
                                 stop_token_ids=(probe.token_ids[3],)), True),
-        (ids[1], SamplingParams(max_new_tokens=10, temperature=0.0, stop=("==",)), True),
+        (ids[1], SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True,
+                                stop=(" the",)), True),
         (ids[2], SamplingParams(max_new_tokens=24, temperature=1.6, seed=3, ignore_eos=True,
                                 skip_special_tokens=False), True),
         (ids[3], SamplingParams(max_new_tokens=16, temperature=1.2, seed=4), False),
         (ids[2], SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True), True),
     ]
-
-    def run(engine, detok):
-        for i, (p, sp, stream) in enumerate(cases):
-            if detok is not None:
-                detok.start(f"r{i}", p, sp.skip_special_tokens)
-            engine.add_request(GenerateRequest(rid=f"r{i}", input_ids=p, sampling_params=sp,
-                                               stream=stream))
-        outs, aborted = [], False
-        while engine.has_work():
-            step = engine.step()
-            if detok is not None:  # left undetokenized exactly when without stop strings
-                assert all(o.detokenized == bool(cases[int(o.rid[1:])][1].stop) for o in step)
-                detok.fill(step)
-            outs += step
-            if not aborted and any(o.rid == "r5" for o in step):
-                engine.abort("r5")
-                aborted = True
-        engine.check_invariant()
-        return [dataclasses.asdict(o) for o in outs]
-
-    want = run(eng, None)
-    deferred = Engine(eng.config, detokenize=False)
-    detok = OutputDetokenizer(deferred.tokenizer)
-    got = run(deferred, detok)
-    assert len(detok) == 0  # every request's state dropped with its final output
-    assert got == want
-    by_rid = {}
-    for o in want:
-        by_rid.setdefault(o["rid"], []).append(o)
-    assert by_rid["r1"][-1]["finish_reason"] == FinishReason.STOP
-    assert by_rid["r2"][-1]["finish_reason"] == FinishReason.STOP
-    assert by_rid["r5"][-1]["finish_reason"] == FinishReason.ABORT
-    assert len(by_rid["r4"]) == 1 and by_rid["r4"][0]["new_text"]  # non-streaming: one output
-    assert all(o["detokenized"] for o in want)
-    with pytest.raises(RuntimeError, match="detokenize=True"):
-        deferred.generate([ids[0]], SamplingParams(max_new_tokens=2))
+    processor = OutputProcessor(tok)
+    for i, (p, sp, stream) in enumerate(cases):
+        processor.add(f"r{i}", p, sp, stream)
+        eng.add_request(GenerateRequest(rid=f"r{i}", input_ids=p, sampling_params=sp,
+                                        stream=engine_streams(sp, stream)))
+    outs, aborted, stopped = [], False, []
+    while eng.has_work():
+        step = eng.step()
+        assert all(o.new_text == "" for o in step)  # the engine makes no text
+        got, ended = processor.process(step)
+        for rid in ended:
+            eng.abort(rid)
+        stopped += ended
+        outs += got
+        if not aborted and any(o.rid == "r5" for o in got):
+            eng.abort("r5")
+            aborted = True
+    eng.check_invariant()
+    assert len(processor) == 0 and stopped == ["r2"]
+    by_rid: dict[str, list] = {}
+    for o in outs:
+        by_rid.setdefault(o.rid, []).append(o)
+    for i, (p, sp, stream) in enumerate(cases):
+        mine = by_rid[f"r{i}"]
+        assert [o.finished for o in mine] == [False] * (len(mine) - 1) + [True]
+        token_ids = [t for o in mine for t in o.new_token_ids]
+        text = "".join(o.new_text for o in mine)
+        assert mine[-1].num_output_tokens == len(token_ids)
+        by_token = mine[-1].finish_reason == FinishReason.STOP and i != 2
+        body = token_ids[:-1] if by_token else token_ids
+        whole = tok.decode(p + body, skip_special_tokens=sp.skip_special_tokens,
+                           clean_up_tokenization_spaces=False)
+        head = tok.decode(p, skip_special_tokens=sp.skip_special_tokens,
+                          clean_up_tokenization_spaces=False)
+        if i == 2:  # cut after the token that completed " the"; the text stops before it
+            assert mine[-1].finish_reason == FinishReason.STOP and len(token_ids) < 40
+            assert " the" not in text and (whole[len(head):]).startswith(text + " the")
+            assert " the" not in tok.decode(p + token_ids[:-1])[len(head):]
+        else:
+            assert text == whole[len(head):], i
+    assert by_rid["r1"][-1].finish_reason == FinishReason.STOP
+    assert by_rid["r1"][-1].new_token_ids[-1] == probe.token_ids[3]
+    assert by_rid["r5"][-1].finish_reason == FinishReason.ABORT
+    assert len(by_rid["r4"]) == 1 and by_rid["r4"][0].new_text  # non-streaming: one output

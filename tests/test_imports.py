@@ -34,11 +34,13 @@ LAYER_OF: tuple[tuple[str, str], ...] = (
     ("mla_backend.models", "models"),
     ("mla_backend.model_executor", "model_executor"),
     ("mla_backend.scheduler", "scheduler"),
+    ("mla_backend.constrained", "constrained"),
     ("mla_backend.engine", "engine"),
+    ("mla_backend.client", "client"),
     ("mla_backend.serving", "serving"),
 )
 # The layers each layer stands on directly; it may import those and everything below them
-# (`serving → engine → scheduler → forward_batch → mem_cache → base` and
+# (`serving → client → engine → scheduler → forward_batch → mem_cache → base` and
 # `engine → model_executor → models → layers → forward_batch, distributed, mla_kernels`).
 LAYERS: dict[str, tuple[str, ...]] = {
     "mla_kernels": (),
@@ -51,18 +53,16 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "models": ("layers",),
     "model_executor": ("models",),  # ModelRunner, CUDA graphs, sampler, TP workers
     "scheduler": ("forward_batch",),  # never the model side
-    "engine": ("model_executor", "scheduler", "tokenizer"),
-    "serving": ("engine",),
+    "constrained": ("base",),  # structured outputs: grammars and token masks (xgrammar)
+    "engine": ("model_executor", "scheduler", "tokenizer", "constrained"),
+    "client": ("engine",),  # the engine's front door for servers
+    "serving": ("client",),
     "mla_tools": ("serving",),  # developer tools: anything; nothing imports them
 }
-# What `serving/` may import of the engine's package: the engine's front door.
-FRONT_DOOR = frozenset({"serving", "engine", "base", "tokenizer"})
-# Known back doors (importer, imported), to be closed by issue 42's part 1 (an engine front door
-# for the adapter): `resolve_device` and the TP workers' private process helpers.
-KNOWN_BACK_DOORS = frozenset({
-    ("mla_backend.serving.triton_model", "mla_backend.model_executor.model_runner"),
-    ("mla_backend.serving.engine_process", "mla_backend.model_executor.tp_workers"),
-})
+# What `serving/` may import of the engine's package: the engine's front door and plain data.
+FRONT_DOOR = frozenset({"serving", "client", "base"})
+# Known back doors (importer, imported): none.
+KNOWN_BACK_DOORS: frozenset[tuple[str, str]] = frozenset()
 KERNEL_THIRD_PARTY = frozenset({"torch", "triton"})
 
 

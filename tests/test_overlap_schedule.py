@@ -19,6 +19,7 @@ import torch
 from mla_backend.config import EngineConfig
 from mla_backend.engine import Engine
 from mla_backend.request import FinishReason, GenerateRequest, SamplingParams
+from mla_backend.tokenizer.output_processor import OutputProcessor
 from tests.test_engine import check_abort_mid_decode
 
 MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "checkpoints",
@@ -152,8 +153,8 @@ def test_overlap_streams_one_step_later_and_aborts_cleanly():
     # 12 forwards (1 prefill + 11 decodes) and one step that only completes the last decode
     assert steps == 13
     serial = make_engine("false", enable_radix_cache=False).generate([PROMPTS[0]], sp)[0]
-    assert "".join(o.new_text for o in parts) == serial.text
     assert [t for o in parts for t in o.new_token_ids] == serial.token_ids
+    assert eng.tokenizer.decode(serial.token_ids) == serial.text
 
     assert eng.stats()["free_slots"] == total
     check_abort_mid_decode(eng, PROMPTS[1])  # aborted while its next decode is in flight
@@ -196,17 +197,22 @@ def run_workload(mode: str, seed: int) -> dict[str, tuple]:
     text, finish reason)."""
     reqs, settings, aborts = random_workload(seed)
     eng = make_engine(mode, **settings)
+    processor = OutputProcessor(eng.tokenizer)  # text and stop strings, as the front door
     pending, live, got = list(reqs), set(), {}
     step = 0
     while pending or eng.has_work():
         for rid, prompt, sp, _ in [r for r in pending if r[3] <= step]:
+            processor.add(rid, eng.tokenizer(prompt).input_ids, sp, stream=True)
             eng.add_request(GenerateRequest(rid=rid, text=prompt, sampling_params=sp,
                                             stream=True))
             live.add(rid)
         pending = [r for r in pending if r[3] > step]
         if step in aborts and live:
             eng.abort(sorted(live)[aborts[step] % len(live)])
-        for o in eng.step():
+        outputs, stopped = processor.process(eng.step())
+        for rid in stopped:
+            eng.abort(rid)
+        for o in outputs:
             ids, text, reason = got.get(o.rid, ([], "", None))
             assert reason is None, f"{o.rid}: an output after its final one"
             got[o.rid] = (ids + o.new_token_ids, text + o.new_text,

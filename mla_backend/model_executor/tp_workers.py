@@ -60,7 +60,7 @@ class TpWorkerError(RuntimeError):
     after the workers were sent it (the ranks are out of step)."""
 
 
-def _how_it_ended(exitcode: int | None) -> str:
+def how_it_ended(exitcode: int | None) -> str:
     """"signal 9, SIGKILL" / "exit code 1" for a `multiprocessing.Process.exitcode`."""
     if exitcode is None:
         return "exit status unknown"
@@ -72,7 +72,7 @@ def _how_it_ended(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-def _python_executable() -> str:
+def python_executable() -> str:
     """The interpreter for spawned workers. Inside Triton's Python-backend stub `sys.executable`
     is the stub binary, so fall back to the `python3` that runs this environment."""
     exe = sys.executable or ""
@@ -160,7 +160,7 @@ class TpWorkerGroup:
         self._dir = tempfile.mkdtemp(prefix="mla_tp_")
         init_method = "file://" + os.path.join(self._dir, "rendezvous")
         ctx = mp.get_context("spawn")
-        ctx.set_executable(_python_executable())
+        ctx.set_executable(python_executable())
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._closed = False
@@ -207,7 +207,7 @@ class TpWorkerGroup:
         for rank, proc in enumerate(self._procs, start=1):
             if not proc.is_alive():
                 return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited "
-                        f"({_how_it_ended(proc.exitcode)}); the model must be reloaded")
+                        f"({how_it_ended(proc.exitcode)}); the model must be reloaded")
         return None
 
     def check_alive(self) -> None:

@@ -1,11 +1,8 @@
 """Incremental detokenization: token ids arriving a few at a time → only the new text.
 
-Owned by the engine, one `IncrementalDetokenizer` per request (in the engine's per-request
-state); it is fed the request's sampled ids (`Req.output_ids` increments) and its output goes to
-the stop-string matcher and then to `RequestOutput.new_text`. An engine built with
-`detokenize=False` leaves that to its caller for requests without stop strings: the caller's
-`OutputDetokenizer` (here) runs the same per-request detokenizers over the outputs it receives
-(the adapter's stub does, for its engine process).
+Owned by the `output_processor.OutputProcessor`, one `IncrementalDetokenizer` per request; it is
+fed the token ids of the request's outputs and its text goes to the stop-string matcher and then
+to `RequestOutput.new_text`.
 
 Technique (prefix offset / read offset, as in TGI and vLLM): the text of a token depends on its
 neighbours (SentencePiece drops the leading space of the first token it decodes; byte-level BPE
@@ -20,7 +17,7 @@ override `_decode`, that call is exactly the Rust `tokenizers.Tokenizer.decode`,
 call directly (the Python wrapper costs ~10x the decode itself, per token per request). With such a
 tokenizer, `add` / `add_token` run the same window algorithm inside the tokenizers library
 (`tokenizers.decoders.DecodeStream`, one call per add instead of two decodes and the slicing;
-its share of the host's step shows in `benchmarks/bench_host_step.py`'s `_flush_tokens`
+its share of the host's work shows in `benchmarks/bench_host_step.py`'s "output processor"
 column) and mirror its offsets, so `flush` and a fallback to the Python windows (the library
 raises when a window's text does not extend the previous one) continue from the same place.
 """
@@ -28,8 +25,6 @@ raises when a window's text does not extend the previous one) continue from the 
 from __future__ import annotations
 
 from typing import Any, Sequence
-
-from mla_backend.request import FinishReason, RequestOutput
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -135,68 +130,6 @@ class IncrementalDetokenizer:
     def output_ids(self) -> list[int]:
         """The ids fed through `add` (without the prompt)."""
         return self.ids[self.num_prompt_ids:]
-
-
-class OutputDetokenizer:
-    """Fills the text of the outputs an engine built with `detokenize=False` leaves undetokenized
-    (`RequestOutput.detokenized` False): one `IncrementalDetokenizer` per request, as the engine
-    would have run it, so every output gets the text the engine would have given it (the same
-    deltas; a stop token's text is not emitted; text held back for an incomplete UTF-8
-    character is released with the final output). Taking this off the engine's step loop is
-    SGLang's split of detokenization into a process of its own; here the consumer of the outputs
-    does it.
-
-    Thread use: `start` and `forget` from any thread (before the request's outputs can arrive,
-    and after it ended), `fill` from one thread.
-
-    Args:
-        tokenizer: the engine's tokenizer (the same vocabulary and decoder).
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._reqs: dict[str, IncrementalDetokenizer] = {}
-
-    def start(self, rid: str, prompt_ids: Sequence[int], skip_special_tokens: bool) -> None:
-        """Register a request before the engine can answer it. Which requests the engine leaves
-        undetokenized is the engine's rule (those without stop strings); the state of one it
-        detokenizes itself is dropped, unused, with its final output."""
-        self._reqs[rid] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens,
-                                                 prompt_ids=prompt_ids)
-
-    def forget(self, rid: str) -> None:
-        """Drop a request started here that will send nothing (e.g. refused on its way)."""
-        self._reqs.pop(rid, None)
-
-    def __len__(self) -> int:
-        """Requests started and not yet finished."""
-        return len(self._reqs)
-
-    def fill(self, outputs: Sequence[RequestOutput]) -> None:
-        """Set `new_text` (and `detokenized`) of each undetokenized output, in order; a
-        request's state is dropped with its final output, whichever side detokenized it.
-
-        Raises:
-            KeyError: an undetokenized output of a request never started here.
-        """
-        reqs = self._reqs
-        for out in outputs:
-            if out.detokenized:
-                if out.finished:
-                    reqs.pop(out.rid, None)
-                continue
-            detok = reqs[out.rid]
-            ids = out.new_token_ids
-            # STOP for a request without stop strings: its last token is the EOS / stop token
-            # that ended it, whose text the engine does not emit
-            if out.finished and out.finish_reason is FinishReason.STOP:
-                ids = ids[:-1]
-            text = "".join([detok.add_token(t) for t in ids])
-            if out.finished:
-                text += detok.flush()
-                del reqs[out.rid]
-            out.new_text = text
-            out.detokenized = True
 
 
 _BACKENDS: dict[int, Any] = {}

@@ -1,7 +1,8 @@
 """Stop strings over streamed text.
 
-Owned by the engine, one `StopStringMatcher` per request with `sampling_params.stop`; it is fed the
-detokenizer's deltas and what it emits becomes `RequestOutput.new_text`.
+Owned by the `output_processor.OutputProcessor`, one `StopStringMatcher` per request with
+`sampling_params.stop`; it is fed the detokenizer's deltas and what it emits becomes
+`RequestOutput.new_text`.
 
 A stop string may span several deltas, so the matcher holds back the longest tail of the text that
 is a prefix of some stop string and emits only text that can no longer become part of a match.

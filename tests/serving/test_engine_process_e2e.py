@@ -55,7 +55,8 @@ def test_both_placements_serve_the_in_process_text(server):
     _serves_baseline(server, PROC)
     _serves_baseline(server, THREAD)
     log = server.log_path.read_text(errors="replace")
-    assert re.search(rf"\[mla_backend\] {THREAD}: loaded [^\n]*; engine thread of the stub", log)
+    assert re.search(rf"\[mla_backend\] {THREAD}: loaded [^\n]*; engine thread of this process",
+                     log)
     pid = _engine_pid(server)
     stubs = [p for p in psutil.Process(server.proc.pid).children()
              if any(arg == f"{PROC}_0_0" for arg in p.cmdline())]

@@ -1,7 +1,8 @@
-"""`EngineProcess` (the adapter's engine in a child process) against an in-process `Engine`,
-without tritonserver: same greedy and seeded outputs, bad requests refused at once in the caller,
-aborts, counters and the pool invariant from the child, a load error's message, the child
-killed mid-request, and no process left behind."""
+"""`EngineClient` (the engine's front door for servers) against an in-process `Engine`, without
+tritonserver, for both places the engine runs (`ProcessClient`: a child process;
+`InProcessClient`: a thread): the same greedy and seeded outputs with text and stop strings,
+bad requests refused at once in the caller, aborts, counters and the pool invariant from the
+engine, a load error's message, the child killed mid-request, and no process left behind."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from mla_backend.client import EngineStartError, InProcessClient, ProcessClient
+from mla_backend.client.engine_client import pack_outputs, unpack_outputs
 from mla_backend.config import EngineConfig
 from mla_backend.engine import Engine, EngineFailedError, InvalidRequestError
 from mla_backend.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
-from mla_backend.serving.engine_process import (EngineProcess, EngineProcessError, pack_outputs,
-                                                unpack_outputs)
 
 REPO = Path(__file__).resolve().parents[2]
 WEIGHTS = REPO / "model_repository" / "deepseek-v2-tiny" / "weights"
@@ -38,18 +40,28 @@ def _sampling(i: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=12 + i, temperature=0.0, ignore_eos=True)
 
 
-def _run(engine, requests: list[GenerateRequest]) -> dict[str, tuple[list[int], str, object]]:
-    """Add `requests`, step until each has finished: rid → (token ids, text, finish reason)."""
+def _reference(requests: list[GenerateRequest]) -> dict[str, tuple[list[int], str, object]]:
+    """rid → (token ids, text, finish reason) from an in-process `Engine.generate`."""
+    engine = Engine(_config())
+    try:
+        results = engine.generate([r.text for r in requests],
+                                  [r.sampling_params for r in requests])
+    finally:
+        engine.close()
+    return {r.rid: (res.token_ids, res.text, res.finish_reason)
+            for r, res in zip(requests, results)}
+
+
+def _run(client, requests: list[GenerateRequest]) -> dict[str, tuple[list[int], str, object]]:
+    """Add `requests`, read outputs until each has finished: rid → (token ids, text, reason)."""
     for request in requests:
-        engine.add_request(request)
+        client.add_request(request)
     got: dict[str, list] = {r.rid: [[], "", None] for r in requests}
     done: set[str] = set()
     deadline = time.monotonic() + WAIT_S
     while len(done) < len(requests):
         assert time.monotonic() < deadline, f"unfinished: {set(got) - done}"
-        if not engine.wait_for_work(0.1):
-            continue
-        for out in engine.step():
+        for out in client.get_outputs(0.1):
             assert out.rid not in done, "an output after the final one"
             assert out.error is None, out.error
             got[out.rid][0] += out.new_token_ids
@@ -60,16 +72,27 @@ def _run(engine, requests: list[GenerateRequest]) -> dict[str, tuple[list[int], 
     return {rid: tuple(v) for rid, v in got.items()}
 
 
-@pytest.fixture(scope="module")
-def proc():
-    ep = EngineProcess(_config(), threads=1)
-    yield ep
-    ep.close()
+def _settle(client, seconds: float = 10.0) -> dict[str, int]:
+    """The engine's counters once no request is live or running there."""
+    deadline = time.monotonic() + seconds
+    while client.stats()["live"] or client.stats()["running"]:
+        assert time.monotonic() < deadline, client.stats()
+        assert client.get_outputs(0.1) == []
+    return client.stats()
+
+
+@pytest.fixture(scope="module", params=["process", "thread"])
+def client(request):
+    threads = torch.get_num_threads()
+    c = (ProcessClient if request.param == "process" else InProcessClient)(_config(), threads=1)
+    yield c
+    c.close()
+    torch.set_num_threads(threads)
 
 
 def _requests(tag: str) -> list[GenerateRequest]:
-    """The prompts, streaming, and two more: a stop string (the child detokenizes it) and a
-    non-streaming request (the stub detokenizes every other request's outputs)."""
+    """The prompts, streaming, and two more: a stop string (found by the client's output
+    processor, which then aborts the request in the engine) and a non-streaming request."""
     return [GenerateRequest(rid=f"{tag}{i}", text=p, sampling_params=_sampling(i), stream=True)
             for i, p in enumerate(PROMPTS)] + [
         GenerateRequest(rid=f"{tag}stop", text=PROMPTS[0], stream=True, sampling_params=(
@@ -78,32 +101,43 @@ def _requests(tag: str) -> list[GenerateRequest]:
                         sampling_params=SamplingParams(max_new_tokens=9, temperature=0.0))]
 
 
-def test_outputs_equal_the_in_process_engine(proc):
-    engine = Engine(_config())
-    try:
-        want = _run(engine, _requests("a"))
-    finally:
-        engine.close()
-    got = _run(proc, _requests("a"))
+def test_outputs_equal_the_in_process_engine(client):
+    want = _reference(_requests("a"))
+    got = _run(client, _requests("a"))
     assert got == want
     assert all(len(got[f"a{i}"][0]) == 12 + i for i in range(len(PROMPTS)))
     assert got["astop"][2] == FinishReason.STOP and got["awhole"][1]
-    assert proc.context_len == 256 and proc.max_total_tokens == 2048 and proc.failed is None
-    # The child's counters arrive with its outputs: every slot free or held by the radix cache
-    # (evictable), none by a request.
-    deadline = time.monotonic() + 10
-    while proc.stats()["live"] or proc.stats()["running"]:
-        assert time.monotonic() < deadline, proc.stats()
-        proc.wait_for_work(0.1)
-        proc.step()
-    stats = proc.stats()
+    assert len(got["astop"][0]) < 24  # the stop string ended it
+    assert client.context_len == 256 and client.max_total_tokens == 2048
+    assert client.failed is None
+    # The engine's counters arrive with its outputs: every slot free or held by the radix cache
+    # (evictable), none by a request (the one a stop string ended was aborted there).
+    stats = _settle(client)
     assert stats["total_slots"] == 2048, stats
     assert stats["free_slots"] + stats["evictable_slots"] == 2048 and stats["protected_slots"] == 0
     assert stats["evictable_slots"] > 0, stats  # the prompts went into the tree
-    assert len(proc._detok) == 0  # the stub's detokenizers went with the final outputs
+    assert len(client.processor) == 0  # its per-request state went with the final outputs
 
 
-def test_bad_requests_are_refused_in_the_caller(proc):
+def test_a_stop_string_ends_a_non_streaming_request_early(client):
+    """Non-streaming with a stop string: the engine still sends every step's tokens (the
+    output processor needs them to find the string), the client gets one output, cut there."""
+    sp = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True, stop=(" I s",))
+    want = _reference([GenerateRequest(rid="s", text=PROMPTS[0], sampling_params=sp)])["s"]
+    client.add_request(GenerateRequest(rid="s", text=PROMPTS[0], sampling_params=sp))
+    outs: list[RequestOutput] = []
+    deadline = time.monotonic() + WAIT_S
+    while not outs:
+        assert time.monotonic() < deadline
+        outs += client.get_outputs(0.1)
+    assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == FinishReason.STOP
+    assert (outs[0].new_token_ids, outs[0].new_text) == want[:2]
+    assert outs[0].num_output_tokens == len(want[0]) < 200
+    _settle(client)
+    client.check_invariant()
+
+
+def test_bad_requests_are_refused_in_the_caller(client):
     too_long = SamplingParams(max_new_tokens=250)
     cases = [
         (GenerateRequest(rid="b0", text=""), "text_input"),
@@ -113,42 +147,41 @@ def test_bad_requests_are_refused_in_the_caller(proc):
     ]
     for request, needle in cases:
         with pytest.raises(InvalidRequestError, match=needle):
-            proc.add_request(request)
+            client.add_request(request)
     long = SamplingParams(max_new_tokens=200, ignore_eos=True)
-    proc.add_request(GenerateRequest(rid="dup", text=PROMPTS[1], sampling_params=long))
+    client.add_request(GenerateRequest(rid="dup", text=PROMPTS[1], sampling_params=long))
     with pytest.raises(InvalidRequestError, match="already in use"):
-        proc.add_request(GenerateRequest(rid="dup", text=PROMPTS[1]))
-    proc.abort("dup")
+        client.add_request(GenerateRequest(rid="dup", text=PROMPTS[1]))
+    client.abort("dup")
     reasons = {}
     deadline = time.monotonic() + WAIT_S
     while "dup" not in reasons:
         assert time.monotonic() < deadline
-        proc.wait_for_work(0.1)
-        for out in proc.step():
+        for out in client.get_outputs(0.1):
             if out.finished:
                 reasons[out.rid] = out.finish_reason
     assert reasons == {"dup": FinishReason.ABORT}
-    proc.check_invariant()  # the child's pools balance after the refusals and the abort
+    client.check_invariant()  # the pools balance after the refusals and the abort
     # The id is free again once its request has ended.
-    assert _run(proc, [GenerateRequest(rid="dup", text=PROMPTS[1])])["dup"][2] is not None
+    assert _run(client, [GenerateRequest(rid="dup", text=PROMPTS[1])])["dup"][2] is not None
 
 
 def test_load_error_carries_the_engine_message(tmp_path):
     missing = tmp_path / "no-such-weights"
-    with pytest.raises(EngineProcessError, match=str(missing)):
-        EngineProcess(EngineConfig.create(model_path=str(missing), **SETTINGS), threads=1)
+    for cls in (ProcessClient, InProcessClient):
+        with pytest.raises(EngineStartError, match=str(missing)):
+            cls(EngineConfig.create(model_path=str(missing), **SETTINGS), threads=1)
 
 
 def test_killed_engine_process_fails_live_and_new_requests():
-    ep = EngineProcess(_config(), threads=1)
+    ep = ProcessClient(_config(), threads=1)
     try:
         long = SamplingParams(max_new_tokens=200, ignore_eos=True)
         ep.add_request(GenerateRequest(rid="victim", text=PROMPTS[0], sampling_params=long,
                                        stream=True))
         seen = []
         while not seen:  # running: a first token came back
-            ep.wait_for_work(0.1)
-            seen += ep.step()
+            seen += ep.get_outputs(0.1)
         os.kill(ep.pid, signal.SIGKILL)
         message = (f"the engine process (pid {ep.pid}) exited (signal 9, SIGKILL); the model "
                    "must be reloaded")
@@ -156,48 +189,62 @@ def test_killed_engine_process_fails_live_and_new_requests():
         deadline = time.monotonic() + WAIT_S
         while not errors:
             assert time.monotonic() < deadline, "the dead child was not noticed"
-            if not ep.wait_for_work(0.1):
-                ep.check_health()
-            errors = [o for o in ep.step() if o.error is not None]
+            errors = [o for o in ep.get_outputs(0.1) if o.error is not None]
         assert [(o.rid, o.error, o.finished) for o in errors] == [("victim", message, True)]
-        assert len(ep._detok) == 0  # its detokenizer went with the error
-        assert ep.failed == message and ep.check_health() == message
+        assert len(ep.processor) == 0  # its state went with the error
+        assert ep.failed == message
         with pytest.raises(EngineFailedError, match="must be reloaded"):
             ep.add_request(GenerateRequest(rid="late", text=PROMPTS[1]))
         with pytest.raises(EngineFailedError):
             ep.check_invariant()
-        assert ep.step() == []  # one error per request, nothing after it
+        assert ep.get_outputs(0.2) == []  # one error per request, nothing after it
     finally:
         ep.close()
     assert not ep._proc.is_alive()
 
 
 def test_close_stops_the_child():
-    ep = EngineProcess(_config(), threads=1)
+    ep = ProcessClient(_config(), threads=1)
     pid = ep.pid
     ep.add_request(GenerateRequest(rid="left", text=PROMPTS[2],
                                    sampling_params=SamplingParams(max_new_tokens=200)))
     ep.close()  # with a request still running
-    assert ep._proc.exitcode == 0
+    assert ep._proc.exitcode == 0 and not ep._receiver.is_alive()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     with pytest.raises(InvalidRequestError, match="shutting down"):
         ep.add_request(GenerateRequest(rid="after", text=PROMPTS[0]))
 
 
+def test_close_stops_the_engine_thread():
+    threads = torch.get_num_threads()
+    client = InProcessClient(_config(), threads=1)
+    try:
+        client.add_request(GenerateRequest(rid="left", text=PROMPTS[2],
+                                           sampling_params=SamplingParams(max_new_tokens=200)))
+    finally:
+        client.close()  # with a request still running
+        torch.set_num_threads(threads)
+    assert not client._thread.is_alive() and not client._receiver.is_alive()
+    assert client.failed is None
+
+
 def test_child_leads_its_own_session_and_exits_when_the_stub_is_gone():
     """The engine process is a session (and process group) of its own, so a kill of
-    tritonserver's process group does not reach it; it must end by itself once the stub's end of
-    the pipe is gone (the stub killed), with a request still running."""
-    ep = EngineProcess(_config(), threads=1)
+    tritonserver's process group does not reach it; it must end by itself once the client's end
+    of the pipe is gone (the stub killed), with a request still running."""
+    ep = ProcessClient(_config(), threads=1)
     try:
         assert os.getsid(ep.pid) == ep.pid and os.getpgid(ep.pid) == ep.pid
         assert os.getsid(ep.pid) != os.getsid(0)
         long = SamplingParams(max_new_tokens=200, ignore_eos=True)
-        ep.add_request(GenerateRequest(rid="orphan", text=PROMPTS[0], sampling_params=long))
-        while not ep.step():  # running: its first output came back
-            ep.wait_for_work(0.1)
-        ep._conn.close()  # no ("close",): the pipe just closes, as when the stub dies
+        ep.add_request(GenerateRequest(rid="orphan", text=PROMPTS[0], sampling_params=long,
+                                       stream=True))
+        while not ep.get_outputs(0.1):  # running: its first output came back
+            pass
+        ep._receiving = False  # as if the stub were gone: nobody reads, the pipe closes
+        ep._receiver.join(5.0)
+        ep._channel.close()  # no ("close",): the pipe just closes, as when the stub dies
         ep._proc.join(WAIT_S)
         assert ep._proc.exitcode == 0
     finally:
@@ -208,8 +255,6 @@ def test_child_leads_its_own_session_and_exits_when_the_stub_is_gone():
 def test_cuda_engine_process_equals_in_process():
     """On a GPU (CUDA graphs, the overlap schedule, the triton backend by default): the child
     process owns CUDA, the caller never touches it, and the outputs equal an in-process engine's."""
-    import torch
-
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     config = EngineConfig.create(model_path=str(REPO / "checkpoints" / "deepseek-v2-tiny"),
@@ -221,10 +266,11 @@ def test_cuda_engine_process_equals_in_process():
                 for i, p in enumerate(PROMPTS)]
     engine = Engine(config)
     try:
-        want = _run(engine, requests)
+        want = {r.rid: (res.token_ids, res.text, res.finish_reason) for r, res in
+                zip(requests, engine.generate(PROMPTS, greedy))}
     finally:
         engine.close()
-    ep = EngineProcess(config, threads=None)
+    ep = ProcessClient(config)
     try:
         assert ep.device.startswith("cuda")
         got = _run(ep, requests)
@@ -243,8 +289,7 @@ def test_outputs_cross_the_pipe_field_for_field():
     outs = [RequestOutput(rid="a", new_token_ids=[5, 6], new_text="xy", finished=True,
                           finish_reason=FinishReason.STOP, num_input_tokens=3,
                           num_output_tokens=7, cached_tokens=2, new_logprobs=[{5: -0.5}],
-                          new_token_logprobs=[-0.5], cumulative_logprob=-1.25, error="boom",
-                          detokenized=False),
+                          new_token_logprobs=[-0.5], cumulative_logprob=-1.25, error="boom"),
             RequestOutput(rid="b", new_token_ids=[], new_text="", finished=False)]
     defaults = RequestOutput(rid="", new_token_ids=[], new_text="", finished=False)
     for f in dataclasses.fields(RequestOutput):

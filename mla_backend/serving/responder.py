@@ -1,0 +1,356 @@
+"""`Responder`: the response path of the Triton adapter, from the engine's outputs to the client.
+
+Owns the table of accepted requests (`_Live`, from registration to the response flagged FINAL)
+and two kinds of threads:
+
+- the response thread (`mla-responses`, the dispatcher) decides every response of an accepted
+  request but sends none itself. It takes the outputs the engine's front door has
+  (`EngineClient.get_outputs`, text already filled), merges the increments of one request into one
+  (`protocol.coalesce`: when sending falls behind the engine, a request gets one response carrying
+  several tokens), applies STREAM_INTERVAL, turns outputs into responses (`protocol.build_outputs`)
+  and puts each on its request's sender queue. It polls `is_cancelled()` of live requests →
+  `EngineClient.abort` + a CANCELLED error flagged FINAL. It owns the custom metrics
+  (`metrics.MetricsRecorder`, flushed at most every `_METRICS_FLUSH_S`) and the per-request log
+  line. Backpressure: it takes new outputs only once every response it queued before its
+  latest round has been sent; meanwhile they wait in the client and are coalesced.
+- sender threads (`mla-sender-<i>`): each pops its own FIFO queue and calls
+  `InferenceResponseSender.send`, a blocking IPC round trip to tritonserver (the stub releases
+  the GIL while it waits), so up to N round trips are in flight at once. A request is bound to one
+  queue at registration and every response to it goes through that queue, in order.
+
+Exactly one FINAL: a request is in `_live` from registration until the response that carries its
+FINAL flag; whoever removes it from `_live` (under `_lock`) queues that FINAL (or, in `stop`, after
+the sender threads have stopped, sends it), and outputs for an id no longer in `_live` are dropped.
+
+When the engine fails for good (`EngineClient.failed`), `on_fatal` is called once and every live
+request ends with one UNAVAILABLE error carrying the message.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import triton_python_backend_utils as pb_utils  # provided by the Python backend stub
+
+from mla_backend.client import EngineClient
+from mla_backend.request import RequestOutput
+from mla_backend.serving.metrics import FinishedRequest, MetricsRecorder
+from mla_backend.serving.protocol import OutputOptions, build_outputs, coalesce, merge_outputs, \
+    should_hold
+
+_QUEUE_WAIT_S = 0.05  # the response thread wakes at least this often (s)
+_CANCEL_POLL_S = 0.1  # a round of is_cancelled() polls starts this often (s)
+# is_cancelled() is an IPC round trip to tritonserver: one round polls at most this many live
+# requests, the next round goes on with the rest.
+_CANCEL_POLL_MAX = 16
+_STATS_POLL_S = 0.2  # engine stats (gauges) are read this often (s)
+# Buffered metrics go to Triton at most this often (s): each counter increment / histogram
+# observation is an IPC round trip.
+_METRICS_FLUSH_S = 0.1
+_JOIN_S = 5.0  # stop() waits this long for each of its threads (s)
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+@dataclass
+class _Live:
+    """One accepted request, from registration to its FINAL response."""
+
+    sender: Any  # pb_utils.InferenceResponseSender
+    options: OutputOptions
+    prefix: str = ""  # echoed prompt text (non-streaming with echo)
+    accepted: bool = False  # the engine took it; the response thread may use `sender`
+    held: RequestOutput | None = None  # streaming increment held back (no text yet, interval)
+    arrival: float = field(default_factory=time.monotonic)  # s, monotonic (for metrics)
+    first_token: float | None = None  # s, monotonic: first output with tokens seen
+    streamed: bool = False  # a response with tokens was queued (STREAM_INTERVAL applies after it)
+    prompt_counted: bool = False  # its prompt tokens went into the prompt-token counter
+    shard: int = 0  # its sender queue / thread (every response to it goes there, in order)
+
+
+def error_response(message: str, code: int) -> Any:
+    """An error response (pb_utils.InferenceResponse) with `message` and TritonError `code`."""
+    return pb_utils.InferenceResponse(output_tensors=[],
+                                      error=pb_utils.TritonError(message, code))
+
+
+def send_error(sender: Any, message: str, code: int) -> None:
+    """Send one error response flagged FINAL on the calling thread: only for requests never
+    registered (rejected at the door) or after the sender threads have stopped."""
+    sender.send(error_response(message, code), flags=_FINAL)
+
+
+class Responder:
+    """Args:
+        client: the engine's front door (outputs, abort, stats, token text).
+        logger: pb_utils.Logger.
+        model_name: for log lines.
+        metrics: the custom metrics, or None (REPORT_CUSTOM_METRICS "false").
+        num_senders: sender threads (RESPONSE_SENDER_THREADS, >= 1).
+        stream_interval: STREAM_INTERVAL (>= 1).
+        log_requests: LOG_REQUESTS (one INFO line per finished request).
+        on_fatal: called once, on the response thread, with `client.failed` when the engine
+            fails for good.
+    """
+
+    def __init__(self, client: EngineClient, logger: Any, model_name: str,
+                 metrics: MetricsRecorder | None, num_senders: int, stream_interval: int,
+                 log_requests: bool, on_fatal: Callable[[str], None]) -> None:
+        self.client = client
+        self.logger = logger
+        self.model_name = model_name
+        self.metrics = metrics
+        self._stream_interval = stream_interval
+        self._log_requests = log_requests
+        self._on_fatal = on_fatal
+        self._lock = threading.Lock()
+        self._live: dict[str, _Live] = {}
+        self._poll_queue: collections.deque[str] = collections.deque()  # rids to poll next
+        self.fatal: str | None = None  # `client.failed`, once the response thread has seen it
+        self._stopping = threading.Event()
+        self._num_senders = num_senders
+        # (sender, response, flags) per sender thread; None stops the thread.
+        self._send_queues: list[queue.SimpleQueue[tuple[Any, Any, int] | None]] = [
+            queue.SimpleQueue() for _ in range(num_senders)]
+        self._queued = 0  # responses queued so far (written by the response thread only)
+        self._sent = 0  # of those, sent or failed (under _sent_cond)
+        self._sent_cond = threading.Condition()
+        self._sender_threads = [
+            threading.Thread(target=self._sender_main, args=(i,), name=f"mla-sender-{i}",
+                             daemon=True)
+            for i in range(num_senders)]
+        for thread in self._sender_threads:
+            thread.start()
+        self._response_thread = threading.Thread(target=self._response_loop,
+                                                 name="mla-responses", daemon=True)
+        self._response_thread.start()
+
+    # ------------------------------------------------------------------ execute thread
+    def register(self, rid: str, sender: Any, options: OutputOptions, number: int,
+                 prefix: str = "") -> _Live:
+        """Add a request to the table before the engine gets it (its outputs may follow at
+        once); `number`: its arrival number (picks its sender queue)."""
+        live = _Live(sender=sender, options=options, prefix=prefix,
+                     shard=number % self._num_senders)
+        with self._lock:
+            self._live[rid] = live
+        return live
+
+    def unregister(self, rid: str) -> None:
+        """Drop a request the engine refused (the caller answers it with `send_error`)."""
+        with self._lock:
+            self._live.pop(rid, None)
+
+    def live_rids(self) -> list[str]:
+        with self._lock:
+            return list(self._live)
+
+    def num_live(self) -> int:
+        return len(self._live)
+
+    # ------------------------------------------------------------------ response thread
+    def _response_loop(self) -> None:
+        """The dispatcher (module docstring): outputs → responses on the sender queues."""
+        last_poll = last_stats = last_flush = 0.0
+        # self._queued after each of the last two rounds that queued responses: a round takes
+        # new outputs once the responses up to the older mark are sent (one round in flight).
+        marks: collections.deque[int] = collections.deque([0], maxlen=2)
+        while True:
+            stop = self._stopping.is_set()
+            batch: list[RequestOutput] = []
+            if self._wait_sent(marks[0], _QUEUE_WAIT_S):
+                batch = self.client.get_outputs(0.0 if stop else _QUEUE_WAIT_S)
+            if self.fatal is None and self.client.failed is not None:
+                self.fatal = self.client.failed  # before its error outputs are answered
+                self._on_fatal(self.fatal)
+            for out in coalesce(batch):
+                try:
+                    self._respond(out)
+                except Exception as e:  # noqa: BLE001
+                    self.logger.log_error(f"[mla_backend] preparing a response failed: {e!r}")
+            if self.fatal is not None:
+                self._fail_live(self.fatal)
+            now = time.monotonic()
+            if now - last_poll >= _CANCEL_POLL_S:
+                last_poll = now
+                self._poll_cancelled()
+            if self.metrics is not None and (now - last_flush >= _METRICS_FLUSH_S or stop):
+                last_flush = now
+                try:
+                    if now - last_stats >= _STATS_POLL_S:
+                        last_stats = now
+                        self.metrics.set_engine_stats(self.client.stats())
+                    self.metrics.flush()
+                except Exception as e:  # noqa: BLE001 - metrics must never stop the responses
+                    self.logger.log_error(f"[mla_backend] updating metrics failed: {e!r}")
+            if self._queued != marks[-1]:
+                marks.append(self._queued)
+            if stop:
+                return
+
+    def _wait_sent(self, count: int, timeout: float) -> bool:
+        """Wait up to `timeout` s until the first `count` queued responses have been sent (or
+        their send failed); True when they have."""
+        with self._sent_cond:
+            return self._sent_cond.wait_for(lambda: self._sent >= count, timeout)
+
+    def _queue_send(self, live: _Live, response: Any, flags: int) -> None:
+        """Put one response on `live`'s sender queue (response thread only)."""
+        self._queued += 1
+        self._send_queues[live.shard].put((live.sender, response, flags))
+
+    def _queue_error(self, live: _Live, message: str, code: int) -> None:
+        """Queue `live`'s error response flagged FINAL (the request's last)."""
+        self._queue_send(live, error_response(message, code), _FINAL)
+
+    def _sender_main(self, index: int) -> None:
+        """Sender thread `index`: send what its queue holds, in order, until the stop marker
+        (None); a send that raises is logged and skipped."""
+        send_queue = self._send_queues[index]
+        while True:
+            item = send_queue.get()
+            if item is None:
+                return
+            sender, response, flags = item
+            try:
+                sender.send(response, flags=flags)
+            except Exception as e:  # noqa: BLE001 - the other requests must still be answered
+                self.logger.log_error(f"[mla_backend] sending a response failed: {e!r}")
+            with self._sent_cond:
+                self._sent += 1
+                self._sent_cond.notify_all()
+
+    def _respond(self, out: RequestOutput) -> None:
+        with self._lock:
+            live = self._live.get(out.rid)
+            if live is None:
+                return  # already ended (cancelled or failed): nothing after FINAL
+            if out.finished:
+                del self._live[out.rid]
+        if out.error is not None:
+            code = (pb_utils.TritonError.UNAVAILABLE if out.error == self.fatal
+                    else pb_utils.TritonError.INTERNAL)
+            self._queue_error(live, out.error, code)
+            return
+        self._account(out, live)
+        if not out.finished and self._hold(out, live):
+            live.held = merge_outputs(live.held, out)
+            return
+        out = merge_outputs(live.held, out)
+        live.held = None
+        tensors = build_outputs(out, live.options, live.prefix, self.client.token_text)
+        response = pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(name, arr) for name, arr in tensors.items()]
+        )
+        self._queue_send(live, response, _FINAL if out.finished else 0)
+        live.streamed = live.streamed or bool(out.new_token_ids)
+
+    def _hold(self, out: RequestOutput, live: _Live) -> bool:
+        """Keep this unfinished increment for the next response: it has no text yet, or (with
+        STREAM_INTERVAL > 1, after the first streamed response) fewer tokens are pending than
+        the interval."""
+        if should_hold(out, live.options):
+            return True
+        if self._stream_interval <= 1 or not live.options.stream or not live.streamed:
+            return False
+        pending = len(out.new_token_ids) + (len(live.held.new_token_ids) if live.held else 0)
+        return pending < self._stream_interval
+
+    def _account(self, out: RequestOutput, live: _Live) -> None:
+        """Metrics buffers and the per-request log line for one (non-error) output (no IPC
+        except the log line)."""
+        now = time.monotonic()
+        if live.first_token is None and out.new_token_ids:
+            live.first_token = now
+        if self.metrics is not None:
+            prompt = 0
+            if not live.prompt_counted:
+                live.prompt_counted = True
+                prompt = out.num_input_tokens
+            self.metrics.on_output(prompt, len(out.new_token_ids))
+        if not out.finished:
+            return
+        n = out.num_output_tokens
+        ttft = None if live.first_token is None else live.first_token - live.arrival
+        tpot = None
+        if live.first_token is not None and n > 1:
+            tpot = (now - live.first_token) / (n - 1)
+        done = FinishedRequest(prompt_tokens=out.num_input_tokens, generation_tokens=n,
+                               cached_tokens=out.cached_tokens, e2e_s=now - live.arrival,
+                               ttft_s=ttft, tpot_s=tpot)
+        if self.metrics is not None:
+            self.metrics.on_finished(done)
+        if self._log_requests:
+            reason = out.finish_reason.value if out.finish_reason else "None"
+            self.logger.log_info(
+                f"[mla_backend] {self.model_name}: request {out.rid} finished ({reason}): "
+                f"prompt_tokens={done.prompt_tokens} cached_tokens={done.cached_tokens} "
+                f"output_tokens={n} ttft_s={-1.0 if ttft is None else ttft:.4f} "
+                f"tpot_s={-1.0 if tpot is None else tpot:.4f} e2e_s={done.e2e_s:.4f}")
+
+    def _fail_live(self, message: str) -> None:
+        """The engine has failed: end every accepted request the engine's own final outputs
+        did not reach (e.g. one added while it was failing) with one UNAVAILABLE error."""
+        with self._lock:
+            rids = [rid for rid, live in self._live.items() if live.accepted]
+            ended = [self._live.pop(rid) for rid in rids]
+        for live in ended:
+            self._queue_error(live, message, pb_utils.TritonError.UNAVAILABLE)
+
+    def _poll_cancelled(self) -> None:
+        """Poll is_cancelled() of the next _CANCEL_POLL_MAX accepted live requests (round
+        robin); abort and answer CANCELLED those the client cancelled."""
+        with self._lock:
+            if not self._poll_queue:
+                self._poll_queue.extend(rid for rid, live in self._live.items() if live.accepted)
+            candidates = []
+            while self._poll_queue and len(candidates) < _CANCEL_POLL_MAX:
+                rid = self._poll_queue.popleft()
+                live = self._live.get(rid)
+                if live is not None:
+                    candidates.append((rid, live))
+        for rid, live in candidates:
+            try:
+                cancelled = live.sender.is_cancelled()
+            except Exception:  # noqa: BLE001 - the sender is gone: treat as cancelled
+                cancelled = True
+            if not cancelled:
+                continue
+            with self._lock:
+                if self._live.pop(rid, None) is None:
+                    continue  # finished meanwhile; its FINAL was queued
+            self.client.abort(rid)
+            self._queue_error(live, "Request was cancelled", pb_utils.TritonError.CANCELLED)
+            self.logger.log_info(f"[mla_backend] {self.model_name}: request {rid} was cancelled "
+                                 "by the client; aborted")
+
+    # ------------------------------------------------------------------ stop
+    def stop(self) -> None:
+        """Stop the response thread (after one last round), then the sender threads after
+        sending all they hold; requests still live get UNAVAILABLE ("the model was unloaded");
+        close the metrics."""
+        self._stopping.set()
+        self._response_thread.join(timeout=_JOIN_S)
+        for send_queue in self._send_queues:  # behind everything already queued
+            send_queue.put(None)
+        for thread in self._sender_threads:
+            thread.join(timeout=_JOIN_S)
+        stuck = [t.name for t in (self._response_thread, *self._sender_threads) if t.is_alive()]
+        if stuck:
+            self.logger.log_error(f"[mla_backend] {self.model_name}: threads still running at "
+                                  f"unload: {', '.join(stuck)}")
+        with self._lock:
+            leftovers = list(self._live.values())
+            self._live.clear()
+        for live in leftovers:  # the engine never answered: end them here
+            try:
+                send_error(live.sender, "the model was unloaded", pb_utils.TritonError.UNAVAILABLE)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
