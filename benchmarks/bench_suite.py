@@ -223,9 +223,11 @@ def greedy(n: int) -> SamplingParams:
 
 
 def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
-                 on_step: Callable[[float, list], None] | None = None) -> dict:
-    """Submit all at once (streaming), step to completion. Returns timing and token counts;
-    per-request first-token times (seconds from submission) in "ttft". The outputs get their
+                 on_step: Callable[[float, list], None] | None = None,
+                 sampling: list[SamplingParams] | None = None) -> dict:
+    """Submit all at once (streaming), step to completion. Returns timing and token counts
+    ("tokens": per request); per-request first-token times (seconds from submission) in "ttft".
+    `sampling`: each request's params (default: greedy, `outs[i]` tokens). The outputs get their
     text from an `OutputProcessor` in this loop (`DETOKENIZE` "engine") or in a
     `DetokenizerProcess` ("process"); its counts are in "detokenized" (outputs, characters)."""
     rids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
@@ -238,11 +240,11 @@ def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
     if detok is not None:
         detok.start([(rid, p, True) for rid, p in zip(rids, prompts)])
     chars = processed = 0
-    for rid, p, o in zip(rids, prompts, outs):
+    sps = sampling or [greedy(o) for o in outs]
+    for rid, p, sp in zip(rids, prompts, sps):
         if processor is not None:
-            processor.add(rid, p, greedy(o), stream=True)
-        eng.add_request(GenerateRequest(rid=rid, input_ids=p, sampling_params=greedy(o),
-                                        stream=True))
+            processor.add(rid, p, sp, stream=True)
+        eng.add_request(GenerateRequest(rid=rid, input_ids=p, sampling_params=sp, stream=True))
     first: dict[str, float] = {}
     ntok = {rid: 0 for rid in rids}
     errors = 0
@@ -273,6 +275,7 @@ def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
                     errors += 1
     dt = time.perf_counter() - t0
     res = {"seconds": dt, "output_tokens": sum(ntok.values()), "errors": errors,
+           "tokens": [ntok[r] for r in rids],
            "ttft": [first.get(r, float("nan")) for r in rids]}
     if detok is not None:
         n, chars, left = detok.close()

@@ -55,6 +55,21 @@ cp "$SITE"/nvidia_pytriton.libs/libb64-*.so.0d "$STAGE/lib/libb64.so.0d"
 find "$STAGE/site/numpy" -type d -name tests -prune -exec rm -rf {} +
 rm -rf "$STAGE/wheels"
 cp -a "$SITE/tritonclient" "$SITE"/tritonclient-2.48.0.dist-info "$STAGE/site/"
+
+# Structured outputs on the GPU machine: xgrammar and apache-tvm-ffi for $GPU_PY (extra/xgrammar),
+# and pydantic with its own dependencies (extra/pydantic; gpu_env.sh uses them only where the
+# machine has no pydantic).
+for dest_pkgs in "xgrammar xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2" \
+    "pydantic pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5"; do
+  read -r dest pkgs <<<"$dest_pkgs"
+  # shellcheck disable=SC2086
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$GPU_PY" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d "$STAGE/wheels-$dest" $pkgs
+  mkdir -p "$STAGE/extra/$dest"
+  for w in "$STAGE/wheels-$dest"/*.whl; do (cd "$STAGE/extra/$dest" && unzip -q -o "$w"); done
+  rm -rf "$STAGE/wheels-$dest"
+done
 find "$STAGE/site" -name __pycache__ -prune -exec rm -rf {} +
 rm -rf "$STAGE/site/tritonclient/bin"
 

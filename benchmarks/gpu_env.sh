@@ -20,6 +20,11 @@ if [[ ! -x "$MLA_GPU_DIR/venv/bin/python" ]]; then
   cp -a "$MLA_GPU_DIR/site/." "$venv_site/"
   echo "$PWD" >"$venv_site/mla_backend_repo.pth"
   echo "import site; site.addsitedir('$image_site')" >"$venv_site/zz_machine_site.pth"
+  # structured outputs (xgrammar), after the machine's packages; pydantic only where it lacks it
+  extra="$MLA_GPU_DIR/extra/xgrammar"
+  python3 -c 'import pydantic' 2>/dev/null || extra="$extra:$MLA_GPU_DIR/extra/pydantic"
+  echo "$extra" >"$MLA_GPU_DIR/extra_path"
+  echo "import sys; sys.path += '$extra'.split(':')" >"$venv_site/zzz_structured_outputs.pth"
   mkdir -p "$MLA_GPU_DIR/libexec"
   mv "$MLA_GPU_DIR/bin/perf_analyzer" "$MLA_GPU_DIR/libexec/perf_analyzer"
   cat >"$MLA_GPU_DIR/bin/perf_analyzer" <<EOF
@@ -31,6 +36,6 @@ fi
 export MLA_TRITONSERVER_ROOT="$MLA_GPU_DIR/pytriton/tritonserver"
 export PATH="$MLA_GPU_DIR/venv/bin:$MLA_GPU_DIR/bin:$PATH"
 export MLA_DEEPSEEK_TOKENIZER_DIR="$MLA_GPU_DIR/tokenizer"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}:$(cat "$MLA_GPU_DIR/extra_path")"
 export TOKENIZERS_PARALLELISM=false
-python3 -c 'import numpy, torch, tritonclient.grpc; print("stub env: numpy", numpy.__version__, "torch", torch.__version__)'
+python3 -c 'import numpy, torch, tritonclient.grpc, xgrammar; print("stub env: numpy", numpy.__version__, "torch", torch.__version__, "xgrammar", xgrammar.__version__)'

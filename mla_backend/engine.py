@@ -19,6 +19,7 @@ raises `EngineFailedError` (the model must be reloaded).
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import queue
 import threading
@@ -51,6 +52,10 @@ from mla_backend.scheduler.scheduler import Scheduler
 from mla_backend.tokenizer.output_processor import OutputProcessor, engine_streams
 
 _IDLE_POLL_S = 0.1  # `serve_engine`'s wait for a message while the engine has no work (s)
+_GRAMMAR_WAIT_S = 0.01  # a step with nothing to run waits this long for a grammar compile (s)
+_NO_TOKEN_FITS = ("structured_outputs: no token the request allows fits its grammar here "
+                  "(allowed_token_ids, logit_bias or the vocabulary exclude every token the "
+                  "grammar allows)")
 _STATS_EVERY_S = 0.1  # `serve_engine` sends changed counters at most this often while busy (s)
 
 
@@ -83,13 +88,15 @@ class _Launched:
     rows, `row_of` maps id(req) to its position among them (the index into the sampled
     tokens); `overlappable`: the next batch may be scheduled and launched before this one's
     tokens are read (a decode batch with no request whose sampling reads its output
-    tokens)."""
+    tokens). `deferred`: the logits of its sampling rows, when that waits for the grammars of
+    its constrained requests to take the previous batch's tokens (`_launch_deferred`)."""
 
     batch: ScheduleBatch
     sample: LaunchedSample | None
     rows: list[int]
     row_of: dict[int, int]
     overlappable: bool
+    deferred: torch.Tensor | None = None
 
 
 def _reads_outputs(req: Req) -> bool:
@@ -171,6 +178,15 @@ class Engine:
         self.overlap: bool = config.parallel.tensor_parallel_size == 1 and (
             overlap == "true" or (overlap == "auto" and on_cuda))
         self._unflushed: list[_Token] = []  # committed tokens `_flush_tokens` has not seen
+        # structured outputs: the compiler (made for the first constrained request) and the
+        # requests waiting for their grammar (rid → (Req, Future)), not yet with the scheduler
+        self._grammar_compiler: Any = None
+        self._grammar_wait: dict[str, tuple[Req, concurrent.futures.Future]] = {}
+        self._grammar_errors: list[tuple[Req, str]] = []  # from _commit_tokens
+        # n > 1: the completions that wait for their first one's prefill (its rid → them),
+        # and those to hand to the scheduler at the next step
+        self._held: dict[str, list[Req]] = {}
+        self._release: list[Req] = []
         self._inflight: _Launched | None = None  # overlap: launched, tokens not yet read
         self._inbox: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -203,7 +219,10 @@ class Engine:
     def submit(self, rid: str, prompt_ids: list[int], sampling_params: SamplingParams,
                stream: bool) -> None:
         """Queue a request already checked by `request.validate_request` (the front door's
-        path). `stream`: emit its tokens every step (else one output when it ends).
+        path). `stream`: emit its tokens every step (else one output when it ends). With
+        `n` > 1 its completions run as the requests `sampling_params.sequences(rid)` (their
+        own ids and outputs); the first is prefilled first and the others wait for that, so
+        they find the prompt in the radix cache instead of computing it again.
 
         Raises:
             InvalidRequestError: duplicate request id, engine shut down.
@@ -213,13 +232,15 @@ class Engine:
             raise EngineFailedError(self.failed)
         if self._closed:
             raise InvalidRequestError("the engine is shutting down")
+        seqs = sampling_params.sequences(rid)
         with self._rid_lock:
-            if rid in self._known_rids:
-                raise InvalidRequestError(f"request id {rid!r} is already in use")
-            self._known_rids.add(rid)
-        req = Req(rid=rid, origin_input_ids=prompt_ids, sampling_params=sampling_params,
-                  stream=stream)
-        self._inbox.put(("add", req))
+            for seq_rid, _ in seqs:
+                if seq_rid in self._known_rids:
+                    raise InvalidRequestError(f"request id {seq_rid!r} is already in use")
+            self._known_rids.update(seq_rid for seq_rid, _ in seqs)
+        reqs = [Req(rid=seq_rid, origin_input_ids=list(prompt_ids), sampling_params=sp,
+                    stream=stream) for seq_rid, sp in seqs]
+        self._inbox.put(("add", reqs))
         self._wakeup.set()
 
     def abort(self, rid: str) -> None:
@@ -300,6 +321,10 @@ class Engine:
             self._fail_all_live(outputs)
             return outputs
         self._drain_inbox(outputs)
+        if self._release:
+            self._release_held(outputs)
+        if self._grammar_wait:
+            self._admit_compiled(outputs)
         for req in self.scheduler.take_rejected():
             st = self._live.get(req.rid)
             if st is not None:
@@ -320,6 +345,11 @@ class Engine:
                 error = e
         if prev is not None:
             self._complete(prev, outputs)
+        if cur is not None and cur.deferred is not None and self.failed is None:
+            try:  # the grammars have taken prev's tokens: mask and sample `cur` now
+                self._launch_deferred(cur)
+            except Exception as e:  # noqa: BLE001 - fails the batch below
+                error = e
         if batch is not None and error is None and self.failed is None:
             if self.overlap and cur.overlappable:
                 self._inflight = cur
@@ -353,19 +383,53 @@ class Engine:
             fb.input_ids[idx[:n]] = prev.sample.next_ids[idx[n:]]
         logits = self.runner.forward(fb)  # [bs, V]: fp32, or the model dtype (graph replay)
         rows = [i for i, m in enumerate(batch.sample_mask) if m]
-        sample = None
-        if len(rows) == len(batch.reqs):  # every row samples (decode): no gather
-            sample = self.sampler.launch(logits, batch.reqs)
-        elif rows:
-            picked = logits.index_select(0, int64_on(rows, logits.device))
-            sample = self.sampler.launch(picked, [batch.reqs[i] for i in rows])
         reqs = [batch.reqs[i] for i in rows]
+        if rows and len(rows) != len(batch.reqs):  # (every row samples in decode: no gather)
+            logits = logits.index_select(0, int64_on(rows, logits.device))
+        sample, deferred = None, None
+        if rows:
+            constrained = self._grammar_compiler is not None and any(
+                r.grammar is not None for r in reqs)
+            if constrained and prev is not None:
+                deferred = logits  # the grammars still wait for prev's tokens
+            else:
+                sample = self.sampler.launch(logits, reqs, self._grammar_masks(reqs)
+                                             if constrained else None)
         for req in reqs:  # 2 while also in the batch still in flight (`prev`)
             req.num_inflight_tokens += 1
         overlappable = batch.is_decode() and not (
             self._num_reading_outputs and any(_reads_outputs(r) for r in reqs))
         return _Launched(batch, sample, rows, {id(r): j for j, r in enumerate(reqs)},
-                         overlappable)
+                         overlappable, deferred)
+
+    def _launch_deferred(self, launched: "_Launched") -> None:
+        """Queue the sampling `_launch_batch` deferred, with the grammar masks now filled."""
+        reqs = [launched.batch.reqs[i] for i in launched.rows]
+        logits, launched.deferred = launched.deferred, None
+        launched.sample = self.sampler.launch(logits, reqs, self._grammar_masks(reqs))
+
+    def _grammar_masks(self, reqs: list[Req]) -> Any:
+        """The sampler's `restrict` for rows of constrained requests: their grammars' next-token
+        bitmasks (filled here, on the host) applied to their logits rows; None when none
+        applies (a row whose request has ended is left alone: its token is dropped)."""
+        from mla_backend.constrained.grammar import allocate_bitmask, apply_bitmask
+
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None
+                and r.finished_reason is None and not r.grammar.is_terminated()]
+        if not rows:
+            return None
+        bitmask = allocate_bitmask(len(rows), self.vocab_size)
+        for j, i in enumerate(rows):
+            reqs[i].grammar.fill_bitmask(bitmask, j)
+        vocab = self.vocab_size
+
+        def restrict(logits: torch.Tensor) -> None:
+            idx = int64_on(rows, logits.device)
+            picked = logits.index_select(0, idx)
+            apply_bitmask(picked, bitmask, vocab_size=vocab)
+            logits.index_copy_(0, idx, picked)
+
+        return restrict
 
     def _complete(self, launched: "_Launched", outputs: list[RequestOutput]) -> None:
         """Wait for a launched batch's tokens, record them (`_commit_tokens`; serially also
@@ -374,6 +438,11 @@ class Engine:
         batch = launched.batch
         try:
             finished = self._commit_tokens(launched)
+            for req, message in self._grammar_errors:
+                st = self._live.get(req.rid)
+                if st is not None:
+                    outputs.append(self._final_error(st, message))
+            self._grammar_errors.clear()
             if not self.overlap:
                 self._flush_tokens(outputs)
         except Exception as e:  # noqa: BLE001 - fail the batch's requests, keep the engine alive
@@ -409,6 +478,7 @@ class Engine:
         if launched.sample is None:
             return finished
         out = self.sampler.resolve(launched.sample)
+        now = time.monotonic()
         reqs, eos, ctx = batch.reqs, self.eos_token_ids, self.context_len
         unflushed = self._unflushed
         tokens, logprobs, tops = out.next_token_ids, out.token_logprobs, out.top_logprobs
@@ -423,12 +493,25 @@ class Engine:
             req.cumulative_logprob += lp
             sp = req.sampling_params
             n_out = len(output_ids)
+            if n_out == 1:
+                req.first_token_time = now
+                if self._held and req.rid in self._held:  # prefilled: its prompt is cached
+                    self._release += self._held.pop(req.rid)
+            req.last_token_time = now
             by_token = n_out >= sp.min_new_tokens and (
                 (tok in eos and not sp.ignore_eos) or tok in sp.stop_token_ids)
             if by_token:  # (the output processor emits no text for this token)
                 req.finished_reason = FinishReason.STOP
             elif n_out >= sp.max_new_tokens or len(req.origin_input_ids) + n_out >= ctx:
                 req.finished_reason = FinishReason.LENGTH
+            if req.grammar is not None:
+                if not req.grammar.accept_token(tok):
+                    req.finished_reason = FinishReason.ABORT
+                    self._grammar_errors.append((req, _NO_TOKEN_FITS))
+                    finished[i] = True
+                    continue
+                if req.grammar.is_terminated():  # the grammar took its stop token
+                    req.finished_reason = req.finished_reason or FinishReason.STOP
             unflushed.append(_Token(req, tok, lp, tops[j]))
             finished[i] = req.finished_reason is not None
         return finished
@@ -458,7 +541,8 @@ class Engine:
         out = RequestOutput(
             req.rid, st.unsent_ids, "", reason is not None, reason,
             len(req.origin_input_ids), len(req.output_ids), req.cached_tokens,
-            top, st.unsent_logprobs, req.cumulative_logprob, None,
+            top, st.unsent_logprobs, req.cumulative_logprob, None, req.first_token_time,
+            req.last_token_time,
         )
         st.unsent_ids, st.unsent_logprobs = [], []
         if top is not None:  # (no list per output for requests without logprobs)
@@ -467,11 +551,57 @@ class Engine:
             self._forget(req.rid)
         return out
 
-    def _final_error(self, st: _ReqState, message: str) -> RequestOutput:
+    def _final_error(self, st: _ReqState, message: str, invalid: bool = False) -> RequestOutput:
+        """End a live request with `message` (`invalid`: the client's fault)."""
         st.req.finished_reason = FinishReason.ABORT
+        self._grammar_wait.pop(st.req.rid, None)
         out = self._emit(st)
         out.error = message
+        out.invalid_request = invalid
         return out
+
+    def _grammars(self) -> Any:
+        """The grammar compiler (`constrained.grammar.GrammarCompiler`), made on first use.
+
+        Raises:
+            InvalidRequestError: xgrammar is not installed (structured outputs need it; the
+                rest of the engine does not, hence the import here).
+        """
+        if self._grammar_compiler is None:
+            try:
+                from mla_backend.constrained.grammar import GrammarCompiler
+            except ImportError as e:
+                raise InvalidRequestError(
+                    f"structured_outputs: this server cannot constrain outputs ({e}); install "
+                    "the xgrammar package (requirements.txt pins it)") from None
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
+                                                     stop_token_ids=self._grammar_stop_ids())
+        return self._grammar_compiler
+
+    def _grammar_stop_ids(self) -> list[int]:
+        """The EOS ids a grammar allows once complete (those inside the vocabulary)."""
+        return sorted(t for t in self.eos_token_ids if 0 <= t < self.vocab_size)
+
+    def _admit_compiled(self, outputs: list[RequestOutput]) -> None:
+        """Hand the requests whose grammar is compiled to the scheduler (a bad grammar ends
+        its request with INVALID_ARGUMENT). With nothing else to run, wait a little for one."""
+        if not (self.scheduler.has_work() or self._inflight is not None):
+            concurrent.futures.wait([f for _, f in self._grammar_wait.values()],
+                                    timeout=_GRAMMAR_WAIT_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        for rid, (req, future) in list(self._grammar_wait.items()):
+            if not future.done():
+                continue
+            del self._grammar_wait[rid]
+            st = self._live.get(rid)
+            if st is None:
+                continue
+            try:
+                req.grammar = self._grammar_compiler.new_state(future.result())
+            except Exception as e:  # noqa: BLE001 - a bad schema / regex / grammar
+                outputs.append(self._final_error(st, str(e), invalid=True))
+                continue
+            self.scheduler.add_request(req)
 
     def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
         while True:
@@ -480,20 +610,42 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
-                req = item  # type: ignore[assignment]
-                assert isinstance(req, Req)
-                self._live[req.rid] = _ReqState(req)
-                self._num_reading_outputs += _reads_outputs(req)
-                self.scheduler.add_request(req)
+                reqs = item  # type: ignore[assignment]
+                assert isinstance(reqs, list)
+                for req in reqs:
+                    self._live[req.rid] = _ReqState(req)
+                    self._num_reading_outputs += _reads_outputs(req)
+                if len(reqs) > 1:
+                    self._held[reqs[0].rid] = reqs[1:]
+                self._enqueue(reqs[0], outputs)
             else:
                 rid = item
                 assert isinstance(rid, str)
                 st = self._live.get(rid)
                 if st is None or st.req.finished():
                     continue
+                self._grammar_wait.pop(rid, None)
                 self.scheduler.abort_request(rid)
                 st.req.finished_reason = FinishReason.ABORT
                 outputs.append(self._emit(st))
+
+    def _enqueue(self, req: Req, outputs: list[RequestOutput]) -> None:
+        """Hand a live request to the scheduler, or first to the grammar compiler."""
+        spec = req.sampling_params.structured_outputs
+        if spec is None:
+            self.scheduler.add_request(req)
+            return
+        try:  # its grammar compiles off this thread; `_admit_compiled` adds it then
+            self._grammar_wait[req.rid] = (req, self._grammars().submit(spec))
+        except Exception as e:  # noqa: BLE001 - no xgrammar: the request's error
+            outputs.append(self._final_error(self._live[req.rid], str(e), invalid=True))
+
+    def _release_held(self, outputs: list[RequestOutput]) -> None:
+        """Enqueue the completions whose first one has been prefilled (or has ended)."""
+        reqs, self._release = self._release, []
+        for req in reqs:
+            if req.rid in self._live and not req.finished():
+                self._enqueue(req, outputs)
 
     def _fail_all_live(self, outputs: list[RequestOutput]) -> None:
         """After `failed` was set: end every live request (and any still in the inbox) with the
@@ -517,6 +669,8 @@ class Engine:
             self.scheduler.process_batch_result(batch, [True] * len(batch.reqs), failed=True)
 
     def _forget(self, rid: str) -> None:
+        if self._held and rid in self._held:  # ended before its prefill: release the others
+            self._release += self._held.pop(rid)
         st = self._live.pop(rid, None)
         if st is not None:
             self._num_reading_outputs -= _reads_outputs(st.req)
@@ -569,7 +723,8 @@ class Engine:
     ) -> list[GenerateResult]:
         """Run prompts (text or token ids) to completion together, with text and stop strings
         (an `OutputProcessor`); for tests and benchmarks. Steps the engine itself: not with a
-        concurrent engine thread.
+        concurrent engine thread. Returns one result per prompt and completion: a prompt whose
+        params have `n` > 1 gives its n results one after another.
 
         Raises:
             InvalidRequestError / EngineFailedError: as `add_request`.
@@ -583,7 +738,7 @@ class Engine:
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             rid = f"gen-{id(self)}-{time.monotonic_ns()}-{i}"
             self._add_processed(processor, rid, p, sp, stream=False)
-            rids.append(rid)
+            rids += [seq_rid for seq_rid, _ in sp.sequences(rid)]
         acc = {rid: GenerateResult("", [], None, 0, 0, 0.0) for rid in rids}
         stopped: set[str] = set()
         while processor:
@@ -620,7 +775,8 @@ class Engine:
                               else {"input_ids": list(prompt)})
         ids = validate_request(GenerateRequest(rid=rid, sampling_params=sp, **kw), self.tokenizer,
                                self.vocab_size, self.context_len, self.max_total_tokens)
-        processor.add(rid, ids, sp, stream)
+        for seq_rid, seq_sp in sp.sequences(rid):
+            processor.add(seq_rid, ids, seq_sp, stream)
         self.submit(rid, ids, sp, engine_streams(sp, stream))
 
     def _step_processed(self, processor: OutputProcessor, stopped: set[str]

@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
 import torch
 
+from mla_backend.constrained.spec import (
+    StructuredOutputSpec,
+    parse_allowed_token_ids,
+    parse_logit_bias,
+    parse_structured_outputs,
+)
+
 # Most top logprobs a request may ask for (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
+# Most completions one request may ask for (`n`).
+MAX_N = 64
 # Seeds must fit a torch.Generator seed (64 bits, signed or unsigned).
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -49,7 +58,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # number of top logprobs per new token; None = not asked
-    n: int = 1  # only 1 supported
+    n: int = 1  # completions of the prompt (`sequences`), at most MAX_N
+    # Output constraint (JSON schema, regex, choice, grammar): `constrained.spec`.
+    structured_outputs: StructuredOutputSpec | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    allowed_token_ids: tuple[int, ...] | None = None  # sorted; None = every token
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
@@ -61,7 +74,9 @@ class SamplingParams:
         `repetition_penalty` (> 0), `presence_penalty` / `frequency_penalty` ([-2, 2]), `seed`
         (64-bit int), `stop` (a non-empty str or a list of them), `stop_token_ids` (list of ints
         >= 0, or one int), `ignore_eos`, `include_stop_str_in_output`, `skip_special_tokens`
-        (bools), `logprobs` (int in [0, 20]), `n` (only 1).
+        (bools), `logprobs` (int in [0, 20]), `n` (in [1, 64]), `structured_outputs` (alias
+        `guided_decoding`: `constrained.spec.parse_structured_outputs`; not with min_tokens),
+        `logit_bias` ({token id: bias}), `allowed_token_ids` (non-empty list of token ids).
 
         Values may be strings, as Triton request parameters and genai-perf send them: "100" → 100,
         "0.5" → 0.5, "true"/"false" (any case, also "1"/"0", "yes"/"no") → bool. A JSON null keeps
@@ -99,6 +114,20 @@ class SamplingParams:
         params._check_ranges(names=names, strict_top_k=True)
         return params
 
+    def sequences(self, rid: str) -> list[tuple[str, SamplingParams]]:
+        """The `n` completions of a request with id `rid`: (engine request id, its params).
+        n == 1: [(rid, self)]. n > 1: ids "<rid>/<i>", each with n 1 and, when `seed` is set,
+        seed + i (as vLLM seeds its child requests), so completion i is reproducible."""
+        if self.n == 1:
+            return [(rid, self)]
+        def seed(i: int) -> int | None:
+            if self.seed is None:
+                return None
+            s = self.seed + i
+            return s if s <= _SEED_MAX else s - 2**64  # (still a valid 64-bit seed)
+
+        return [(f"{rid}/{i}", replace(self, n=1, seed=seed(i))) for i in range(self.n)]
+
     def verify(self, vocab_size: int) -> None:
         """Check the ranges (as `from_dict`) and the vocab-dependent fields.
 
@@ -112,6 +141,14 @@ class SamplingParams:
                 raise ValueError(
                     f"stop_token_ids: token id {tid} is outside the vocabulary [0, {vocab_size})"
                 )
+        for tid, _ in self.logit_bias:
+            if not 0 <= tid < vocab_size:
+                raise ValueError(
+                    f"logit_bias: token id {tid} is outside the vocabulary [0, {vocab_size})")
+        for tid in self.allowed_token_ids or ():
+            if not 0 <= tid < vocab_size:
+                raise ValueError(f"allowed_token_ids: token id {tid} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
         if self.top_k > 0 and self.top_k >= vocab_size:
             raise ValueError(
                 f"top_k must be < the vocabulary size {vocab_size} (or -1 to disable), "
@@ -169,7 +206,12 @@ class SamplingParams:
             ok = isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
             need(ok and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                  f"an integer in [0, {MAX_LOGPROBS}]")
-        need(self.n == 1, "n", "1 (only one sequence per request is supported)")
+        need(1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]")
+        if self.structured_outputs is not None and self.min_new_tokens > 0:
+            raise ValueError(f"{name('min_new_tokens')} cannot be combined with "
+                             "structured_outputs (the grammar decides where the output ends)")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
 
 
 class InvalidRequestError(ValueError):
@@ -270,6 +312,14 @@ class RequestOutput:
     new_token_logprobs: list[float] | None = None  # logprob of each chosen new token
     cumulative_logprob: float = 0.0
     error: str | None = None  # set when the engine failed this request (finished is True)
+    # When the engine had the request's first token and this output's last token on the host
+    # (time.monotonic() s, one clock for every process of a machine; None before the first).
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    # The error is the client's (a bad grammar): INVALID_ARGUMENT rather than INTERNAL.
+    invalid_request: bool = False
+    # Which of the request's `n` completions this is (set by the engine's front door).
+    index: int = 0
 
 
 @dataclass
@@ -302,6 +352,12 @@ class Req:
     # 1 while a token sampled for this request is still on the GPU (overlap schedule: its batch
     # was launched, its tokens not yet appended); the next decode batch reads it from there.
     num_inflight_tokens: int = 0
+    # time.monotonic() s when the engine had its first / latest sampled token on the host
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    # structured outputs: the grammar state (`constrained.grammar.GrammarState`), set by the
+    # engine once the request's grammar is compiled; it accepts every committed token
+    grammar: Any = None
 
     @property
     def seqlen(self) -> int:
@@ -417,5 +473,15 @@ _PARSERS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "skip_special_tokens": ("skip_special_tokens", _parse_bool),
     "logprobs": ("logprobs", _parse_int),
     "n": ("n", _parse_int),
+    "structured_outputs": ("structured_outputs",
+                           lambda key, value: parse_structured_outputs(value, key)),
+    "guided_decoding": ("structured_outputs",
+                        lambda key, value: parse_structured_outputs(value, key)),
+    "logit_bias": ("logit_bias", lambda key, value: tuple(sorted(
+        parse_logit_bias(value, _ANY_VOCAB, key).items()))),
+    "allowed_token_ids": ("allowed_token_ids",
+                          lambda key, value: parse_allowed_token_ids(value, _ANY_VOCAB, key)),
 }
+# from_dict checks token ids against no vocabulary yet (`verify` does, with the model's)
+_ANY_VOCAB = 2**62
 assert {t for t, _ in _PARSERS.values()} <= {f.name for f in fields(SamplingParams)}

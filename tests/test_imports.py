@@ -34,6 +34,7 @@ LAYER_OF: tuple[tuple[str, str], ...] = (
     ("mla_backend.models", "models"),
     ("mla_backend.model_executor", "model_executor"),
     ("mla_backend.scheduler", "scheduler"),
+    ("mla_backend.constrained.spec", "base"),  # plain parsing of the request fields
     ("mla_backend.constrained", "constrained"),
     ("mla_backend.engine", "engine"),
     ("mla_backend.client", "client"),

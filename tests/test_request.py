@@ -109,8 +109,8 @@ def test_aliases_and_integral_floats() -> None:
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
-        ({"n": 2}, "n"),
-        ({"n": "2"}, "n"),
+        ({"n": 65}, "n"),
+        ({"n": "0"}, "n"),
         ({"max_tokens": 3, "max_new_tokens": 3}, "max_new_tokens"),
     ],
 )
@@ -160,4 +160,4 @@ def test_verify_checks_ranges_of_directly_built_params() -> None:
     with pytest.raises(ValueError, match=r"\bstop\b"):
         SamplingParams(stop=["x"]).verify(100)  # type: ignore[arg-type]  # must be a tuple
     with pytest.raises(ValueError, match=r"^n must"):
-        SamplingParams(n=3).verify(100)
+        SamplingParams(n=65).verify(100)

@@ -176,6 +176,10 @@ class EngineClient:
         self._checks: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._closed = False
         self._receiving = True
+        # n > 1: a request's completions run in the engine as requests of their own
+        # (`SamplingParams.sequences`): parent rid → their rids, and each one → (parent, index)
+        self._children: dict[str, list[str]] = {}
+        self._seq_of: dict[str, tuple[str, int]] = {}
         self.failed: str | None = None
         self._channel = self._start_engine(config, threads)
         try:
@@ -270,17 +274,38 @@ class EngineClient:
         ids = validate_request(request, self.tokenizer, self.vocab_size, self.context_len,
                                self.max_total_tokens)
         sp = request.sampling_params
+        seqs = sp.sequences(request.rid)
         with self._lock:  # registered before `failed` can be set without failing it too
             if self.failed is not None:
                 raise EngineFailedError(self.failed)
-            self.processor.add(request.rid, ids, sp, request.stream)
+            if request.rid in self._children:
+                raise InvalidRequestError(f"request id {request.rid!r} is already in use")
+            added = []
+            try:
+                for seq_rid, seq_sp in seqs:
+                    self.processor.add(seq_rid, ids, seq_sp, request.stream)
+                    added.append(seq_rid)
+            except InvalidRequestError:
+                for seq_rid in added:
+                    self.processor.forget(seq_rid)
+                raise
+            if len(seqs) > 1:
+                self._children[request.rid] = added
+                for i, seq_rid in enumerate(added):
+                    self._seq_of[seq_rid] = (request.rid, i)
         if not self._send(("add", request.rid, ids, sp, engine_streams(sp, request.stream))):
-            self.processor.forget(request.rid)
+            with self._lock:
+                for seq_rid, _ in seqs:
+                    self.processor.forget(seq_rid)
+                    self._seq_of.pop(seq_rid, None)
+                self._children.pop(request.rid, None)
             raise EngineFailedError(self.failed or "the engine is gone")
 
     def abort(self, rid: str) -> None:
-        """Abort `rid` (its final output follows from `get_outputs`; unknown ids are ignored)."""
-        self._send(("abort", rid))
+        """Abort `rid`, all its completions (their final outputs follow from `get_outputs`;
+        unknown ids are ignored)."""
+        for seq_rid in self._children.get(rid) or (rid,):
+            self._send(("abort", seq_rid))
 
     def stats(self) -> dict[str, int]:
         """The engine's counters as of its latest report (`Engine.stats`)."""
@@ -341,7 +366,9 @@ class EngineClient:
     def get_outputs(self, timeout_s: float) -> list[RequestOutput]:
         """Every output the engine has made since the last call (possibly several steps'),
         with text, stop strings applied (`OutputProcessor.process`); waits up to `timeout_s`
-        for the first. An empty list when nothing came (check `failed`)."""
+        for the first. An empty list when nothing came (check `failed`). A request with
+        `n` > 1 gets outputs of each completion under its own id, told apart by `index`; each
+        completion ends with its own final output."""
         try:
             batches = [self._outputs.get(timeout=timeout_s)]
         except queue.Empty:
@@ -354,8 +381,25 @@ class EngineClient:
         raw = batches[0] if len(batches) == 1 else [o for b in batches for o in b]
         outputs, stopped = self.processor.process(raw)
         for rid in stopped:
-            self.abort(rid)
+            self._send(("abort", rid))
+        if self._seq_of:
+            self._name_sequences(outputs)
         return outputs
+
+    def _name_sequences(self, outputs: list[RequestOutput]) -> None:
+        """Give the outputs of a request's completions its own id and their `index`."""
+        with self._lock:
+            for out in outputs:
+                seq = self._seq_of.get(out.rid)
+                if seq is None:
+                    continue
+                if out.finished:
+                    del self._seq_of[out.rid]
+                    siblings = self._children[seq[0]]
+                    siblings.remove(out.rid)
+                    if not siblings:
+                        del self._children[seq[0]]
+                out.rid, out.index = seq
 
     def check_invariant(self) -> None:
         """Ask the engine to check its pools (`Engine.check_invariant`); refreshes `stats`.

@@ -12,6 +12,8 @@ reading the sampled ids on the device). The only `Req` field written is `req.gen
 `torch.Generator` created on first use for a request whose `sampling_params.seed` is set.
 
 Logit processing (`process_logits`), each step only for the rows that need it:
+0. token restrictions: `logit_bias` added; with `allowed_token_ids` every other token -inf; then
+   the caller's `restrict` (the engine's grammar masks: structured outputs);
 1. repetition penalty, Hugging Face semantics: for every token id in prompt + output,
    logit / p if logit > 0 else logit * p;
 2. presence / frequency penalties, OpenAI semantics over the output tokens:
@@ -36,7 +38,7 @@ of about six torch passes); same tokens, logprobs equal up to fp32 summation ord
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -115,6 +117,23 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> None:
         logits[pf_rows] -= freq * counts + pres * (counts > 0).float()
 
 
+def apply_token_restrictions(logits: torch.Tensor, reqs: Sequence[Req]) -> None:
+    """In place on logits [bs, V] fp32: each request's `logit_bias` added, and with
+    `allowed_token_ids` every other token set to -inf."""
+    vocab = logits.shape[1]
+    for i, r in enumerate(reqs):
+        sp = r.sampling_params
+        if sp.logit_bias:
+            ids = [t for t, _ in sp.logit_bias if t < vocab]
+            bias = [b for t, b in sp.logit_bias if t < vocab]
+            logits[i, _on(ids, logits.device)] += _on(bias, logits.device, torch.float32)
+        if sp.allowed_token_ids is not None:
+            keep = _on([t for t in sp.allowed_token_ids if t < vocab], logits.device)
+            row = torch.full((vocab,), float("-inf"), device=logits.device)
+            row[keep] = logits[i, keep]
+            logits[i] = row
+
+
 def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: set[int]) -> None:
     """In place on logits [bs, V]: -inf for EOS and stop_token_ids of every request that has
     produced fewer than `min_new_tokens` tokens (output_ids plus one in flight)."""
@@ -173,11 +192,19 @@ def _mask_min(reqs: Sequence[Req]) -> bool:
     return False
 
 
+def _restrict(params: Sequence[SamplingParams]) -> bool:
+    for p in params:
+        if p.logit_bias or p.allowed_token_ids is not None:
+            return True
+    return False
+
+
 def needs_processing(reqs: Sequence[Req]) -> bool:
-    """Whether `process_logits` would change the logits of these requests (penalties, the
-    min_new_tokens mask, or a non-greedy row); False: each token is the raw argmax."""
+    """Whether `process_logits` would change the logits of these requests (token restrictions,
+    penalties, the min_new_tokens mask, or a non-greedy row); False: each token is the raw
+    argmax."""
     params = [r.sampling_params for r in reqs]
-    if _penalize(params) or _mask_min(reqs):
+    if _penalize(params) or _mask_min(reqs) or _restrict(params):
         return True
     for p in params:
         if not is_greedy(p):
@@ -185,21 +212,28 @@ def needs_processing(reqs: Sequence[Req]) -> bool:
     return False
 
 
-def process_logits(logits: torch.Tensor, reqs: Sequence[Req],
-                   eos_token_ids: set[int]) -> torch.Tensor:
-    """Steps 1-4 of the module docstring on logits [bs, V] fp32; returns a new tensor, or
-    `logits` itself when nothing applies (all greedy, no penalties, min_new_tokens reached).
+def process_logits(logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: set[int],
+                   restrict: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Steps 0-4 of the module docstring on logits [bs, V] fp32; returns a new tensor, or
+    `logits` itself when nothing applies (all greedy, no restrictions or penalties,
+    min_new_tokens reached). `restrict(logits)`: more masking, in place, after step 0's.
 
-    Greedy rows carry penalties and the min_new_tokens mask only; their token is the argmax.
-    Non-greedy rows are also tempered and filtered; their token is a draw from softmax(row).
+    Greedy rows carry restrictions, penalties and the min_new_tokens mask only; their token is
+    the argmax. Non-greedy rows are also tempered and filtered; their token is a draw from
+    softmax(row).
     """
     params = [r.sampling_params for r in reqs]
+    restricted = _restrict(params)
     penalize = _penalize(params)
     mask_min = _mask_min(reqs)
     sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
-    if not (penalize or mask_min or sampled):
+    if not (restricted or restrict is not None or penalize or mask_min or sampled):
         return logits
     out = logits.clone()
+    if restricted:
+        apply_token_restrictions(out, reqs)
+    if restrict is not None:
+        restrict(out)
     if penalize:
         apply_penalties(out, reqs)
     if mask_min:
@@ -287,7 +321,8 @@ class Sampler:
         return self.resolve(self.launch(logits, reqs))
 
     @torch.no_grad()
-    def launch(self, logits: torch.Tensor, reqs: Sequence[Req]) -> "LaunchedSample":
+    def launch(self, logits: torch.Tensor, reqs: Sequence[Req],
+               restrict: Callable[[torch.Tensor], None] | None = None) -> "LaunchedSample":
         """Queue the sampling of one token per request on the logits' device without waiting
         for it (no host synchronisation on CUDA); `resolve` returns the tokens. The work is
         queued on the current stream, so more device work (the next forward, which may read
@@ -295,6 +330,9 @@ class Sampler:
         Every read of the logits is queued (on the current stream) before this returns, and
         no reference to them is kept: a CUDA graph replay's logits (a view of its static
         buffer, `CudaGraphRunner.replay`) may be overwritten by the next replay right after.
+        restrict: masks the caller applies in place to the fp32 logits [bs, vocab_size] after
+        the token restrictions (the engine's grammar bitmasks); logprobs stay those of the raw
+        logits.
 
         Raises:
             ValueError: logits not [len(reqs), V'] or V' < vocab_size.
@@ -306,7 +344,8 @@ class Sampler:
         view = logits[:, : self.vocab_size]
         params = [r.sampling_params for r in reqs]
         if (view.is_cuda and view.stride(1) == 1 and view.dtype in _GREEDY_KERNEL_DTYPES
-                and not torch.compiler.is_compiling() and not needs_processing(reqs)):
+                and not torch.compiler.is_compiling() and restrict is None
+                and not needs_processing(reqs)):
             # all greedy on unprocessed logits: argmax, logsumexp and the chosen logprob in
             # one read of the logits (`mla_kernels.sampling`), the same values as below (16-bit
             # logits, as a CUDA graph replay gives them, are read as they are: their fp32 form
@@ -318,7 +357,7 @@ class Sampler:
             raw = view
         else:
             raw = view.float()
-            processed = process_logits(raw, reqs, self.eos_token_ids)
+            processed = process_logits(raw, reqs, self.eos_token_ids, restrict)
             sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
             next_ids = self._next_ids(processed, reqs, sampled)
             lse = torch.logsumexp(raw, dim=-1)

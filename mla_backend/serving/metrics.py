@@ -1,24 +1,24 @@
 """Triton custom metrics of an mla_backend model (`pb_utils.MetricFamily`), fed with plain numbers.
 
-Owns the metric families and a `MetricsRecorder` that the adapter's response thread feeds:
+Owns the metric families, their buckets, the per-output token-gap arithmetic (`token_gaps`) and
+`MetricsRecorder`, which the response thread (`responder.Responder`) feeds: `on_*` only buffer,
+`flush()` sends (each call an IPC round trip); the responder flushes before it queues a round's
+final responses, else at least every 0.1 s. Not thread-safe: the response thread calls it all.
 
-- `on_output(...)` per `RequestOutput` it handles (token counts, first-token time), and
-  `on_finished(...)` per finished request (latencies): these only append to in-memory buffers;
-- `set_engine_stats(Engine.stats())` for the gauges and the retraction counter;
-- `flush()` once per response-loop iteration: the IPC round trips to the Triton server happen
-  there, batched (one `increment` per counter, one `set` per changed gauge, one `observe` per
-  finished request and histogram).
-
-Names follow Triton's vLLM backend where it has an equivalent (REFERENCE.md §4.5; labels `model`
-and `version`): counters `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`; histograms
-`vllm:time_to_first_token_seconds`, `vllm:time_per_output_token_seconds`,
-`vllm:e2e_request_latency_seconds`, `vllm:request_prompt_tokens`,
-`vllm:request_generation_tokens`. Ours (`mla_backend:` prefix): gauges
-`mla_backend:num_requests_running`, `mla_backend:num_requests_waiting`,
-`mla_backend:kv_cache_usage_ratio` (KV slots held by live requests / pool size, as SGLang's token
-usage: cached-but-evictable slots count as free), counters
-`mla_backend:prefix_cache_hit_tokens_total` and `mla_backend:num_retractions_total`. The server
-exposes them on its metrics port (`/metrics`, Prometheus text format).
+The families mean what vLLM's and Triton's vLLM backend's do (names, descriptions, buckets,
+labels `model` and `version`); times are `time.monotonic()` s, arrival the adapter's, token times
+the engine's (`RequestOutput.first_token_time` / `last_token_time`):
+- `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`: tokens the clients sent / got (a
+  stop string's cut drops the tokens after it; the EOS that ended a request counts);
+- `vllm:time_to_first_token_seconds`: engine first token − arrival, per request;
+- `vllm:time_per_output_token_seconds`: one observation per token after the first, the time since
+  the previous one (an output of k tokens spreads its time evenly: `token_gaps`);
+- `vllm:e2e_request_latency_seconds`, `vllm:request_prompt_tokens`,
+  `vllm:request_generation_tokens`, `vllm:request_params_n`, `vllm:request_params_max_tokens`:
+  per finished request (n > 1: all completions, token gaps per completion);
+- ours: gauges `mla_backend:num_requests_running` / `_waiting` / `kv_cache_usage_ratio` (slots
+  held by live requests / pool; evictable cache counts as free), counters
+  `mla_backend:prefix_cache_hit_tokens_total` and `mla_backend:num_retractions_total`.
 """
 
 from __future__ import annotations
@@ -26,18 +26,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-# Histogram bucket upper bounds (seconds), the same as Triton's vLLM backend uses.
+# Histogram bucket upper bounds, the same as Triton's vLLM backend uses (seconds; n).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0]
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+N_BUCKETS = [1.0, 2.0, 5.0, 10.0, 20.0]
 
 
 def token_buckets(max_len: int) -> list[float]:
-    """1-2-5 buckets (1, 2, 5, 10, 20, 50, ...) up to and including the first ≥ `max_len`.
+    """1-2-5 buckets (1, 2, 5, 10, 20, 50, ...) up to `max_len` (vLLM's `build_1_2_5_buckets`:
+    every value <= `max_len`; larger counts land in +Inf only).
 
     Args:
-        max_len: the largest count to resolve (the context length, tokens); must be ≥ 1.
+        max_len: the largest count to resolve (the context length, tokens); must be >= 1.
     Raises:
         ValueError: `max_len` < 1.
     """
@@ -48,10 +50,35 @@ def token_buckets(max_len: int) -> list[float]:
     while True:
         for m in (1, 2, 5):
             v = m * 10**exp
-            out.append(float(v))
-            if v >= max_len:
+            if v > max_len:
                 return out
+            out.append(float(v))
         exp += 1
+
+
+def token_gaps(prev_token_time: float | None, first_token_time: float, last_token_time: float,
+               new_tokens: int) -> tuple[float, int]:
+    """The inter-token latencies one output adds: (seconds per gap, number of gaps).
+
+    Args:
+        prev_token_time: when the engine had the request's previous token (the last token of its
+            previous output with tokens), s; None when this output carries the first token.
+        first_token_time: when the engine had the request's first token, s (used only when
+            `prev_token_time` is None).
+        last_token_time: when the engine had this output's last token, s.
+        new_tokens: tokens in this output (k).
+    Returns:
+        k gaps (k − 1 for the output with the first token) sharing evenly the time from the
+        previous token (from the first token) to this output's last one; negative spans count as
+        0; (0.0, 0) when there is no gap.
+    """
+    if prev_token_time is None:
+        count, start = new_tokens - 1, first_token_time
+    else:
+        count, start = new_tokens, prev_token_time
+    if count <= 0:
+        return 0.0, 0
+    return max(last_token_time - start, 0.0) / count, count
 
 
 @dataclass(frozen=True)
@@ -59,11 +86,11 @@ class FinishedRequest:
     """Per-request numbers, recorded when its final output reaches the response thread."""
 
     prompt_tokens: int
-    generation_tokens: int
+    generation_tokens: int  # what the client got (after a stop string's cut)
     cached_tokens: int  # prompt tokens served from the radix cache
     e2e_s: float  # arrival (execute) → final output, seconds
-    ttft_s: float | None  # arrival → first output with tokens, seconds (None: no token)
-    tpot_s: float | None  # (final − first token) / (generation_tokens − 1), seconds
+    max_tokens: int | None = None  # its max_tokens sampling parameter (None: not known)
+    n: int = 1  # its n sampling parameter
 
 
 class MetricsRecorder:
@@ -109,6 +136,10 @@ class MetricsRecorder:
                                      "Number of prefill tokens processed.", H, tb)
         self.request_generation = metric("vllm:request_generation_tokens",
                                          "Number of generation tokens processed.", H, tb)
+        self.request_n = metric("vllm:request_params_n",
+                                "Histogram of the n request parameter.", H, N_BUCKETS)
+        self.request_max_tokens = metric("vllm:request_params_max_tokens",
+                                         "Histogram of the max_tokens request parameter.", H, tb)
         self.running = metric("mla_backend:num_requests_running",
                               "Number of requests in the running batch.", G)
         self.waiting = metric("mla_backend:num_requests_waiting",
@@ -121,6 +152,8 @@ class MetricsRecorder:
                                   "Running requests retracted to the queue (KV pool full).", C)
         self._prompt_pending = 0
         self._gen_pending = 0
+        self._ttft: list[float] = []
+        self._gaps: list[tuple[float, int]] = []  # (seconds, how many observations)
         self._finished: list[FinishedRequest] = []
         self._stats: Mapping[str, int] | None = None
         self._gauges_sent: dict[str, float] = {}
@@ -132,8 +165,17 @@ class MetricsRecorder:
         self._prompt_pending += new_prompt_tokens
         self._gen_pending += new_generation_tokens
 
+    def on_first_token(self, ttft_s: float) -> None:
+        """Buffer one request's time to first token (engine first token − arrival), s."""
+        self._ttft.append(ttft_s)
+
+    def on_token_gaps(self, seconds: float, count: int) -> None:
+        """Buffer `count` inter-token latencies of `seconds` each (`token_gaps` of an output)."""
+        if count > 0:
+            self._gaps.append((seconds, count))
+
     def on_finished(self, req: FinishedRequest) -> None:
-        """Buffer one finished request's latencies and sizes."""
+        """Buffer one finished request's latency, sizes and parameters."""
         self._finished.append(req)
 
     def set_engine_stats(self, stats: Mapping[str, int]) -> None:
@@ -144,23 +186,30 @@ class MetricsRecorder:
     # ------------------------------------------------------------------ IPC
     def flush(self) -> None:
         """Send the buffered updates to the server (skips counters with nothing new and gauges
-        whose value has not changed)."""
+        whose value has not changed): one `increment` per counter, one `set` per changed gauge,
+        one `observe` per histogram observation."""
         if self._prompt_pending:
             self.prompt_tokens.increment(self._prompt_pending)
             self._prompt_pending = 0
         if self._gen_pending:
             self.generation_tokens.increment(self._gen_pending)
             self._gen_pending = 0
+        ttft, self._ttft = self._ttft, []
+        for seconds in ttft:
+            self.ttft.observe(seconds)
+        gaps, self._gaps = self._gaps, []
+        for seconds, count in gaps:
+            for _ in range(count):
+                self.tpot.observe(seconds)
         finished, self._finished = self._finished, []
         hits = 0
         for r in finished:
             self.e2e.observe(r.e2e_s)
             self.request_prompt.observe(float(r.prompt_tokens))
             self.request_generation.observe(float(r.generation_tokens))
-            if r.ttft_s is not None:
-                self.ttft.observe(r.ttft_s)
-            if r.tpot_s is not None:
-                self.tpot.observe(r.tpot_s)
+            self.request_n.observe(float(r.n))
+            if r.max_tokens is not None:
+                self.request_max_tokens.observe(float(r.max_tokens))
             hits += r.cached_tokens
         if hits:
             self.cache_hits.increment(hits)
@@ -179,8 +228,8 @@ class MetricsRecorder:
     def close(self) -> None:
         """Drop the metrics, then their families (the stub requires that order). Idempotent."""
         for name in ("prompt_tokens", "generation_tokens", "ttft", "tpot", "e2e",
-                     "request_prompt", "request_generation", "running", "waiting", "kv_usage",
-                     "cache_hits", "retractions"):
+                     "request_prompt", "request_generation", "request_n", "request_max_tokens",
+                     "running", "waiting", "kv_usage", "cache_hits", "retractions"):
             if hasattr(self, name):
                 delattr(self, name)
         self._families.clear()
@@ -191,5 +240,5 @@ class MetricsRecorder:
             self._gauges_sent[key] = value
 
 
-__all__ = ["E2E_BUCKETS", "FinishedRequest", "MetricsRecorder", "TPOT_BUCKETS", "TTFT_BUCKETS",
-           "token_buckets"]
+__all__ = ["E2E_BUCKETS", "FinishedRequest", "MetricsRecorder", "N_BUCKETS", "TPOT_BUCKETS",
+           "TTFT_BUCKETS", "token_buckets", "token_gaps"]

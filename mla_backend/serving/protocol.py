@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -252,27 +252,32 @@ def merge_outputs(held: RequestOutput | None, out: RequestOutput) -> RequestOutp
         new_token_logprobs=token_lps,
         cumulative_logprob=out.cumulative_logprob,
         error=out.error,
+        first_token_time=out.first_token_time,
+        last_token_time=out.last_token_time,
+        index=out.index,
     )
 
 
 def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """Merge the successive increments of each request into one output (`merge_outputs`), at the
-    place of its first one; order across requests and per request is kept. An output with an
-    error, and anything after a request's finished output, stays separate."""
+    """Merge the successive increments of each request's completion (rid and `index`) into one
+    output (`merge_outputs`), at the place of its first one; order across requests and per
+    completion is kept. An output with an error, and anything after a completion's finished
+    output, stays separate."""
     merged: list[RequestOutput] = []
-    at: dict[str, int] = {}  # rid → index in `merged` of its open (mergeable) output
+    at: dict[tuple[str, int], int] = {}  # (rid, index) → its open (mergeable) output in merged
     for out in outputs:
-        i = at.get(out.rid)
+        key = (out.rid, out.index)
+        i = at.get(key)
         if i is not None and out.error is None:
             merged[i] = merge_outputs(merged[i], out)
         else:
-            at.pop(out.rid, None)
+            at.pop(key, None)
             i = len(merged)
             merged.append(out)
             if out.error is None:
-                at[out.rid] = i
+                at[key] = i
         if out.finished or out.error is not None:
-            at.pop(out.rid, None)
+            at.pop(key, None)
     return merged
 
 
@@ -319,6 +324,22 @@ def build_outputs(
     if options.return_cached_tokens:
         tensors["cached_tokens"] = np.array([out.cached_tokens], dtype=np.uint32)
     return tensors
+
+
+def build_sequence_outputs(
+    outs: Sequence[RequestOutput],
+    options: OutputOptions,
+    prefix: str = "",
+    decode: Callable[[int], str] | None = None,
+) -> dict[str, np.ndarray]:
+    """Output tensors for one response of a request with `n` > 1 (the vLLM backend's layout):
+    `outs[i]` is completion i's increment since the previous response (no tokens when it has
+    none, with its finish state); `text_output`, `finish_reason`, `num_output_tokens`,
+    `cumulative_logprob` and `logprobs` get one element per completion, in index order;
+    `num_input_tokens` and `cached_tokens` stay [1] (one prompt)."""
+    per = [build_outputs(o, options, prefix, decode) for o in outs]
+    return {name: per[0][name] if name in ("num_input_tokens", "cached_tokens")
+            else np.concatenate([p[name] for p in per]) for name in per[0]}
 
 
 def logprobs_json(out: RequestOutput, decode: Callable[[int], str] | None = None) -> str:

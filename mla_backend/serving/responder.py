@@ -1,27 +1,18 @@
 """`Responder`: the response path of the Triton adapter, from the engine's outputs to the client.
 
-Owns the table of accepted requests (`_Live`, from registration to the response flagged FINAL)
-and two kinds of threads:
+Owns the table of accepted requests (`_Live`, registration to FINAL) and its threads:
+- the response thread (`mla-responses`) decides every response but sends none: it takes the
+  front door's outputs (`EngineClient.get_outputs`, text filled) once the responses of its
+  previous round are sent (backpressure: meanwhile outputs wait and are coalesced), accounts
+  each for the metrics, merges a request's increments (`protocol.coalesce`), applies
+  STREAM_INTERVAL, builds responses (`protocol.build_outputs`; n > 1: one element per completion,
+  `build_sequence_outputs`) and queues them; it polls `is_cancelled()` → abort + CANCELLED.
+- sender threads (`mla-sender-<i>`): each sends its FIFO queue's responses
+  (`InferenceResponseSender.send`, a blocking IPC round trip; the stub releases the GIL), so up
+  to N are in flight. A request is bound to one queue: its responses keep their order.
 
-- the response thread (`mla-responses`, the dispatcher) decides every response of an accepted
-  request but sends none itself. It takes the outputs the engine's front door has
-  (`EngineClient.get_outputs`, text already filled), merges the increments of one request into one
-  (`protocol.coalesce`: when sending falls behind the engine, a request gets one response carrying
-  several tokens), applies STREAM_INTERVAL, turns outputs into responses (`protocol.build_outputs`)
-  and puts each on its request's sender queue. It polls `is_cancelled()` of live requests →
-  `EngineClient.abort` + a CANCELLED error flagged FINAL. It owns the custom metrics
-  (`metrics.MetricsRecorder`, flushed at most every `_METRICS_FLUSH_S`) and the per-request log
-  line. Backpressure: it takes new outputs only once every response it queued before its
-  latest round has been sent; meanwhile they wait in the client and are coalesced.
-- sender threads (`mla-sender-<i>`): each pops its own FIFO queue and calls
-  `InferenceResponseSender.send`, a blocking IPC round trip to tritonserver (the stub releases
-  the GIL while it waits), so up to N round trips are in flight at once. A request is bound to one
-  queue at registration and every response to it goes through that queue, in order.
-
-Exactly one FINAL: a request is in `_live` from registration until the response that carries its
-FINAL flag; whoever removes it from `_live` (under `_lock`) queues that FINAL (or, in `stop`, after
-the sender threads have stopped, sends it), and outputs for an id no longer in `_live` are dropped.
-
+Exactly one FINAL: a request is in `_live` until the response with its FINAL flag; whoever
+removes it (under `_lock`) queues that FINAL, and outputs for an id not in `_live` are dropped.
 When the engine fails for good (`EngineClient.failed`), `on_fatal` is called once and every live
 request ends with one UNAVAILABLE error carrying the message.
 """
@@ -38,10 +29,16 @@ from typing import Any, Callable
 import triton_python_backend_utils as pb_utils  # provided by the Python backend stub
 
 from mla_backend.client import EngineClient
-from mla_backend.request import RequestOutput
-from mla_backend.serving.metrics import FinishedRequest, MetricsRecorder
-from mla_backend.serving.protocol import OutputOptions, build_outputs, coalesce, merge_outputs, \
-    should_hold
+from mla_backend.request import RequestOutput, SamplingParams
+from mla_backend.serving.metrics import FinishedRequest, MetricsRecorder, token_gaps
+from mla_backend.serving.protocol import (
+    OutputOptions,
+    build_outputs,
+    build_sequence_outputs,
+    coalesce,
+    merge_outputs,
+    should_hold,
+)
 
 _QUEUE_WAIT_S = 0.05  # the response thread wakes at least this often (s)
 _CANCEL_POLL_S = 0.1  # a round of is_cancelled() polls starts this often (s)
@@ -49,8 +46,8 @@ _CANCEL_POLL_S = 0.1  # a round of is_cancelled() polls starts this often (s)
 # requests, the next round goes on with the rest.
 _CANCEL_POLL_MAX = 16
 _STATS_POLL_S = 0.2  # engine stats (gauges) are read this often (s)
-# Buffered metrics go to Triton at most this often (s): each counter increment / histogram
-# observation is an IPC round trip.
+# Buffered metrics go to Triton at least this often (s), and before a round's final responses:
+# each counter increment / histogram observation is an IPC round trip.
 _METRICS_FLUSH_S = 0.1
 _JOIN_S = 5.0  # stop() waits this long for each of its threads (s)
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -63,13 +60,41 @@ class _Live:
     sender: Any  # pb_utils.InferenceResponseSender
     options: OutputOptions
     prefix: str = ""  # echoed prompt text (non-streaming with echo)
+    # its sampling parameters (max_tokens and n for the metrics; None: not given, n taken as 1)
+    sampling: SamplingParams | None = None
     accepted: bool = False  # the engine took it; the response thread may use `sender`
     held: RequestOutput | None = None  # streaming increment held back (no text yet, interval)
     arrival: float = field(default_factory=time.monotonic)  # s, monotonic (for metrics)
-    first_token: float | None = None  # s, monotonic: first output with tokens seen
+    # Engine times (s, monotonic) of its first token and of the last token accounted so far.
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    ttft: float | None = None  # first_token_time − arrival, s
+    final_accounted: bool = False  # its finished output went into the metrics
     streamed: bool = False  # a response with tokens was queued (STREAM_INTERVAL applies after it)
     prompt_counted: bool = False  # its prompt tokens went into the prompt-token counter
     shard: int = 0  # its sender queue / thread (every response to it goes there, in order)
+    # n > 1 (`n` completions, told apart by RequestOutput.index): this round's increments, the
+    # latest output, engine time of the last token accounted and whether it ended, per
+    # completion; the tokens of the completions that ended
+    n: int = 1
+    pending: dict[int, RequestOutput] = field(default_factory=dict)
+    latest: dict[int, RequestOutput] = field(default_factory=dict)
+    seq_last: dict[int, float] = field(default_factory=dict)
+    seq_done: set[int] = field(default_factory=set)
+    generated: int = 0
+
+
+def _no_news(latest: RequestOutput | None, rid: str) -> RequestOutput:
+    """A completion's part of a response when it has nothing new: no tokens or text, its
+    latest finish state, counts and cumulative logprob."""
+    if latest is None:
+        return RequestOutput(rid, [], "", False)
+    return RequestOutput(
+        rid, [], "", latest.finished, latest.finish_reason, latest.num_input_tokens,
+        latest.num_output_tokens, latest.cached_tokens,
+        None if latest.new_logprobs is None else [],
+        None if latest.new_token_logprobs is None else [], latest.cumulative_logprob,
+        index=latest.index)
 
 
 def error_response(message: str, code: int) -> Any:
@@ -112,6 +137,8 @@ class Responder:
         self._poll_queue: collections.deque[str] = collections.deque()  # rids to poll next
         self.fatal: str | None = None  # `client.failed`, once the response thread has seen it
         self._stopping = threading.Event()
+        # n > 1 requests with increments gathered this round (`_respond_sequences`)
+        self._gathered: dict[str, _Live] = {}
         self._num_senders = num_senders
         # (sender, response, flags) per sender thread; None stops the thread.
         self._send_queues: list[queue.SimpleQueue[tuple[Any, Any, int] | None]] = [
@@ -131,11 +158,13 @@ class Responder:
 
     # ------------------------------------------------------------------ execute thread
     def register(self, rid: str, sender: Any, options: OutputOptions, number: int,
-                 prefix: str = "") -> _Live:
+                 prefix: str = "", sampling: SamplingParams | None = None) -> _Live:
         """Add a request to the table before the engine gets it (its outputs may follow at
-        once); `number`: its arrival number (picks its sender queue)."""
-        live = _Live(sender=sender, options=options, prefix=prefix,
-                     shard=number % self._num_senders)
+        once); `number`: its arrival number (picks its sender queue); `sampling`: its sampling
+        parameters (the metrics' max_tokens and n)."""
+        live = _Live(sender=sender, options=options, prefix=prefix, sampling=sampling,
+                     shard=number % self._num_senders,
+                     n=1 if sampling is None else sampling.n)
         with self._lock:
             self._live[rid] = live
         return live
@@ -167,11 +196,15 @@ class Responder:
             if self.fatal is None and self.client.failed is not None:
                 self.fatal = self.client.failed  # before its error outputs are answered
                 self._on_fatal(self.fatal)
+            if self._account_batch(batch) and self.metrics is not None:
+                self._flush_metrics(None)  # the finished requests' metrics before their FINALs
             for out in coalesce(batch):
                 try:
                     self._respond(out)
                 except Exception as e:  # noqa: BLE001
                     self.logger.log_error(f"[mla_backend] preparing a response failed: {e!r}")
+            if self._gathered:
+                self._respond_sequences()
             if self.fatal is not None:
                 self._fail_live(self.fatal)
             now = time.monotonic()
@@ -180,17 +213,25 @@ class Responder:
                 self._poll_cancelled()
             if self.metrics is not None and (now - last_flush >= _METRICS_FLUSH_S or stop):
                 last_flush = now
-                try:
-                    if now - last_stats >= _STATS_POLL_S:
-                        last_stats = now
-                        self.metrics.set_engine_stats(self.client.stats())
-                    self.metrics.flush()
-                except Exception as e:  # noqa: BLE001 - metrics must never stop the responses
-                    self.logger.log_error(f"[mla_backend] updating metrics failed: {e!r}")
+                stats = None
+                if now - last_stats >= _STATS_POLL_S:
+                    last_stats = now
+                    stats = self.client.stats
+                self._flush_metrics(stats)
             if self._queued != marks[-1]:
                 marks.append(self._queued)
             if stop:
                 return
+
+    def _flush_metrics(self, stats: Callable[[], Any] | None) -> None:
+        """Send the buffered metrics (after buffering `stats()`, the engine's gauges, when
+        given); a failure is logged, never raised."""
+        try:
+            if stats is not None:
+                self.metrics.set_engine_stats(stats())
+            self.metrics.flush()
+        except Exception as e:  # noqa: BLE001 - metrics must never stop the responses
+            self.logger.log_error(f"[mla_backend] updating metrics failed: {e!r}")
 
     def _wait_sent(self, count: int, timeout: float) -> bool:
         """Wait up to `timeout` s until the first `count` queued responses have been sent (or
@@ -229,14 +270,21 @@ class Responder:
             live = self._live.get(out.rid)
             if live is None:
                 return  # already ended (cancelled or failed): nothing after FINAL
-            if out.finished:
+            if out.finished and (live.n == 1 or out.error is not None):
                 del self._live[out.rid]
+        if live.n > 1 and out.error is None:
+            live.pending[out.index] = merge_outputs(live.pending.get(out.index), out)
+            self._gathered[out.rid] = live
+            return
+        if out.error is not None and live.n > 1:
+            self.client.abort(out.rid)  # one completion failed: the request ends with it
+            self._gathered.pop(out.rid, None)
         if out.error is not None:
             code = (pb_utils.TritonError.UNAVAILABLE if out.error == self.fatal
+                    else pb_utils.TritonError.INVALID_ARG if out.invalid_request
                     else pb_utils.TritonError.INTERNAL)
             self._queue_error(live, out.error, code)
             return
-        self._account(out, live)
         if not out.finished and self._hold(out, live):
             live.held = merge_outputs(live.held, out)
             return
@@ -249,6 +297,32 @@ class Responder:
         self._queue_send(live, response, _FINAL if out.finished else 0)
         live.streamed = live.streamed or bool(out.new_token_ids)
 
+    def _respond_sequences(self) -> None:
+        """One response per request with `n` > 1 that got increments this round, with one
+        element per completion (`protocol.build_sequence_outputs`; a completion without news
+        gets an empty delta and keeps its finish state), flagged FINAL once every completion
+        has ended. A non-streaming request gets one response, when the last one ends."""
+        gathered, self._gathered = self._gathered, {}
+        for rid, live in gathered.items():
+            latest = live.latest
+            for i, out in live.pending.items():
+                latest[i] = out
+            done = sum(1 for out in latest.values() if out.finished) == live.n
+            if not (live.options.stream or done):
+                continue
+            outs = [live.pending.get(i) or _no_news(latest.get(i), rid) for i in range(live.n)]
+            live.pending = {}
+            with self._lock:
+                if self._live.get(rid) is not live:
+                    continue  # cancelled meanwhile: its FINAL went out
+                if done:
+                    del self._live[rid]
+            tensors = build_sequence_outputs(outs, live.options, live.prefix,
+                                             self.client.token_text)
+            response = pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(name, arr) for name, arr in tensors.items()])
+            self._queue_send(live, response, _FINAL if done else 0)
+
     def _hold(self, out: RequestOutput, live: _Live) -> bool:
         """Keep this unfinished increment for the next response: it has no text yet, or (with
         STREAM_INTERVAL > 1, after the first streamed response) fewer tokens are pending than
@@ -260,31 +334,81 @@ class Responder:
         pending = len(out.new_token_ids) + (len(live.held.new_token_ids) if live.held else 0)
         return pending < self._stream_interval
 
-    def _account(self, out: RequestOutput, live: _Live) -> None:
-        """Metrics buffers and the per-request log line for one (non-error) output (no IPC
-        except the log line)."""
+    def _account_batch(self, batch: list[RequestOutput]) -> bool:
+        """`_account` each output of live requests, in order, before the coalescing (so that an
+        output's engine times give its own token gaps); True when one of them finished a
+        request (its metrics must be flushed before its FINAL response is queued)."""
+        if not batch:
+            return False
         now = time.monotonic()
-        if live.first_token is None and out.new_token_ids:
-            live.first_token = now
-        if self.metrics is not None:
+        with self._lock:
+            lives = [self._live.get(out.rid) for out in batch]
+        finals = False
+        for out, live in zip(batch, lives):
+            # as `_respond`: nothing for ended requests, errors, or after a finished output
+            if live is None or live.final_accounted or out.error is not None:
+                continue
+            final = out.finished
+            if final and live.n > 1:  # the request ends with its last completion
+                live.seq_done.add(out.index)
+                final = len(live.seq_done) == live.n
+            if final:
+                live.final_accounted = finals = True
+            try:
+                self._account(out, live, now, final)
+            except Exception as e:  # noqa: BLE001 - metrics must never stop the responses
+                self.logger.log_error(f"[mla_backend] updating metrics failed: {e!r}")
+        return finals
+
+    def _account(self, out: RequestOutput, live: _Live, now: float, final: bool) -> None:
+        """Metrics buffers and the per-request log line for one (non-error) engine output, seen
+        at `now` (no IPC except the log line).
+
+        Token times are the engine's (`out.first_token_time` / `last_token_time`; `now` where an
+        output lacks them): TTFT = first token − arrival, one inter-token latency per token after
+        the first (`metrics.token_gaps`, per completion when `n` > 1), e2e = `now` − arrival at
+        the output that ends the request (`final`).
+        """
+        metrics = self.metrics
+        k = len(out.new_token_ids)
+        if k:
+            last = out.last_token_time if out.last_token_time is not None else now
+            prev = live.last_token_time if live.n == 1 else live.seq_last.get(out.index)
+            first = out.first_token_time if out.first_token_time is not None else last
+            if live.first_token_time is None:  # this output carries the request's first token
+                live.first_token_time = first
+                live.ttft = max(first - live.arrival, 0.0)
+                if metrics is not None:
+                    metrics.on_first_token(live.ttft)
+            gap, count = token_gaps(prev, live.first_token_time if live.n == 1 else first,
+                                    last, k)
+            live.last_token_time = last
+            live.seq_last[out.index] = last
+            if metrics is not None:
+                metrics.on_token_gaps(gap, count)
+        if metrics is not None:
             prompt = 0
             if not live.prompt_counted:
                 live.prompt_counted = True
                 prompt = out.num_input_tokens
-            self.metrics.on_output(prompt, len(out.new_token_ids))
-        if not out.finished:
+            metrics.on_output(prompt, k)
+        if out.finished:
+            live.generated += out.num_output_tokens
+        if not final:
             return
-        n = out.num_output_tokens
-        ttft = None if live.first_token is None else live.first_token - live.arrival
-        tpot = None
-        if live.first_token is not None and n > 1:
-            tpot = (now - live.first_token) / (n - 1)
+        n = live.generated
+        sampling = live.sampling
         done = FinishedRequest(prompt_tokens=out.num_input_tokens, generation_tokens=n,
                                cached_tokens=out.cached_tokens, e2e_s=now - live.arrival,
-                               ttft_s=ttft, tpot_s=tpot)
-        if self.metrics is not None:
-            self.metrics.on_finished(done)
+                               max_tokens=None if sampling is None else sampling.max_new_tokens,
+                               n=1 if sampling is None else sampling.n)
+        if metrics is not None:
+            metrics.on_finished(done)
         if self._log_requests:
+            tpot = None  # mean inter-token latency (engine times)
+            if n > 1 and live.first_token_time is not None and live.last_token_time is not None:
+                tpot = (live.last_token_time - live.first_token_time) / (n - 1)
+            ttft = live.ttft
             reason = out.finish_reason.value if out.finish_reason else "None"
             self.logger.log_info(
                 f"[mla_backend] {self.model_name}: request {out.rid} finished ({reason}): "

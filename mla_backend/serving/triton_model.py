@@ -1,32 +1,21 @@
 """`TritonPythonModel`: the Triton Python-backend model (decoupled) that serves the engine.
 
-Three parts, one owner each:
-- this class: `initialize` reads config.pbtxt and starts the engine's front door
-  (`client.make_client`: the engine in a child process of the stub, ENGINE_PROCESS "true", the
-  default, or on a thread of the stub) and the response path; `execute` (Triton's thread) parses
-  each request (`protocol.parse_request`), registers it with the responder and hands it to the
-  client, which checks it once: a bad request gets one INVALID_ARGUMENT error flagged FINAL there;
-  `finalize` aborts what is live, stops the responder and closes the client.
-- `responder.Responder`: every response of an accepted request (threads, order, one FINAL,
-  cancellation, metrics).
-- `client.EngineClient`: validation, the engine, text and stop strings.
+One owner per part: this class reads config.pbtxt and starts the engine's front door
+(`client.make_client`: the engine in a child process of the stub, or on a thread with
+ENGINE_PROCESS "false") and the responder (`initialize`); parses each request, registers it with
+the responder and hands it to the client, which checks it once (`execute`: a bad request gets one
+INVALID_ARGUMENT error flagged FINAL); aborts, drains and closes (`finalize`). `responder.Responder`
+owns every response; `client.EngineClient` validation, the engine, text and stop strings.
 
-A tensor-parallel worker or the engine process that dies (`EngineClient.failed`) is fatal: every
-live request and every later one ends with one UNAVAILABLE error carrying the message ("... exited
-(signal 9, SIGKILL); the model must be reloaded"). The model stays loaded and "ready" (this
-Triton, 2.51, has no per-instance health check) but fails every request at once. With
-UNLOAD_ON_FATAL_ERROR "true" (only for servers started with `--model-control-mode=explicit`) the
-model also asks Triton to unload it (`pb_utils.unload_model`), so `v2/models/<name>/ready` turns
-false while the server and its other models keep serving. Not by default: outside explicit mode
-that call aborted the whole tritonserver 2.51 process (boost::interprocess::lock_exception in
-libtriton_python.so when the next request arrived).
+A dead tensor-parallel worker or engine process (`EngineClient.failed`) is fatal: every live and
+later request ends with one UNAVAILABLE error naming it; the model stays "ready" (Triton 2.51 has
+no per-instance health check) unless UNLOAD_ON_FATAL_ERROR "true" makes it unload itself
+(`pb_utils.unload_model`; only with `--model-control-mode=explicit`: in other modes that call
+aborted tritonserver 2.51, a boost::interprocess::lock_exception in libtriton_python.so).
 
-Settings: engine settings from config.pbtxt `parameters` (`EngineConfig.from_parameters`,
-`model_path` relative to the model's folder); the adapter's own (`protocol.ADAPTER_PARAMETERS`,
-each in the README's settings table): REPORT_CUSTOM_METRICS, LOG_REQUESTS, UNLOAD_ON_FATAL_ERROR,
-INTRA_OP_THREAD_COUNT ("auto": `client.default_torch_threads`), ENGINE_PROCESS, STREAM_INTERVAL
-(N > 1: after a request's first streamed response each carries at least N tokens, as SGLang's
-`stream_interval`), RESPONSE_SENDER_THREADS, ENABLE_VLLM_HEALTH_CHECK (accepted; a logged note).
+Settings: engine ones from config.pbtxt `parameters` (`EngineConfig.from_parameters`,
+`model_path` relative to the model's folder); the adapter's own are `protocol.ADAPTER_PARAMETERS`,
+each in the README's settings table.
 """
 
 from __future__ import annotations
@@ -213,7 +202,8 @@ class TritonPythonModel:
             return
         prefix = self._prompt_text(parsed.request) if parsed.options.echo else ""
         # registered first: the response may follow at once
-        live = self.responder.register(rid, sender, parsed.options, number, prefix)
+        live = self.responder.register(rid, sender, parsed.options, number, prefix,
+                                       parsed.request.sampling_params)
         try:
             self.client.add_request(parsed.request)
         except Exception as e:  # noqa: BLE001

@@ -186,6 +186,7 @@ def _append(acc: RequestOutput, out: RequestOutput) -> RequestOutput:
     acc.finished, acc.finish_reason, acc.error = out.finished, out.finish_reason, out.error
     acc.num_input_tokens, acc.num_output_tokens = out.num_input_tokens, out.num_output_tokens
     acc.cached_tokens, acc.cumulative_logprob = out.cached_tokens, out.cumulative_logprob
+    acc.first_token_time, acc.last_token_time = out.first_token_time, out.last_token_time
     return acc
 
 

@@ -289,7 +289,9 @@ def test_outputs_cross_the_pipe_field_for_field():
     outs = [RequestOutput(rid="a", new_token_ids=[5, 6], new_text="xy", finished=True,
                           finish_reason=FinishReason.STOP, num_input_tokens=3,
                           num_output_tokens=7, cached_tokens=2, new_logprobs=[{5: -0.5}],
-                          new_token_logprobs=[-0.5], cumulative_logprob=-1.25, error="boom"),
+                          new_token_logprobs=[-0.5], cumulative_logprob=-1.25, error="boom",
+                          first_token_time=1.5, last_token_time=2.5, invalid_request=True,
+                          index=3),
             RequestOutput(rid="b", new_token_ids=[], new_text="", finished=False)]
     defaults = RequestOutput(rid="", new_token_ids=[], new_text="", finished=False)
     for f in dataclasses.fields(RequestOutput):

@@ -4,11 +4,15 @@ A real tritonserver serves two copies of `model_repository/deepseek-v2-tiny` (sm
 `deepseek-v2-tiny` with the repository defaults plus `LOG_REQUESTS` "true", and
 `deepseek-v2-tiny-quiet` with `REPORT_CUSTOM_METRICS` "false" (and the default `LOG_REQUESTS`).
 Requests go through HTTP generate and gRPC streaming; the metrics are read from the server's
-metrics port (`/metrics`, Prometheus text) and compared with what the responses reported.
+metrics port (`/metrics`, Prometheus text) and compared with what the responses reported, and
+with the client's own clock (time per output token: one observation per token gap; TTFT apart
+from e2e for non-streaming requests). Counters and histograms are read right after a request's
+last response, without waiting: they must already include it.
 """
 
 from __future__ import annotations
 
+import queue
 import re
 import time
 
@@ -17,7 +21,9 @@ import requests
 
 from mla_tools.tritonserver import TritonServer
 
-from test_triton_e2e import Stream, grpc_inputs, scalar
+import tritonclient.grpc as grpcclient
+
+from test_triton_e2e import Stream, grpc_inputs, is_final, scalar
 from serving_helpers import read_metrics, series, write_model
 
 pytestmark = pytest.mark.e2e
@@ -52,7 +58,7 @@ def http_generate(server, model: str, prompt: str, max_tokens: int) -> dict:
 def test_custom_metrics_match_the_responses(server):
     base = read_metrics(server)
     assert series(base, "vllm:prompt_tokens_total", DSV2) in (None, 0.0)
-    prompt_sum = gen_sum = cached_sum = 0
+    prompt_sum = gen_sum = cached_sum = max_tokens_sum = 0
     n_requests = 0
     for prompt, max_tokens in [(REPEATED, 6), ("One, two, three,", 1), (REPEATED, 6),
                                ("The sky is", 9)]:
@@ -61,6 +67,7 @@ def test_custom_metrics_match_the_responses(server):
         prompt_sum += data["num_input_tokens"]
         gen_sum += data["num_output_tokens"]
         cached_sum += data["cached_tokens"]
+        max_tokens_sum += max_tokens
         n_requests += 1
     s = Stream(server.grpc_url)  # streaming: tokens counted over several responses
     try:
@@ -76,6 +83,7 @@ def test_custom_metrics_match_the_responses(server):
     prompt_sum += scalar(results[0], "num_input_tokens")
     gen_sum += sum(scalar(r, "num_output_tokens") for r in results)
     cached_sum += scalar(results[-1], "cached_tokens")
+    max_tokens_sum += 7
     n_requests += 1
     assert cached_sum > 0  # the repeated prompt was served from the radix cache
 
@@ -94,13 +102,17 @@ def test_custom_metrics_match_the_responses(server):
     assert series(m, "vllm:generation_tokens_total", DSV2) == gen_sum
     assert series(m, "mla_backend:prefix_cache_hit_tokens_total", DSV2) == cached_sum
     for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
-                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+                 "vllm:request_params_n", "vllm:request_params_max_tokens"):
         assert series(m, f"{name}_count", DSV2) == n_requests, name
         assert series(m, f"{name}_bucket", DSV2, le="+Inf") == n_requests, name
-    # TPOT only for requests with more than one output token (all but the max_tokens=1 one).
-    assert series(m, "vllm:time_per_output_token_seconds_count", DSV2) == n_requests - 1
+    # one time-per-output-token observation per token after each request's first
+    assert series(m, "vllm:time_per_output_token_seconds_count", DSV2) == gen_sum - n_requests
     assert series(m, "vllm:request_prompt_tokens_sum", DSV2) == prompt_sum
     assert series(m, "vllm:request_generation_tokens_sum", DSV2) == gen_sum
+    assert series(m, "vllm:request_params_max_tokens_sum", DSV2) == max_tokens_sum
+    assert series(m, "vllm:request_params_n_sum", DSV2) == n_requests  # n = 1 each
+    assert series(m, "vllm:request_params_n_bucket", DSV2, le="1") == n_requests
     ttft_sum = series(m, "vllm:time_to_first_token_seconds_sum", DSV2)
     e2e_sum = series(m, "vllm:e2e_request_latency_seconds_sum", DSV2)
     assert 0 < ttft_sum < e2e_sum
@@ -110,6 +122,84 @@ def test_custom_metrics_match_the_responses(server):
     assert series(m, "mla_backend:num_requests_waiting", DSV2) == 0
     assert series(m, "mla_backend:kv_cache_usage_ratio", DSV2) == 0
     assert series(m, "mla_backend:num_retractions_total", DSV2) == 0
+
+
+def delta(after: dict, before: dict, name: str) -> float:
+    """`name`'s growth for DSV2 between two readings (an absent series counts as 0)."""
+    return (series(after, name, DSV2) or 0.0) - (series(before, name, DSV2) or 0.0)
+
+
+TPOT, TTFT, E2E = ("vllm:time_per_output_token_seconds", "vllm:time_to_first_token_seconds",
+                   "vllm:e2e_request_latency_seconds")
+
+
+def test_streaming_request_one_tpot_per_token_gap_read_at_once(server):
+    """A streaming request of N tokens adds N - 1 time-per-output-token observations summing to
+    its decode time; everything is in /metrics as soon as its last response arrived."""
+    n = 12
+    before = read_metrics(server)
+    arrivals: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(
+        callback=lambda result, error: arrivals.put((time.monotonic(), result, error)))
+    try:
+        client.async_stream_infer(
+            DSV2, grpc_inputs(prompt="The sky is", sampling={
+                "max_tokens": n, "min_tokens": n, "ignore_eos": True, "temperature": 0},
+                return_num_input_tokens=True, return_num_output_tokens=True),
+            request_id="tpot", enable_empty_final_response=True)
+        got = []
+        while True:
+            t, r, e = arrivals.get(timeout=TIMEOUT)
+            assert e is None, e
+            got.append((t, r))
+            if is_final(r):
+                break
+        after = read_metrics(server)  # at once: no sleep, no polling
+    finally:
+        client.stop_stream()
+        client.close()
+    tokens = [scalar(r, "num_output_tokens") for _, r in got]
+    assert sum(tokens) == n
+    client_span = got[-1][0] - got[0][0]  # the client's first → last response, s
+    assert delta(after, before, f"{TPOT}_count") == n - 1
+    tpot_sum = delta(after, before, f"{TPOT}_sum")
+    # ≈ the engine's first → last token time, which the client sees shifted by the delivery
+    # of its first and last responses: allow 50 ms of jitter either way (and half the span
+    # below, for a loaded machine); a per-request average would be span / (n - 1)
+    assert max(0.0, 0.5 * client_span - 0.05) < tpot_sum <= client_span + 0.05, \
+        (tpot_sum, client_span, tokens)
+    assert delta(after, before, "vllm:generation_tokens_total") == n
+    assert delta(after, before, "vllm:prompt_tokens_total") == scalar(got[0][1],
+                                                                      "num_input_tokens")
+    assert delta(after, before, f"{TTFT}_count") == 1
+    assert delta(after, before, f"{E2E}_count") == 1
+    assert delta(after, before, "vllm:request_generation_tokens_sum") == n
+    assert delta(after, before, "vllm:request_params_max_tokens_count") == 1
+    assert delta(after, before, "vllm:request_params_max_tokens_sum") == n
+    assert delta(after, before, "vllm:request_params_n_sum") == 1
+
+
+def test_non_streaming_ttft_is_engine_time_read_at_once(server):
+    """A non-streaming request's TTFT is arrival → the engine's first token, not its e2e; its
+    metrics are in /metrics as soon as its response arrived."""
+    before = read_metrics(server)
+    t0 = time.monotonic()
+    data = http_generate(server, DSV2, "One, two, three,", 10)
+    took = time.monotonic() - t0
+    after = read_metrics(server)  # at once: no sleep, no polling
+    assert data["num_output_tokens"] == 10
+    assert delta(after, before, f"{TTFT}_count") == 1
+    assert delta(after, before, f"{E2E}_count") == 1
+    ttft, e2e = delta(after, before, f"{TTFT}_sum"), delta(after, before, f"{E2E}_sum")
+    tpot = delta(after, before, f"{TPOT}_sum")
+    assert 0 < ttft < e2e <= took, (ttft, e2e, took)
+    assert delta(after, before, f"{TPOT}_count") == 9
+    assert 0 < tpot < e2e and ttft + tpot <= e2e + 1e-3, (ttft, tpot, e2e)
+    assert delta(after, before, "vllm:generation_tokens_total") == 10
+    assert delta(after, before, "vllm:prompt_tokens_total") == data["num_input_tokens"]
+    assert delta(after, before, "vllm:request_params_max_tokens_sum") == 10
+    assert delta(after, before, "vllm:request_params_max_tokens_count") == 1
 
 
 def test_kv_usage_gauge_while_running(server):

@@ -1,0 +1,142 @@
+"""Structured outputs against free generation, in one run (issue 43's benchmark).
+
+    PYTHONPATH=. python3 benchmarks/bench_structured.py --model deepseek-v2-lite \
+        --tokenizer-dir TOK [--batches 64 1024] [--quantization fp8 --kv-cache-dtype fp8_e4m3]
+
+The engine in this process (`bench_suite.run_requests`: `Engine.step` and an `OutputProcessor`),
+random weights of the model's shape (`mla_tools.model_shapes`). For each batch size B, B
+requests are sent at once, twice: constrained by a JSON schema of `SCHEMA_FIELDS` fields (greedy,
+`max_tokens` 512: a request ends when its JSON is complete), then free (greedy, `ignore_eos`, each
+with as many tokens as its constrained twin gave), so both runs produce the same tokens per
+request. Prompts: random ids of ShareGPT prompt lengths. Prints output tok/s of both and their
+ratio (target: constrained ≥ 90% of free), and the schema's compile time cold (a new compiler)
+and cached (the same text again). `--device cpu --shape-overrides ...` smoke-tests the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_suite as bs  # noqa: E402
+from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
+
+from mla_backend.constrained.grammar import GrammarCompiler  # noqa: E402
+from mla_backend.constrained.spec import parse_structured_outputs  # noqa: E402
+from mla_backend.request import SamplingParams  # noqa: E402
+from mla_tools.model_shapes import SHAPES, write_shape_model  # noqa: E402
+
+SCHEMA_FIELDS = 10
+# ~10 fields of the kinds an API response has; strings bounded so random weights end them
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 1000000},
+        "name": {"type": "string", "maxLength": 24},
+        "email": {"type": "string", "maxLength": 32},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "active": {"type": "boolean"},
+        "score": {"type": "integer", "minimum": -1000, "maximum": 1000},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "city": {"type": "string", "maxLength": 16},
+        "notes": {"type": ["string", "null"], "maxLength": 24},
+    },
+    "required": ["id", "name", "email", "age", "active", "score", "role", "tags", "city",
+                 "notes"],
+}
+assert len(SCHEMA["properties"]) == SCHEMA_FIELDS
+
+
+def compile_times(eng, repeats: int = 3) -> tuple[float, float]:
+    """(cold s, cached s): the schema compiled by a new compiler, then submitted again."""
+    spec = parse_structured_outputs({"json": SCHEMA})
+    cold, cached = [], []
+    for _ in range(repeats):
+        compiler = GrammarCompiler(eng.tokenizer, eng.vocab_size,
+                                   stop_token_ids=eng._grammar_stop_ids())
+        t = time.perf_counter()
+        compiler.compile(spec)
+        cold.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        compiler.compile(spec)
+        cached.append(time.perf_counter() - t)
+        compiler.shutdown()
+    return min(cold), min(cached)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=SHAPES, required=True)
+    ap.add_argument("--tokenizer-dir", required=True)
+    ap.add_argument("--lengths", default=str(DEFAULT_PATH))
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 1024])
+    ap.add_argument("--graph-max-bs", type=int, default=1024)
+    ap.add_argument("--quantization", default="", choices=["", "fp8"])
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    choices=["auto", "fp8_e4m3", "fp8_e5m2"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON results file")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--shape-overrides", default="{}")
+    args = ap.parse_args()
+    bs.DEVICE = args.device
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_structured.py needs a CUDA GPU (or --device cpu for a smoke test)")
+    bs.ENGINE_SETTINGS.update(quantization=args.quantization,
+                              kv_cache_dtype=args.kv_cache_dtype)
+    with tempfile.TemporaryDirectory(prefix="bench_structured_") as workdir:
+        model_dir = write_shape_model(os.path.join(workdir, args.model), args.model,
+                                      args.tokenizer_dir, **json.loads(args.shape_overrides))
+        run(args, model_dir)
+
+
+def run(args: argparse.Namespace, model_dir: str) -> None:
+    most = max(args.batches)
+    settings = {"max_running_requests": most}
+    if args.device == "cuda":
+        settings["cuda_graph_max_bs"] = min(args.graph_max_bs, most)
+    eng = bs.make_engine(model_dir, **settings)
+    cold, cached = compile_times(eng)
+    bs.log(f"schema compile: cold {cold * 1e3:.1f} ms, cached {cached * 1e6:.0f} µs")
+    vocab = eng.vocab_size
+    pairs = load_length_pairs(args.lengths, most, seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [bs.random_prompt(gen, p, vocab) for p, _ in pairs]
+    bs.warm_up(eng, prompts)
+    rows, results = [], {"date": time.strftime("%Y-%m-%d"), "schema_fields": SCHEMA_FIELDS,
+                         "compile_cold_s": cold, "compile_cached_s": cached, "batches": {}}
+    for b in args.batches:
+        constrained = [SamplingParams.from_dict(
+            {"temperature": 0, "max_tokens": 512, "structured_outputs": {"json": SCHEMA}})] * b
+        bs.run_requests(eng, prompts[:min(b, 64)], [8] * min(b, 64),
+                        sampling=constrained[:min(b, 64)])  # the grammar path warmed up
+        con = bs.run_requests(eng, prompts[:b], [0] * b, sampling=constrained)
+        free = bs.run_requests(eng, prompts[:b], con["tokens"])
+        if con["errors"] or free["errors"]:
+            raise RuntimeError(f"errors: constrained {con['errors']}, free {free['errors']}")
+        c_tps = con["output_tokens"] / con["seconds"]
+        f_tps = free["output_tokens"] / free["seconds"]
+        rows.append([b, con["output_tokens"] / b, round(f_tps), round(c_tps),
+                     f"{100 * c_tps / f_tps:.1f}%"])
+        results["batches"][b] = {"tokens_per_request": con["output_tokens"] / b,
+                                 "free_tok_s": f_tps, "constrained_tok_s": c_tps}
+    bs.table(f"JSON schema ({SCHEMA_FIELDS} fields) vs free, {args.model}"
+             f"{' ' + args.quantization if args.quantization else ''}, greedy, {args.device}",
+             ["batch", "tokens per request", "free tok/s", "constrained tok/s",
+              "constrained / free"], rows)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""GrammarCompiler, GrammarState and the bitmask helpers on SmolLM2's real tokenizer.
+
+Decodes run over random logits (one seeded row per position) masked by the grammar: whatever
+the logits pick, the output must satisfy the constraint (jsonschema / re.fullmatch / choices).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import wait
+
+import jsonschema
+import pytest
+import torch
+from constrained_helpers import PERSON, _settings, decode, regexes, schemas, text_of
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from mla_backend.constrained.grammar import (
+    GrammarCompiler,
+    GrammarState,
+    allocate_bitmask,
+    apply_bitmask,
+    apply_bitmask_reference,
+    choice_ebnf,
+    unpack_bitmask,
+)
+from mla_backend.constrained.spec import StructuredOutputSpec, parse_structured_outputs
+
+
+
+def _spec(**kw) -> StructuredOutputSpec:
+    return parse_structured_outputs(kw)
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _allowed(state: GrammarState) -> torch.Tensor:
+    bm = allocate_bitmask(1, state.vocab_size)
+    state.fill_bitmask(bm, 0)
+    return unpack_bitmask(bm, state.vocab_size)[0]  # [vocab] bool
+
+
+def test_valid_json_drives_the_matcher_to_the_end(compiler, tokenizer) -> None:
+    state = compiler.new_state(compiler.compile(_spec(json=PERSON)))
+    eos = tokenizer.eos_token_id
+    assert not state.accept_token(eos)  # no stop before a complete match
+    for tid in _ids(tokenizer, '{"name": "Bob", "age": 42, "ok": true}'):
+        assert not state.is_completed()
+        assert state.accept_token(tid)
+    assert state.is_completed() and not state.is_terminated()
+    assert _allowed(state).nonzero().flatten().tolist() == [eos]  # nothing but EOS may follow
+    assert state.accept_token(eos) and state.is_terminated()
+    with pytest.raises(RuntimeError, match="terminated"):
+        state.fill_bitmask(allocate_bitmask(1, state.vocab_size), 0)
+
+
+def test_invalid_token_is_rejected_and_leaves_the_state(compiler, tokenizer) -> None:
+    state = compiler.new_state(compiler.compile(_spec(json=PERSON)))
+    before = _allowed(state)
+    for bad in ("[", " hello", "}", '"name'):  # the object must open with `{`
+        assert not state.accept_token(_ids(tokenizer, bad)[0])
+    assert state.num_tokens == 0 and torch.equal(_allowed(state), before)
+    for tid in _ids(tokenizer, '{"name": "Al", "age": '):
+        assert state.accept_token(tid)
+    before = _allowed(state)
+    assert not state.accept_token(_ids(tokenizer, "x")[0])  # a digit must come
+    assert torch.equal(_allowed(state), before)
+    # accept_token agrees with the mask, token by token
+    gen = torch.Generator().manual_seed(0)
+    sample = torch.cat([before.nonzero().flatten(),
+                        torch.randint(0, compiler.vocab_size, (200,), generator=gen)])
+    for tid in sample.tolist():
+        assert state.fork().accept_token(tid) == bool(before[tid]), tid
+
+
+def test_rollback_restores_the_mask(compiler, tokenizer) -> None:
+    state = compiler.new_state(compiler.compile(_spec(json=PERSON)))
+    ids = _ids(tokenizer, '{"name": "Al", "age": 7')
+    masks = []
+    for tid in ids:
+        masks.append(_allowed(state))
+        assert state.accept_token(tid)
+    state.rollback(3)
+    assert torch.equal(_allowed(state), masks[-3]) and state.num_tokens == len(ids) - 3
+    with pytest.raises(ValueError, match="only"):
+        state.rollback(len(ids))
+    fork = state.fork()
+    assert fork.accept_token(ids[-3]) and fork.num_tokens == state.num_tokens + 1
+    assert torch.equal(_allowed(state), masks[-3])  # the fork is independent
+
+
+def test_special_tokens_and_padding_are_never_allowed(tokenizer) -> None:
+    vocab = len(tokenizer) + 40  # an LM head padded past the tokenizer
+    comp = GrammarCompiler(tokenizer, vocab, stop_token_ids=[tokenizer.eos_token_id])
+    try:
+        state = comp.new_state(comp.compile(_spec(regex="(.|\n){0,50}")))
+        allowed = _allowed(state)
+        assert allowed.shape == (vocab,) and not allowed[len(tokenizer):].any()
+        special = set(tokenizer.all_special_ids) | {
+            i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        assert not allowed[sorted(special - {tokenizer.eos_token_id})].any()
+        assert allowed[tokenizer.eos_token_id]  # complete (the empty string matches)
+        assert allowed.sum() > 40_000
+        assert not state.accept_token(tokenizer.convert_tokens_to_ids("<|im_start|>"))
+    finally:
+        comp.shutdown()
+
+
+def test_request_stop_tokens_override(compiler, tokenizer) -> None:
+    other = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    state = compiler.new_state(compiler.compile(_spec(choice=["a"])), stop_token_ids=[other])
+    assert state.stop_token_ids == [other]
+    assert state.accept_token(_ids(tokenizer, "a")[0])
+    assert _allowed(state).nonzero().flatten().tolist() == [other]
+
+
+# --- bitmasks
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("extra", [0, 1, 77])  # logits wider than the vocabulary
+def test_apply_bitmask_rows_only(dtype, extra) -> None:
+    gen = torch.Generator().manual_seed(extra)
+    batch, vocab = 5, 1000 + 3
+    bitmask = torch.randint(-2**31, 2**31 - 1, (batch, (vocab + 31) // 32), dtype=torch.int32,
+                            generator=gen)
+    logits = torch.randn(batch, vocab + extra, generator=gen).to(dtype)
+    rows = [3, 0]
+    out = logits.clone()
+    apply_bitmask(out, bitmask, rows, vocab_size=vocab)
+    ref = logits.clone()
+    apply_bitmask_reference(ref, bitmask, rows, vocab_size=vocab)
+    assert torch.equal(out, ref)
+    allowed = unpack_bitmask(bitmask, vocab + extra, vocab)
+    for r in range(batch):
+        if r in rows:
+            assert torch.equal(torch.isfinite(out[r]), allowed[r])
+            assert torch.equal(out[r][allowed[r]], logits[r][allowed[r]])
+            assert torch.isneginf(out[r, vocab:]).all()
+        else:
+            assert torch.equal(out[r], logits[r])
+    same = logits.clone()
+    apply_bitmask(same, bitmask, [], vocab_size=vocab)
+    assert torch.equal(same, logits)
+    everything = logits.clone()
+    apply_bitmask(everything, bitmask, vocab_size=vocab)
+    ref = logits.clone()
+    apply_bitmask_reference(ref, bitmask, vocab_size=vocab)
+    assert torch.equal(everything, ref)
+
+
+def test_apply_bitmask_takes_a_strided_bitmask() -> None:
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randint(-2**31, 2**31 - 1, (4, 40), dtype=torch.int32, generator=gen)
+    bitmask = wide[:, :32]  # rows of 32 words (1024 tokens) with a stride of 40
+    logits = torch.randn(4, 1024, generator=gen)
+    ref = logits.clone()
+    apply_bitmask(logits, bitmask, [0, 2])
+    apply_bitmask_reference(ref, bitmask, [0, 2])
+    assert torch.equal(logits, ref)
+
+
+def test_apply_bitmask_checks_rows() -> None:
+    logits, bitmask = torch.zeros(2, 64), allocate_bitmask(2, 64)
+    for rows in ([2], [-1]):
+        with pytest.raises(IndexError, match="do not cover"):
+            apply_bitmask(logits, bitmask, rows)
+    with pytest.raises(IndexError):
+        apply_bitmask(torch.zeros(3, 64), bitmask)
+
+
+def test_apply_bitmask_from_a_grammar(compiler, tokenizer) -> None:
+    vocab = compiler.vocab_size
+    bitmask = allocate_bitmask(3, vocab)
+    assert bitmask.shape == (3, (vocab + 31) // 32) and bitmask.dtype == torch.int32
+    state = compiler.new_state(compiler.compile(_spec(regex="[0-9]{2}")))
+    assert state.fill_bitmask(bitmask, 1)  # True: the row restricts something
+    logits = torch.randn(3, vocab + 64)
+    orig = logits.clone()
+    apply_bitmask(logits, bitmask, [1], vocab_size=vocab)
+    finite = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+    assert finite and all(re.fullmatch("[0-9]{1,2}", tokenizer.decode([t])) for t in finite)
+    assert torch.equal(logits[0], orig[0]) and torch.equal(logits[2], orig[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_bitmask_cuda_matches_reference(dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab = 50_000
+    bitmask = torch.randint(-2**31, 2**31 - 1, (8, (vocab + 31) // 32), dtype=torch.int32,
+                            generator=gen)
+    logits = torch.randn(8, vocab + 100, generator=gen).to(dtype).cuda()
+    ref = logits.clone()
+    apply_bitmask(logits, bitmask, [1, 6, 2], vocab_size=vocab)  # bitmask copied to the GPU
+    apply_bitmask_reference(ref, bitmask.cuda(), [1, 6, 2], vocab_size=vocab)
+    assert torch.equal(logits, ref)
+
+
+# --- random decodes satisfy the constraint
+
+@settings(_settings, max_examples=12)
+@given(schema=schemas, seed=st.integers(0, 2**20))
+def test_random_decode_matches_the_schema(compiler, schema, seed) -> None:
+    state = compiler.new_state(compiler.compile(_spec(json=schema)))
+    ids, _ = decode(state, seed, max_steps=400)
+    assert state.is_terminated(), (schema, ids)
+    text = text_of(ids, compiler.token_bytes, compiler.stop_token_ids)
+    # strict=False: xgrammar lets length-bounded strings hold raw control characters (below)
+    jsonschema.validate(json.loads(text, strict=False), schema)
+
+
+@pytest.mark.xfail(strict=True, reason="xgrammar 0.2.9: a string with minLength/maxLength admits "
+                   "raw U+0000-U+001F (not CR/LF) and no escapes (mlc-ai/xgrammar#800)")
+def test_bounded_string_refuses_raw_control_characters(compiler) -> None:
+    state = compiler.new_state(compiler.compile(_spec(json={"type": "string", "maxLength": 4})))
+    assert not state._matcher.accept_string('"a\x18"')
+
+
+@pytest.mark.xfail(strict=True, reason="xgrammar 0.2.9: negated character classes (JSON "
+                   "strings, [^a]) match UTF-8-encoded surrogates U+D800-U+DFFF (invalid UTF-8)")
+def test_strings_refuse_encoded_surrogates(compiler) -> None:
+    state = compiler.new_state(compiler.compile(_spec(json={"type": "string"})))
+    assert not state._matcher.accept_string(b'"\xed\xa0\x80"')
+
+
+@pytest.mark.xfail(strict=True, reason="xgrammar 0.2.9: with a pattern, minLength/maxLength of "
+                   "the same string are not enforced")
+def test_pattern_and_max_length_together(compiler) -> None:
+    state = compiler.new_state(compiler.compile(
+        _spec(json={"type": "string", "pattern": "^[a-z]+$", "maxLength": 2})))
+    assert not state._matcher.accept_string('"abc"')
+
+
+@settings(_settings, max_examples=15)
+@given(regex=regexes, seed=st.integers(0, 2**20))
+def test_random_decode_fullmatches_the_regex(compiler, regex, seed) -> None:
+    state = compiler.new_state(compiler.compile(_spec(regex=regex)))
+    ids, _ = decode(state, seed, max_steps=200)
+    assert state.is_terminated(), (regex, ids)
+    text = text_of(ids, compiler.token_bytes, compiler.stop_token_ids)
+    assert re.fullmatch(regex, text), (regex, text)
+
+
+def test_eos_is_allowed_exactly_when_the_match_is_complete(compiler, tokenizer) -> None:
+    eos = tokenizer.eos_token_id
+    for seed in range(3):
+        state = compiler.new_state(compiler.compile(_spec(regex="(ab|a){1,3}c?")))
+        bm = allocate_bitmask(1, state.vocab_size)
+        while not state.is_terminated():
+            state.fill_bitmask(bm, 0)
+            assert bool(unpack_bitmask(bm, state.vocab_size)[0, eos]) == state.is_completed()
+            logits = torch.randn(1, state.vocab_size,
+                                 generator=torch.Generator().manual_seed(seed))
+            apply_bitmask(logits, bm)
+            assert state.accept_token(int(logits.argmax()))
+
+
+@settings(_settings, max_examples=20)
+@given(choices=st.lists(st.text(min_size=0, max_size=6), min_size=1, max_size=4),
+       seed=st.integers(0, 2**20))
+def test_choice_returns_one_of_the_choices(compiler, choices, seed) -> None:
+    assume(all(b in _spellable_bytes(compiler) for c in choices for b in c.encode()))
+    spec = _spec(choice=choices)
+    state = compiler.new_state(compiler.compile(spec))
+    ids, _ = decode(state, seed, max_steps=100)
+    assert state.is_terminated()
+    assert text_of(ids, compiler.token_bytes, compiler.stop_token_ids) in choices
+    for c in choices:  # and each choice is in the language
+        s = compiler.new_state(compiler.compile(spec))
+        assert s._matcher.accept_string(c.encode("utf-8")) and s.is_completed(), c
+
+
+def _spellable_bytes(compiler) -> set[int]:
+    return {b[0] for b in compiler.token_bytes if len(b) == 1}
+
+
+def test_unspellable_choice_is_a_dead_end(compiler) -> None:
+    """SmolLM2's vocabulary has no token starting with byte 0xF1 (U+40000..U+7FFFF): the mask
+    allows nothing, which the engine must turn into an error."""
+    assert 0xF1 not in _spellable_bytes(compiler)
+    state = compiler.new_state(compiler.compile(_spec(choice=["\U00040000"])))
+    bm = allocate_bitmask(1, state.vocab_size)
+    state.fill_bitmask(bm, 0)
+    assert not bm.any()
+
+
+def test_choice_ebnf_escapes() -> None:
+    assert choice_ebnf(["a", 'b"c', "d\\e", "x\ny", "a"]) == \
+        'root ::= "a" | "b\\"c" | "d\\\\e" | "x\\u000Ay"'
+
+
+def test_json_object_grammar_and_lark(compiler) -> None:
+    obj = compiler.new_state(compiler.compile(_spec(json_object=True)))
+    assert obj._matcher.accept_string('{"a": [1, {"b": null}], "c": "d"}')
+    assert obj.is_completed()
+    arr = compiler.new_state(compiler.compile(_spec(json_object=True)))
+    assert not arr._matcher.accept_string("[1]")
+    for grammar in ('root ::= "x" [0-9]+', 'start: "x" DIGITS\nDIGITS: /[0-9]+/'):
+        state = compiler.new_state(compiler.compile(_spec(grammar=grammar)))
+        assert state._matcher.accept_string("x12") and state.is_completed()
+
+
+# --- the compiler: cache, errors, threads
+
+def test_cache_hit_returns_the_same_compiled_grammar(compiler) -> None:
+    spec = _spec(json={**PERSON, "title": "cache test"})
+    hits = compiler.hits
+    t0 = time.perf_counter()
+    first = compiler.compile(spec)
+    t1 = time.perf_counter()
+    again = compiler.submit(StructuredOutputSpec(spec.kind, spec.text))
+    assert again.done()  # no waiting at all
+    assert again.result() is first and compiler.hits == hits + 1
+    assert time.perf_counter() - t1 < max(0.01, (t1 - t0) / 2)
+
+
+def test_concurrent_submits_compile_once(compiler) -> None:
+    spec = _spec(regex="[a-f]{3}x(y|z){0,4}")
+    misses = compiler.misses
+    futs = [compiler.submit(spec) for _ in range(8)]
+    wait(futs, timeout=30)
+    assert len({id(f.result()) for f in futs}) == 1 and compiler.misses == misses + 1
+    others = [compiler.submit(_spec(choice=[f"v{i}", f"w{i}"])) for i in range(6)]
+    assert all(f.result(timeout=30) is not None for f in others)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"json": {"type": "nonsense"}}, r"structured_outputs\.json: invalid JSON schema: .*nonsense"),
+    ({"json": {"type": "object", "properties": 3}}, r"structured_outputs\.json: invalid JSON"),
+    ({"json": {"$ref": "#/defs/x"}}, r"structured_outputs\.json: invalid JSON schema"),
+    ({"regex": "a(b"}, r"structured_outputs\.regex: invalid regex: .*parenthesis"),
+    ({"regex": "(?=a)a"}, r"structured_outputs\.regex: invalid regex: .*Lookahead"),
+    ({"grammar": "root ::= foo"}, r"structured_outputs\.grammar: invalid grammar: .*foo"),
+    ({"grammar": 'start ::= "a"'}, r"structured_outputs\.grammar: invalid grammar: .*root"),
+    ({"grammar": "start: foo"}, r"structured_outputs\.grammar: invalid grammar: .*foo"),
+])
+def test_bad_constraint_is_a_value_error_from_the_future(compiler, kw, match) -> None:
+    before = compiler.cache_len()
+    fut = compiler.submit(_spec(**kw))
+    with pytest.raises(ValueError, match=match) as err:
+        fut.result(timeout=30)
+    assert "/project/" not in str(err.value) and "Check failed" not in str(err.value)
+    assert compiler.cache_len() == before  # failures are not kept
+
+
+def test_cache_is_bounded(tokenizer) -> None:
+    comp = GrammarCompiler(tokenizer, len(tokenizer), cache_size=3)
+    try:
+        first = comp.compile(_spec(choice=["0"]))
+        for i in range(1, 6):
+            comp.compile(_spec(choice=[str(i)]))
+        assert comp.cache_len() == 3
+        assert comp.compile(_spec(choice=["0"])) is not first  # evicted, compiled again
+    finally:
+        comp.shutdown()
