@@ -301,7 +301,9 @@ class Responder:
         """One response per request with `n` > 1 that got increments this round, with one
         element per completion (`protocol.build_sequence_outputs`; a completion without news
         gets an empty delta and keeps its finish state), flagged FINAL once every completion
-        has ended. A non-streaming request gets one response, when the last one ends."""
+        has ended. A non-streaming request gets one response, when the last one ends; with
+        STREAM_INTERVAL N > 1, after the first streamed response one goes out once a completion
+        has N tokens pending or has ended."""
         gathered, self._gathered = self._gathered, {}
         for rid, live in gathered.items():
             latest = live.latest
@@ -310,6 +312,10 @@ class Responder:
             done = sum(1 for out in latest.values() if out.finished) == live.n
             if not (live.options.stream or done):
                 continue
+            if not done and live.streamed and self._stream_interval > 1 and not any(
+                    out.finished or len(out.new_token_ids) >= self._stream_interval
+                    for out in live.pending.values()):
+                continue  # (kept in `pending`: later increments merge into them)
             outs = [live.pending.get(i) or _no_news(latest.get(i), rid) for i in range(live.n)]
             live.pending = {}
             with self._lock:
@@ -322,6 +328,7 @@ class Responder:
             response = pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor(name, arr) for name, arr in tensors.items()])
             self._queue_send(live, response, _FINAL if done else 0)
+            live.streamed = live.streamed or any(out.new_token_ids for out in outs)
 
     def _hold(self, out: RequestOutput, live: _Live) -> bool:
         """Keep this unfinished increment for the next response: it has no text yet, or (with

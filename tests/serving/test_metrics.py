@@ -97,9 +97,11 @@ class FakeSender:
     def __init__(self, pb: FakePb, rid: str) -> None:
         self.pb, self.rid = pb, rid
         self.finals = threading.Event()
+        self.responses: list[tuple] = []  # (response, flags)
 
     def send(self, response, flags=0):
         self.pb.events.append(("send", self.rid, flags))
+        self.responses.append((response, flags))
         if flags:
             self.finals.set()
 
@@ -272,22 +274,25 @@ def fake_pb(monkeypatch):
 
 
 class Harness:
-    def __init__(self, pb: FakePb, responder_module) -> None:
+    def __init__(self, pb: FakePb, responder_module, stream_interval: int = 1) -> None:
         self.pb = pb
         self.client = FakeClient()
         self.logger = Logger()
         self.metrics = MetricsRecorder(pb, "m", "1", max_model_len=512)
         self.responder = responder_module.Responder(
-            self.client, self.logger, "m", self.metrics, num_senders=2, stream_interval=1,
+            self.client, self.logger, "m", self.metrics, num_senders=2,
+            stream_interval=stream_interval,
             log_requests=True, on_fatal=lambda message: None)
         self.senders: dict[str, FakeSender] = {}
         self.number = 0
 
-    def register(self, rid: str, stream: bool, max_tokens: int = 16) -> float:
+    def register(self, rid: str, stream: bool, max_tokens: int = 16, n: int = 1,
+                 options: OutputOptions | None = None) -> float:
         """Register `rid`; returns its arrival time (s, monotonic)."""
         sender = self.senders[rid] = FakeSender(self.pb, rid)
-        live = self.responder.register(rid, sender, OutputOptions(stream=stream), self.number,
-                                       sampling=SamplingParams(max_new_tokens=max_tokens))
+        live = self.responder.register(rid, sender, options or OutputOptions(stream=stream),
+                                       self.number,
+                                       sampling=SamplingParams(max_new_tokens=max_tokens, n=n))
         self.number += 1
         live.accepted = True
         return live.arrival
