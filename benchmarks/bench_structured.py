@@ -63,7 +63,7 @@ def compile_times(eng, repeats: int = 3) -> tuple[float, float]:
     cold, cached = [], []
     for _ in range(repeats):
         compiler = GrammarCompiler(eng.tokenizer, eng.vocab_size,
-                                   stop_token_ids=eng._grammar_stop_ids())
+                                   stop_token_ids=eng.grammars.stop_token_ids)
         t = time.perf_counter()
         compiler.compile(spec)
         cold.append(time.perf_counter() - t)

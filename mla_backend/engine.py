@@ -19,7 +19,6 @@ raises `EngineFailedError` (the model must be reloaded).
 
 from __future__ import annotations
 
-import concurrent.futures
 import gc
 import queue
 import threading
@@ -31,6 +30,7 @@ import torch
 from transformers import AutoTokenizer
 
 from mla_backend.config import GC_THRESHOLDS, EngineConfig
+from mla_backend.constrained.manager import GrammarManager
 from mla_backend.host_tensors import int64_on
 from mla_backend.mem_cache.chunk_cache import ChunkCache
 from mla_backend.mem_cache.radix_cache import RadixCache
@@ -52,7 +52,6 @@ from mla_backend.scheduler.scheduler import Scheduler
 from mla_backend.tokenizer.output_processor import OutputProcessor, engine_streams
 
 _IDLE_POLL_S = 0.1  # `serve_engine`'s wait for a message while the engine has no work (s)
-_GRAMMAR_WAIT_S = 0.01  # a step with nothing to run waits this long for a grammar compile (s)
 _NO_TOKEN_FITS = ("structured_outputs: no token the request allows fits its grammar here "
                   "(allowed_token_ids, logit_bias or the vocabulary exclude every token the "
                   "grammar allows)")
@@ -178,11 +177,10 @@ class Engine:
         self.overlap: bool = config.parallel.tensor_parallel_size == 1 and (
             overlap == "true" or (overlap == "auto" and on_cuda))
         self._unflushed: list[_Token] = []  # committed tokens `_flush_tokens` has not seen
-        # structured outputs: the compiler (made for the first constrained request) and the
-        # requests waiting for their grammar (rid → (Req, Future)), not yet with the scheduler
-        self._grammar_compiler: Any = None
-        self._grammar_wait: dict[str, tuple[Req, concurrent.futures.Future]] = {}
-        self._grammar_errors: list[tuple[Req, str]] = []  # from _commit_tokens
+        # structured outputs: compiles, waiting requests, masks; and the requests whose grammar
+        # refused their token (from _commit_tokens)
+        self.grammars = GrammarManager(self.tokenizer, self.vocab_size, eos)
+        self._grammar_errors: list[tuple[Req, str]] = []
         # n > 1: the completions that wait for their first one's prefill (its rid → them),
         # and those to hand to the scheduler at the next step
         self._held: dict[str, list[Req]] = {}
@@ -323,7 +321,7 @@ class Engine:
         self._drain_inbox(outputs)
         if self._release:
             self._release_held(outputs)
-        if self._grammar_wait:
+        if self.grammars:
             self._admit_compiled(outputs)
         for req in self.scheduler.take_rejected():
             st = self._live.get(req.rid)
@@ -388,12 +386,11 @@ class Engine:
             logits = logits.index_select(0, int64_on(rows, logits.device))
         sample, deferred = None, None
         if rows:
-            constrained = self._grammar_compiler is not None and any(
-                r.grammar is not None for r in reqs)
+            constrained = self.grammars.active and any(r.grammar is not None for r in reqs)
             if constrained and prev is not None:
                 deferred = logits  # the grammars still wait for prev's tokens
             else:
-                sample = self.sampler.launch(logits, reqs, self._grammar_masks(reqs)
+                sample = self.sampler.launch(logits, reqs, self.grammars.masks(reqs)
                                              if constrained else None)
         for req in reqs:  # 2 while also in the batch still in flight (`prev`)
             req.num_inflight_tokens += 1
@@ -406,30 +403,7 @@ class Engine:
         """Queue the sampling `_launch_batch` deferred, with the grammar masks now filled."""
         reqs = [launched.batch.reqs[i] for i in launched.rows]
         logits, launched.deferred = launched.deferred, None
-        launched.sample = self.sampler.launch(logits, reqs, self._grammar_masks(reqs))
-
-    def _grammar_masks(self, reqs: list[Req]) -> Any:
-        """The sampler's `restrict` for rows of constrained requests: their grammars' next-token
-        bitmasks (filled here, on the host) applied to their logits rows; None when none
-        applies (a row whose request has ended is left alone: its token is dropped)."""
-        from mla_backend.constrained.grammar import allocate_bitmask, apply_bitmask
-
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None
-                and r.finished_reason is None and not r.grammar.is_terminated()]
-        if not rows:
-            return None
-        bitmask = allocate_bitmask(len(rows), self.vocab_size)
-        for j, i in enumerate(rows):
-            reqs[i].grammar.fill_bitmask(bitmask, j)
-        vocab = self.vocab_size
-
-        def restrict(logits: torch.Tensor) -> None:
-            idx = int64_on(rows, logits.device)
-            picked = logits.index_select(0, idx)
-            apply_bitmask(picked, bitmask, vocab_size=vocab)
-            logits.index_copy_(0, idx, picked)
-
-        return restrict
+        launched.sample = self.sampler.launch(logits, reqs, self.grammars.masks(reqs))
 
     def _complete(self, launched: "_Launched", outputs: list[RequestOutput]) -> None:
         """Wait for a launched batch's tokens, record them (`_commit_tokens`; serially also
@@ -554,54 +528,25 @@ class Engine:
     def _final_error(self, st: _ReqState, message: str, invalid: bool = False) -> RequestOutput:
         """End a live request with `message` (`invalid`: the client's fault)."""
         st.req.finished_reason = FinishReason.ABORT
-        self._grammar_wait.pop(st.req.rid, None)
+        self.grammars.drop(st.req.rid)
         out = self._emit(st)
         out.error = message
         out.invalid_request = invalid
         return out
 
-    def _grammars(self) -> Any:
-        """The grammar compiler (`constrained.grammar.GrammarCompiler`), made on first use.
-
-        Raises:
-            InvalidRequestError: xgrammar is not installed (structured outputs need it; the
-                rest of the engine does not, hence the import here).
-        """
-        if self._grammar_compiler is None:
-            try:
-                from mla_backend.constrained.grammar import GrammarCompiler
-            except ImportError as e:
-                raise InvalidRequestError(
-                    f"structured_outputs: this server cannot constrain outputs ({e}); install "
-                    "the xgrammar package (requirements.txt pins it)") from None
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
-                                                     stop_token_ids=self._grammar_stop_ids())
-        return self._grammar_compiler
-
-    def _grammar_stop_ids(self) -> list[int]:
-        """The EOS ids a grammar allows once complete (those inside the vocabulary)."""
-        return sorted(t for t in self.eos_token_ids if 0 <= t < self.vocab_size)
-
     def _admit_compiled(self, outputs: list[RequestOutput]) -> None:
         """Hand the requests whose grammar is compiled to the scheduler (a bad grammar ends
         its request with INVALID_ARGUMENT). With nothing else to run, wait a little for one."""
         if not (self.scheduler.has_work() or self._inflight is not None):
-            concurrent.futures.wait([f for _, f in self._grammar_wait.values()],
-                                    timeout=_GRAMMAR_WAIT_S,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-        for rid, (req, future) in list(self._grammar_wait.items()):
-            if not future.done():
-                continue
-            del self._grammar_wait[rid]
-            st = self._live.get(rid)
+            self.grammars.wait()
+        for req, error in self.grammars.take_ready():
+            st = self._live.get(req.rid)
             if st is None:
                 continue
-            try:
-                req.grammar = self._grammar_compiler.new_state(future.result())
-            except Exception as e:  # noqa: BLE001 - a bad schema / regex / grammar
-                outputs.append(self._final_error(st, str(e), invalid=True))
-                continue
-            self.scheduler.add_request(req)
+            if error is not None:
+                outputs.append(self._final_error(st, error, invalid=True))
+            else:
+                self.scheduler.add_request(req)
 
     def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
         while True:
@@ -624,7 +569,7 @@ class Engine:
                 st = self._live.get(rid)
                 if st is None or st.req.finished():
                     continue
-                self._grammar_wait.pop(rid, None)
+                self.grammars.drop(rid)
                 self.scheduler.abort_request(rid)
                 st.req.finished_reason = FinishReason.ABORT
                 outputs.append(self._emit(st))
@@ -636,7 +581,7 @@ class Engine:
             self.scheduler.add_request(req)
             return
         try:  # its grammar compiles off this thread; `_admit_compiled` adds it then
-            self._grammar_wait[req.rid] = (req, self._grammars().submit(spec))
+            self.grammars.submit(req)
         except Exception as e:  # noqa: BLE001 - no xgrammar: the request's error
             outputs.append(self._final_error(self._live[req.rid], str(e), invalid=True))
 

@@ -1,0 +1,115 @@
+"""`GrammarManager`: the engine's side of structured outputs, one per engine.
+
+Owns the grammar compiler (`grammar.GrammarCompiler`, made for the first constrained request:
+xgrammar is imported only then, so an engine without it serves everything else) and the requests
+waiting for their grammar. The engine hands it each constrained `Req` (`submit`), takes back those
+whose grammar is ready (`take_ready`: `req.grammar` set to a `GrammarState`, or the compile
+error), and asks it for the sampler's mask of a batch's rows (`masks`). Engine thread only, apart
+from the compile threads of the compiler.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Callable, Sequence
+
+import torch
+
+from mla_backend.request import Req
+
+_WAIT_S = 0.01  # `wait` with nothing else to run: how long it blocks for a compile (s)
+
+
+class GrammarManager:
+    """Args:
+        tokenizer: the engine's tokenizer.
+        vocab_size: the logits' width (tokens).
+        stop_token_ids: the ids a grammar allows once complete (the model's EOS ids).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(t for t in stop_token_ids if 0 <= t < vocab_size)
+        self._compiler: Any = None
+        self._waiting: dict[str, tuple[Req, concurrent.futures.Future]] = {}
+
+    def __bool__(self) -> bool:
+        """Some request waits for its grammar."""
+        return bool(self._waiting)
+
+    @property
+    def active(self) -> bool:
+        """Some request has had a grammar (else no batch needs masks)."""
+        return self._compiler is not None
+
+    def submit(self, req: Req) -> None:
+        """Start compiling `req`'s grammar (`sampling_params.structured_outputs`), off this
+        thread; `take_ready` returns the request once it is done.
+
+        Raises:
+            ValueError: xgrammar is not installed (the message says what to install).
+        """
+        if self._compiler is None:
+            try:
+                from mla_backend.constrained.grammar import GrammarCompiler
+            except ImportError as e:
+                raise ValueError(
+                    f"structured_outputs: this server cannot constrain outputs ({e}); install "
+                    "the xgrammar package (requirements.txt pins it)") from None
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
+                                             stop_token_ids=self.stop_token_ids)
+        self._waiting[req.rid] = (req, self._compiler.submit(req.sampling_params
+                                                             .structured_outputs))
+
+    def drop(self, rid: str) -> None:
+        """Forget a waiting request (aborted or failed)."""
+        self._waiting.pop(rid, None)
+
+    def wait(self) -> None:
+        """Block a little (`_WAIT_S`) for a compile to finish: the engine has nothing else."""
+        concurrent.futures.wait([f for _, f in self._waiting.values()], timeout=_WAIT_S,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def take_ready(self) -> list[tuple[Req, str | None]]:
+        """The waiting requests whose compile has finished: (req, None) with `req.grammar` set,
+        or (req, the error's message: a bad schema / regex / grammar)."""
+        ready = []
+        for rid, (req, future) in list(self._waiting.items()):
+            if not future.done():
+                continue
+            del self._waiting[rid]
+            try:
+                req.grammar = self._compiler.new_state(future.result())
+            except Exception as e:  # noqa: BLE001 - the client's grammar: its request's error
+                ready.append((req, str(e)))
+                continue
+            ready.append((req, None))
+        return ready
+
+    def masks(self, reqs: Sequence[Req]) -> Callable[[torch.Tensor], None] | None:
+        """The sampler's `restrict` for the rows of constrained requests among `reqs` (a batch's
+        sampling rows, in order): their grammars' next-token bitmasks, filled now on the host,
+        applied to those rows of the logits. None when no row needs one (a request that has
+        ended is left alone: its token is dropped)."""
+        from mla_backend.constrained.grammar import allocate_bitmask, apply_bitmask
+
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None
+                and r.finished_reason is None and not r.grammar.is_terminated()]
+        if not rows:
+            return None
+        bitmask = allocate_bitmask(len(rows), self.vocab_size)
+        for j, i in enumerate(rows):
+            reqs[i].grammar.fill_bitmask(bitmask, j)
+        vocab = self.vocab_size
+
+        def restrict(logits: torch.Tensor) -> None:
+            idx = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+            picked = logits.index_select(0, idx)
+            apply_bitmask(picked, bitmask, vocab_size=vocab)
+            logits.index_copy_(0, idx, picked)
+
+        return restrict
+
+
+__all__ = ["GrammarManager"]
