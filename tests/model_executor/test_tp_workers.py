@@ -4,6 +4,7 @@ and gives the same greedy tokens as TP 1 (with chunked prefill and a radix-cache
 slots only rank 0's cache knows); a killed worker (between steps, or inside a step: rank 0's gloo
 collective then fails) fails every live request with one message naming it, no hang, and the
 engine runs no more forwards; `close()` stops the worker and leaves the process group.
+Structured outputs and n > 1 (rank 0 only) give TP 1's tokens too.
 """
 
 from __future__ import annotations
@@ -49,6 +50,32 @@ def test_worker_driven_tp2_equals_tp1(deepseek):
     finally:
         eng.close()
     assert not is_tensor_parallel_initialized() and get_tp_size() == 1
+
+
+def test_tp2_structured_outputs_and_n_equal_tp1(deepseek):
+    """Grammar masks and n > 1 live on rank 0 (the sampler, the scheduler): the workers see
+    plain forwards, and the tokens equal TP 1's."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                     "maximum": 999},
+                                               "b": {"type": "string", "maxLength": 6}},
+              "required": ["a", "b"]}
+    sps = [SamplingParams.from_dict({"temperature": 0, "max_tokens": 40,
+                                     "structured_outputs": {"json": schema}}),
+           SamplingParams(n=2, max_new_tokens=8, temperature=0.0, ignore_eos=True)]
+    settings = {"model_path": deepseek, "max_total_tokens": 1024}
+    one = Engine(EngineConfig.create(**settings))
+    try:
+        expected = [r.token_ids for r in one.generate(PROMPTS[1:], sps)]
+    finally:
+        one.close()
+    eng = Engine(EngineConfig.create(tensor_parallel_size=2, **settings))
+    try:
+        got = eng.generate(PROMPTS[1:], sps)
+        eng.check_invariant()
+    finally:
+        eng.close()
+    assert [r.token_ids for r in got] == expected and len(got) == 3
+    assert got[0].finish_reason == FinishReason.STOP and got[0].text.startswith('{"a": ')
 
 
 def _killed_message(pid: int) -> str:
