@@ -16,13 +16,10 @@ static buffer outside the graph, the graph is replayed, and the first raw_bs log
 returned as a view of the static buffer, without a copy: they hold until the next replay
 overwrites them, so whatever reads them (the sampler) queues its work before that replay.
 
-With `enable_torch_compile`, buckets <= `torch_compile_max_bs` capture the model's forward wrapped
-in `torch.compile(mode=torch_compile_mode, dynamic=False)` (default
-"max-autotune-no-cudagraphs") (one compilation per bucket,
-done in the warm-up runs before capture). While compiling, the layers' triton kernels are swapped
-for their pure-torch `forward_native` forms (each layer checks `torch.compiler.is_compiling()`)
-so inductor can fuse them; attention calls stay opaque (`RadixAttention`). Compile and capture
-times are recorded in `capture_seconds` / `compile_seconds` (seconds).
+With `enable_torch_compile`, buckets <= `torch_compile_max_bs` capture the forward wrapped in
+`torch.compile(mode=torch_compile_mode, dynamic=False)`, compiled per bucket in the warm-up runs.
+While compiling, the layers' triton kernels give way to their `forward_native` forms (each checks
+`torch.compiler.is_compiling()`) so inductor can fuse them; attention stays opaque.
 
 Graph-mode decode must not read host-side batch data: the captured ForwardBatch carries
 placeholder host lists (seq_len 1 per row) that are never updated.

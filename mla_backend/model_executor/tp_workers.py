@@ -2,8 +2,8 @@
 
 Owned by rank 0's `ModelRunner` when `tensor_parallel_size` > 1 and no process group exists yet
 (the Triton adapter's case): `TpWorkerGroup` spawns ranks 1..N-1, joins the group as rank 0
-(rendezvous through a `file://` in a fresh temp folder: no ports or fixed names, so several
-instances can run side by side), and each step sends every worker one plain-data message.
+(rendezvous through a `file://` in a fresh temp folder: no ports), and each step sends every
+worker one plain-data message.
 
 Message per forward (a dict of Python ints/lists, pickled over a pipe):
 - "batch": the `ModelRunner.make_forward_batch` arguments (mode, input_ids, positions,
@@ -21,9 +21,8 @@ rank 0 checks every worker is alive (`check_alive`); a worker dying inside a ste
 collective fail (gloo: connection reset) or time out after `timeout_s`, and `step_failed` turns
 that error into one naming the dead rank and how it ended, e.g. "tensor-parallel worker rank 1
 (pid 123) exited (signal 9, SIGKILL); the model must be reloaded". The first failure sticks:
-every later `check_alive` / `send_step` raises the same `TpWorkerError` (the engine then fails
-every request and stops stepping). `close()` stops and joins the workers and destroys the
-process group.
+every later `check_alive` / `send_step` raises the same `TpWorkerError`. `close()` stops and
+joins the workers and destroys the process group.
 """
 
 from __future__ import annotations

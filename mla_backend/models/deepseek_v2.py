@@ -21,9 +21,8 @@ Absorbed MQA: H query heads, 1 KV head of kv_lora + rope dims, V = the first kv_
 The first query projection and kv_a_proj_with_mqa run as one GEMM (`w_input_proj`). Softmax
 scale in every path: qk_head_dim^-0.5 x mscale(factor, mscale_all_dim)^2, never
 (kv_lora+rope)^-0.5. RoPE: interleaved pairs with DeepSeek YaRN (`layers.rotary_deepseek`).
-V3 differs only in routing (`MoERouting`, REFERENCE §1.6: sigmoid + `e_score_correction_bias`,
-`noaux_tc`). Block-FP8 and per-tensor FP8 weights, and how `w_kc`/`w_vc` are stored for each,
-are described in docs/architecture.md ("models/ and layers/") and in `post_load_weights`.
+V3 differs only in routing (`MoERouting`, REFERENCE §1.6). FP8 weights and the storage of
+`w_kc`/`w_vc` for each: docs/architecture.md ("models/ and layers/"), `post_load_weights`.
 """
 
 from __future__ import annotations
