@@ -604,9 +604,7 @@ class Engine:
                                                 failed=True)
         self._flush_tokens(outputs)
         self._drain_inbox(outputs)
-        for rid, st in list(self._live.items()):
-            self.scheduler.abort_request(rid)
-            outputs.append(self._final_error(st, self.failed))
+        outputs += self.fail_live(self.failed)
         # The batch boundary: the scheduler releases the aborted running requests here; with
         # nothing left waiting or running there is no batch to run.
         batch = self.scheduler.get_next_batch()

@@ -1,5 +1,7 @@
 """Plain CPU data that crosses component boundaries: `SamplingParams`, `Req`, `FinishReason`,
-`GenerateRequest` (adapter/tests → engine) and `RequestOutput` (engine → adapter/tests).
+`GenerateRequest` (adapter/tests → engine) and `RequestOutput` (engine → adapter/tests); the
+request errors (`InvalidRequestError`, `EngineFailedError`) and `validate_request`, the one check
+of a request at whichever edge it enters.
 
 `SamplingParams.from_dict` is the one place request-level sampling input is parsed and validated
 (JSON from the `sampling_parameters` tensor or Triton request parameters, values possibly strings).

@@ -278,20 +278,13 @@ class EngineClient:
         with self._lock:  # registered before `failed` can be set without failing it too
             if self.failed is not None:
                 raise EngineFailedError(self.failed)
-            if request.rid in self._children:
+            if request.rid in self._children or any(r in self.processor for r, _ in seqs):
                 raise InvalidRequestError(f"request id {request.rid!r} is already in use")
-            added = []
-            try:
-                for seq_rid, seq_sp in seqs:
-                    self.processor.add(seq_rid, ids, seq_sp, request.stream)
-                    added.append(seq_rid)
-            except InvalidRequestError:
-                for seq_rid in added:
-                    self.processor.forget(seq_rid)
-                raise
+            for seq_rid, seq_sp in seqs:
+                self.processor.add(seq_rid, ids, seq_sp, request.stream)
             if len(seqs) > 1:
-                self._children[request.rid] = added
-                for i, seq_rid in enumerate(added):
+                self._children[request.rid] = [seq_rid for seq_rid, _ in seqs]
+                for i, (seq_rid, _) in enumerate(seqs):
                     self._seq_of[seq_rid] = (request.rid, i)
         if not self._send(("add", request.rid, ids, sp, engine_streams(sp, request.stream))):
             with self._lock:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from mla_backend.host_tensors import int64_on
 from mla_backend.request import Req
 
 _WAIT_S = 0.01  # `wait` with nothing else to run: how long it blocks for a compile (s)
@@ -104,7 +105,7 @@ class GrammarManager:
         vocab = self.vocab_size
 
         def restrict(logits: torch.Tensor) -> None:
-            idx = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+            idx = int64_on(rows, logits.device)
             picked = logits.index_select(0, idx)
             apply_bitmask(picked, bitmask, vocab_size=vocab)
             logits.index_copy_(0, idx, picked)

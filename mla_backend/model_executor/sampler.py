@@ -176,8 +176,8 @@ def apply_temperature_and_filters(logits: torch.Tensor,
     return out
 
 
-# The three scans below run over the whole batch in every decode step (`needs_processing`):
-# plain loops, without a generator per scan.
+# The scans below run over the batch when its logits are processed (`process_logits`); plain
+# loops, without a generator per scan.
 def _penalize(params: Sequence[SamplingParams]) -> bool:
     for p in params:
         if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
@@ -203,11 +203,12 @@ def needs_processing(reqs: Sequence[Req]) -> bool:
     """Whether `process_logits` would change the logits of these requests (token restrictions,
     penalties, the min_new_tokens mask, or a non-greedy row); False: each token is the raw
     argmax."""
-    params = [r.sampling_params for r in reqs]
-    if _penalize(params) or _mask_min(reqs) or _restrict(params):
-        return True
-    for p in params:
-        if not is_greedy(p):
+    for r in reqs:  # one scan: this runs every decode step
+        p = r.sampling_params
+        if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0 or p.logit_bias or p.allowed_token_ids is not None
+                or not is_greedy(p)
+                or len(r.output_ids) + r.num_inflight_tokens < p.min_new_tokens):
             return True
     return False
 

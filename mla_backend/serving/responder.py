@@ -65,23 +65,22 @@ class _Live:
     accepted: bool = False  # the engine took it; the response thread may use `sender`
     held: RequestOutput | None = None  # streaming increment held back (no text yet, interval)
     arrival: float = field(default_factory=time.monotonic)  # s, monotonic (for metrics)
-    # Engine times (s, monotonic) of its first token and of the last token accounted so far.
+    # Engine time (s, monotonic) of its first token.
     first_token_time: float | None = None
-    last_token_time: float | None = None
     ttft: float | None = None  # first_token_time − arrival, s
     final_accounted: bool = False  # its finished output went into the metrics
     streamed: bool = False  # a response with tokens was queued (STREAM_INTERVAL applies after it)
     prompt_counted: bool = False  # its prompt tokens went into the prompt-token counter
     shard: int = 0  # its sender queue / thread (every response to it goes there, in order)
-    # n > 1 (`n` completions, told apart by RequestOutput.index): this round's increments, the
-    # latest output, engine time of the last token accounted and whether it ended, per
-    # completion; the tokens of the completions that ended
+    # Per completion (RequestOutput.index; one, 0, unless n > 1): engine time of the last token
+    # accounted, and those that ended; the tokens of the completions that ended.
     n: int = 1
-    pending: dict[int, RequestOutput] = field(default_factory=dict)
-    latest: dict[int, RequestOutput] = field(default_factory=dict)
     seq_last: dict[int, float] = field(default_factory=dict)
     seq_done: set[int] = field(default_factory=set)
     generated: int = 0
+    # n > 1: this round's increments and the latest output, per completion
+    pending: dict[int, RequestOutput] = field(default_factory=dict)
+    latest: dict[int, RequestOutput] = field(default_factory=dict)
 
 
 def _no_news(latest: RequestOutput | None, rid: str) -> RequestOutput:
@@ -309,7 +308,7 @@ class Responder:
             latest = live.latest
             for i, out in live.pending.items():
                 latest[i] = out
-            done = sum(1 for out in latest.values() if out.finished) == live.n
+            done = len(live.seq_done) == live.n  # (accounted before this round's responses)
             if not (live.options.stream or done):
                 continue
             if not done and live.streamed and self._stream_interval > 1 and not any(
@@ -356,7 +355,7 @@ class Responder:
             if live is None or live.final_accounted or out.error is not None:
                 continue
             final = out.finished
-            if final and live.n > 1:  # the request ends with its last completion
+            if final:  # the request ends with its last completion
                 live.seq_done.add(out.index)
                 final = len(live.seq_done) == live.n
             if final:
@@ -380,16 +379,14 @@ class Responder:
         k = len(out.new_token_ids)
         if k:
             last = out.last_token_time if out.last_token_time is not None else now
-            prev = live.last_token_time if live.n == 1 else live.seq_last.get(out.index)
+            prev = live.seq_last.get(out.index)
             first = out.first_token_time if out.first_token_time is not None else last
             if live.first_token_time is None:  # this output carries the request's first token
                 live.first_token_time = first
                 live.ttft = max(first - live.arrival, 0.0)
                 if metrics is not None:
                     metrics.on_first_token(live.ttft)
-            gap, count = token_gaps(prev, live.first_token_time if live.n == 1 else first,
-                                    last, k)
-            live.last_token_time = last
+            gap, count = token_gaps(prev, first, last, k)
             live.seq_last[out.index] = last
             if metrics is not None:
                 metrics.on_token_gaps(gap, count)
@@ -413,8 +410,9 @@ class Responder:
             metrics.on_finished(done)
         if self._log_requests:
             tpot = None  # mean inter-token latency (engine times)
-            if n > 1 and live.first_token_time is not None and live.last_token_time is not None:
-                tpot = (live.last_token_time - live.first_token_time) / (n - 1)
+            last = max(live.seq_last.values(), default=None)
+            if n > 1 and live.first_token_time is not None and last is not None:
+                tpot = (last - live.first_token_time) / (n - 1)
             ttft = live.ttft
             reason = out.finish_reason.value if out.finish_reason else "None"
             self.logger.log_info(
