@@ -38,4 +38,4 @@ export PATH="$MLA_GPU_DIR/venv/bin:$MLA_GPU_DIR/bin:$PATH"
 export MLA_DEEPSEEK_TOKENIZER_DIR="$MLA_GPU_DIR/tokenizer"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}:$(cat "$MLA_GPU_DIR/extra_path")"
 export TOKENIZERS_PARALLELISM=false
-python3 -c 'import numpy, torch, tritonclient.grpc, xgrammar; print("stub env: numpy", numpy.__version__, "torch", torch.__version__, "xgrammar", xgrammar.__version__)'
+python3 -c 'import importlib.metadata as m, numpy, torch, tritonclient.grpc, xgrammar; print("stub env: numpy", numpy.__version__, "torch", torch.__version__, "xgrammar", m.version("xgrammar"))'

@@ -486,8 +486,8 @@ def test_metrics_count_exactly_what_was_served(server: TritonServer, model_repo:
     assert delta["vllm:request_prompt_tokens_sum"] == prompt_sum
     assert delta["vllm:request_generation_tokens_sum"] == gen_sum
     assert delta["generation_le_1"] == max_tokens.count(1)
-    multi = sum(1 for _, sp, _ in jobs.values() if sp["max_tokens"] > 1)
-    assert delta["vllm:time_per_output_token_seconds_count"] == multi
+    gaps = sum(sp["max_tokens"] - 1 for _, sp, _ in jobs.values())  # one TPOT per token gap
+    assert delta["vllm:time_per_output_token_seconds_count"] == gaps
     assert delta["vllm:time_per_output_token_seconds_sum"] > 0
     assert 0 < delta["vllm:time_to_first_token_seconds_sum"] < delta[
         "vllm:e2e_request_latency_seconds_sum"]
