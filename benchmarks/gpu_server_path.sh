@@ -19,10 +19,16 @@ json=benchmarks/results/h200_server_path.json
 export PYTHONUNBUFFERED=1
 case "${1:-}" in
   tests)
+    # what the stub imports, as the stub sees it (no PYTHONPATH)
+    (unset PYTHONPATH; cd /tmp && python3 -c 'import mla_backend.client, mla_backend.engine; print("stub imports: ok")') \
+      2>&1 | tail -40 | tee "$out/stub_import.log"
     python3 -m mla_tools.prepare --models deepseek-v2-tiny
     # the cut V2-Lite shape takes DeepSeek-V3's tokenizer
     MLA_TEST_TOKENIZER_DIR="$MLA_DEEPSEEK_TOKENIZER_DIR" python3 -m pytest -q -p no:cacheprovider \
       -m "gpu and e2e" tests/serving/test_gpu_e2e.py 2>&1 | tee "$out/gpu_e2e.log"
+    for log in /tmp/tritonserver-*/server.log; do  # (the first few servers' logs)
+      [[ -f "$log" ]] && cp "$log" "$out/server-$(basename "$(dirname "$log")").log"
+    done
     ;;
   bf16)
     python3 benchmarks/bench_server_path.py --model deepseek-v2-lite --commit "$commit" \

@@ -28,6 +28,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -50,6 +51,7 @@ DEFAULT_PROMPT = "What is the capital of France?"
 # the Union addresses and Moby-Dick (checkpoints/deepseek-v2-tiny/README.md), so it is given the
 # opening those addresses share.
 DEMO_PROMPTS = {"deepseek-v2-tiny": "Fellow-Citizens of the Senate and House of Representatives:"}
+_ERROR_LINE = re.compile(r"E\d{4} ")  # an error-level line of tritonserver's log
 
 
 class TritonServerError(RuntimeError):
@@ -397,12 +399,18 @@ class TritonServer:
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, lines: int = 60) -> str:
-        """Last `lines` lines of the server log."""
+        """Last `lines` lines of the server log, after its first error-level lines (Triton
+        writes a model's load error, with the Python exception, on one line starting `E<mmdd>`;
+        a long status table can push it out of the tail)."""
         try:
             text = self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        all_lines = text.splitlines()
+        tail = all_lines[-lines:]
+        errors = [line[:3000] for line in all_lines[:-lines] if _ERROR_LINE.match(line)][:5]
+        head = ["error lines:", *errors, "...", "last lines:"] if errors else []
+        return "\n".join(head + tail)
 
     def check_alive(self) -> None:
         """Raise TritonServerError (with the log tail) if the server process has exited."""
