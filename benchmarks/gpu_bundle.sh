@@ -58,10 +58,10 @@ rm -rf "$STAGE/wheels"
 cp -a "$SITE/tritonclient" "$SITE"/tritonclient-2.48.0.dist-info "$STAGE/site/"
 
 # Structured outputs on the GPU machine: xgrammar and apache-tvm-ffi for $GPU_PY (extra/xgrammar),
-# and pydantic with its own dependencies (extra/pydantic; gpu_env.sh uses them only where the
-# machine has no pydantic).
+# and pydantic with its own dependencies, typing-extensions >= 4.16 among them (extra/pydantic;
+# gpu_env.sh uses them only where the machine has no pydantic).
 for dest_pkgs in "xgrammar xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2" \
-    "pydantic pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5"; do
+    "pydantic pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0"; do
   read -r dest pkgs <<<"$dest_pkgs"
   # shellcheck disable=SC2086
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$GPU_PY" \

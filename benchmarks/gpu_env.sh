@@ -24,7 +24,8 @@ if [[ ! -x "$MLA_GPU_DIR/venv/bin/python" ]]; then
   extra="$MLA_GPU_DIR/extra/xgrammar"
   python3 -c 'import pydantic' 2>/dev/null || extra="$extra:$MLA_GPU_DIR/extra/pydantic"
   echo "$extra" >"$MLA_GPU_DIR/extra_path"
-  echo "import sys; sys.path += '$extra'.split(':')" >"$venv_site/zzz_structured_outputs.pth"
+  # ahead of the machine's packages: pydantic needs a newer typing_extensions than some images have
+  echo "import sys; sys.path[:0] = '$extra'.split(':')" >"$venv_site/zzz_structured_outputs.pth"
   mkdir -p "$MLA_GPU_DIR/libexec"
   mv "$MLA_GPU_DIR/bin/perf_analyzer" "$MLA_GPU_DIR/libexec/perf_analyzer"
   cat >"$MLA_GPU_DIR/bin/perf_analyzer" <<EOF
@@ -36,6 +37,7 @@ fi
 export MLA_TRITONSERVER_ROOT="$MLA_GPU_DIR/pytriton/tritonserver"
 export PATH="$MLA_GPU_DIR/venv/bin:$MLA_GPU_DIR/bin:$PATH"
 export MLA_DEEPSEEK_TOKENIZER_DIR="$MLA_GPU_DIR/tokenizer"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}:$(cat "$MLA_GPU_DIR/extra_path")"
+export PYTHONPATH="$PWD:$(cat "$MLA_GPU_DIR/extra_path")${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false
-python3 -c 'import importlib.metadata as m, numpy, torch, tritonclient.grpc, xgrammar; print("stub env: numpy", numpy.__version__, "torch", torch.__version__, "xgrammar", m.version("xgrammar"))'
+python3 -c 'import importlib.metadata as m, numpy, torch, tritonclient.grpc; print("stub env: numpy", numpy.__version__, "torch", torch.__version__)' &&
+  { python3 -c 'import xgrammar' || echo "gpu_env.sh: no structured outputs here (xgrammar does not import)" >&2; }

@@ -8,19 +8,20 @@
 #
 # Run in the repository root with .gpu/ carried (benchmarks/gpu_bundle.sh makes it) and
 # MLA_COMMIT set to the commit under test (the machine's copy has no git history). Logs and the
-# JSON results go to $OUT (the device tool's folder) or /tmp/mla_out.
+# JSON results go to $OUT (the device tool's folder) or /tmp/mla_out; copy h200_server_path.json
+# from there to benchmarks/results/ (fp8 run on its own: merge its "fp8" key by hand).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source benchmarks/gpu_env.sh || exit 1
 out="${OUT:-/tmp/mla_out}"
 mkdir -p "$out"
 commit="${MLA_COMMIT:-unknown}"
-json=benchmarks/results/h200_server_path.json
+json_name=h200_server_path.json  # written after each phase into $out; (fp8) merged into one there
 export PYTHONUNBUFFERED=1
 case "${1:-}" in
   tests)
     # what the stub imports, as the stub sees it (no PYTHONPATH)
-    (unset PYTHONPATH; cd /tmp && python3 -c 'import mla_backend.client, mla_backend.engine; print("stub imports: ok")') \
+    (unset PYTHONPATH; cd /tmp && python3 -c 'import mla_backend.client, mla_backend.engine, xgrammar; print("stub imports: ok")') \
       2>&1 | tail -40 | tee "$out/stub_import.log"
     python3 -m mla_tools.prepare --models deepseek-v2-tiny
     # the cut V2-Lite shape takes DeepSeek-V3's tokenizer
@@ -32,14 +33,12 @@ case "${1:-}" in
     ;;
   bf16)
     python3 benchmarks/bench_server_path.py --model deepseek-v2-lite --commit "$commit" \
-      --json "$json" --details "$out/bf16_details.json" 2>&1 | tee "$out/bf16.log"
-    cp "$json" "$out/"
+      --json "$out/$json_name" --details "$out/bf16_details.json" 2>&1 | tee "$out/bf16.log"
     ;;
   fp8)
     python3 benchmarks/bench_server_path.py --model deepseek-v2-lite --commit "$commit" \
       --quantization fp8 --kv-cache-dtype fp8_e4m3 --concurrency --merge \
-      --json "$json" --details "$out/fp8_details.json" 2>&1 | tee "$out/fp8.log"
-    cp "$json" "$out/"
+      --json "$out/$json_name" --details "$out/fp8_details.json" 2>&1 | tee "$out/fp8.log"
     ;;
   *)
     echo "usage: bash benchmarks/gpu_server_path.sh tests|bf16|fp8" >&2
