@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_server_path.sh bf16    # bench_server_path.py, V2-Lite shape: peak + sweep
 #   bash benchmarks/gpu_server_path.sh fp8     # the FP8 weights + FP8 cache peak, merged in
 #
+# Arguments after the step go to bench_server_path.py (e.g. --num-requests 3000).
+#
 # Run in the repository root with .gpu/ carried (benchmarks/gpu_bundle.sh makes it) and
 # MLA_COMMIT set to the commit under test (the machine's copy has no git history). Logs and the
 # JSON results go to $OUT (the device tool's folder) or /tmp/mla_out; copy h200_server_path.json
@@ -33,12 +35,12 @@ case "${1:-}" in
     ;;
   bf16)
     python3 benchmarks/bench_server_path.py --model deepseek-v2-lite --commit "$commit" \
-      --json "$out/$json_name" --details "$out/bf16_details.json" 2>&1 | tee "$out/bf16.log"
+      --json "$out/$json_name" --details "$out/bf16_details.json" "${@:2}" 2>&1 | tee "$out/bf16.log"
     ;;
   fp8)
     python3 benchmarks/bench_server_path.py --model deepseek-v2-lite --commit "$commit" \
       --quantization fp8 --kv-cache-dtype fp8_e4m3 --concurrency --merge \
-      --json "$out/$json_name" --details "$out/fp8_details.json" 2>&1 | tee "$out/fp8.log"
+      --json "$out/$json_name" --details "$out/fp8_details.json" "${@:2}" 2>&1 | tee "$out/fp8.log"
     ;;
   *)
     echo "usage: bash benchmarks/gpu_server_path.sh tests|bf16|fp8" >&2
