@@ -1,34 +1,21 @@
 """Extend (prefill) attention: new tokens over their cached prefix plus the causal new part.
 
-Owns `extend_attention_fwd`, the triton-language kernel behind it, and the block-size choice.
-
-Layout (page size 1, SGLang-style): request i has `prefix_lens[i]` tokens already in the KV pool,
-reached through `req_to_token[req_pool_indices[i], 0:prefix_len]`, and `extend_lens[i]` new tokens
-whose q/k/v are the rows `extend_start_loc[i] : extend_start_loc[i] + extend_lens[i]` of the packed
-`q_extend` / `k_extend` / `v_extend`. Each program handles one request, one query head and one
-block of BLOCK_M new tokens (grid (bs, H, cdiv(max_extend_len, BLOCK_M))):
-
-- phase 1: the cached prefix in BLOCK_N tiles gathered slot by slot through `req_to_token` — every
-  prefix token is visible to every new token, so only the length mask applies;
-- phase 2: the new tokens' own keys from `k_extend` / `v_extend`: tiles strictly below the diagonal
-  block without a mask, then the diagonal tiles with the causal mask q_pos >= k_pos.
-
-One online softmax (base-2, fp32 running max / sum / accumulator) spans both phases. Head dims
-that are not powers of two are split into a power-of-two main part plus a small masked tail
-(576 = 512 + 64, 192 = 128 + 64, 96 = 64 + 32, 80 = 64 + 16) so no FLOPs are wasted on padding
-for the QK product; the V width is padded to a power of two and masked. Covered layouts: MHA,
-GQA, MQA, MLA decompressed prefill (qk 192 / v 128, no prefix) and MLA absorbed extend (qk 576,
-v = first 512 columns of the same rows, one KV head).
+Owns `extend_attention_fwd`, its triton kernel and the block-size choice. Layout (page size 1,
+SGLang-style): request i has `prefix_lens[i]` cached tokens at `req_to_token[req_pool_indices[i],
+:prefix_len]` and `extend_lens[i]` new tokens at rows `extend_start_loc[i]` onward of the packed
+`q_extend` / `k_extend` / `v_extend`. Grid (bs, H, cdiv(max_extend_len, BLOCK_M)):
+- phase 1: the cached prefix in BLOCK_N tiles gathered through `req_to_token` (length mask only);
+- phase 2: the new tokens' own k/v, tiles below the diagonal unmasked, diagonal tiles causal.
+One online softmax (base 2, fp32 max / sum / accumulator) spans both phases. Non-power-of-two
+head dims split into a power-of-two part plus a masked tail (576 = 512 + 64, 192 = 128 + 64);
+the V width is padded to a power of two and masked. Covers MHA, GQA, MQA, MLA decompressed
+prefill (qk 192 / v 128, no prefix) and MLA absorbed extend (qk 576, v = first 512 columns).
 
 FP8 pools (float8_e4m3fn / float8_e5m2, per-tensor `k_scale` / `v_scale`) are read in phase 1
-only: tiles are converted to q's dtype on load (exact; a bf16 q is rounded to fp16 for these
-products, `decode_attention.mma_operand`, as FP8 -> fp16 is the cheap conversion), k_scale is
-folded into phase 1's softmax scale and v_scale into its P·V product (p · (stored · s) =
-(p · stored) · s). The new tokens' k/v (phase 2) are the unquantized inputs.
-
-All pool offsets are computed in 64-bit (slot × stride may exceed 2^31 elements). The launch does
-not synchronise with the device: lengths are read on the device, only `max_extend_len` comes
-from the host.
+only, converted to q's dtype on load (bf16 q rounded to fp16, `decode_attention.mma_operand`);
+k_scale is folded into the softmax scale, v_scale into P·V. Phase 2's k/v are unquantized.
+Pool offsets are 64-bit (slot × stride may exceed 2^31). No host sync: lengths are read on the
+device, only `max_extend_len` comes from the host.
 """
 
 from __future__ import annotations

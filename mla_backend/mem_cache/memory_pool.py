@@ -1,33 +1,21 @@
 """Two-level KV memory: request rows → token slots → per-layer KV storage.
 
 Owns:
-- `ReqToTokenPool`: `req_to_token[row, position] -> slot` (int32, on the model's device) and its
-  host copy `req_to_token_host`. Rows are handed out by the scheduler, one per running request;
-  slots are written by the scheduler and the prefix cache (`write_row`, `write_positions`: both
-  copies), read on the device by the attention backends and on the host by the scheduler and
-  the prefix cache (`read_row`: no device synchronisation, so the host never waits for a batch
-  still running).
-- `TokenToKVPoolAllocator`: the CPU free list of token slots 1..size. Slot 0 is a reserved sink
-  (padded CUDA-graph rows write there) and is never handed out.
-- `KVPool` and its two layouts: `MHATokenToKVPool` (per layer K and V per KV head) and
-  `MLATokenToKVPool` (per layer one latent `c_KV ‖ k_pe` vector per slot; the value buffer is a
-  view of the latent part). Written through `set_kv_buffer` by the attention backends (for
-  `RadixAttention` layers), read by the backends.
+- `ReqToTokenPool`: `req_to_token[row, position] -> slot` (int32, model device) plus the host copy
+  `req_to_token_host`; rows are one per running request. Writes (`write_row`, `write_positions`)
+  update both copies; `read_row` reads the host copy, so the host never waits on the device.
+- `TokenToKVPoolAllocator`: CPU free list of slots 1..size. Slot 0 is a reserved sink (padded
+  CUDA-graph rows write there) and is never handed out.
+- `MHATokenToKVPool` (per layer K and V per KV head) and `MLATokenToKVPool` (per layer one latent
+  `c_KV ‖ k_pe` vector per slot; the value buffer is a view of the latent part), written through
+  `set_kv_buffer` and read by the attention backends.
+Sizes come from the model runner (`CacheConfig` and device memory).
 
-Sizes come from the model runner (which derives them from `CacheConfig` and device memory).
-
-FP8 KV cache (`CacheConfig.kv_cache_dtype` "fp8_e4m3" / "fp8_e5m2"): a pool property only, the
-prefix cache and scheduler never see it (they deal in slot indices). The pool stores
-`torch.float8_e4m3fn` / `torch.float8_e5m2` and one per-tensor scale per layer for K and one for V
-(the MLA pool: one scale for the whole latent ‖ rope row). Convention as vLLM/SGLang:
-
-| step  | where                                  | math                                        |
-|-------|----------------------------------------|---------------------------------------------|
-| write | `set_kv_buffer` (every backend)        | fp8(clamp(x / scale, -max, max)), max = 448 |
-|       |                                        | (e4m3) / 57344 (e5m2): saturates, no inf/NaN|
-| read  | `gather_kv` (torch_native)             | fp8.float() * scale                         |
-| read  | triton kernels (`k_scale` / `v_scale`) | scale folded into q·k and into p·v          |
-
+FP8 KV cache (`kv_cache_dtype` "fp8_e4m3" / "fp8_e5m2") is a pool property only: the scheduler and
+prefix cache see slot indices. Storage is float8_e4m3fn / float8_e5m2 with one per-tensor scale
+per layer for K and one for V (MLA: one for the whole latent ‖ rope row); vLLM/SGLang convention:
+write fp8(clamp(x / scale, -max, max)), max 448 (e4m3) / 57344 (e5m2), saturating (no inf/NaN);
+read fp8 * scale (`gather_kv`), or the triton kernels fold `k_scale` / `v_scale` into q·k and p·v.
 A non-FP8 pool has no scales (1.0 everywhere); checkpoint scales never reach it.
 """
 

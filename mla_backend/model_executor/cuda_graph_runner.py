@@ -1,26 +1,20 @@
 """`CudaGraphRunner`: decode steps replayed from CUDA graphs, optionally torch.compile'd.
 
-Owned by `ModelRunner` (built after the pools and the attention backend, when the device is CUDA,
-the backend supports graphs and `disable_cuda_graph` is off). At start-up it captures one graph per
-batch-size bucket (1, 2, 4, 8, then steps of 8 up to `cuda_graph_max_bs`, capped at the pool's
-request rows), largest first, all sharing one graph memory pool, over static input buffers:
-`input_ids`, `positions`, `req_pool_indices`, `seq_lens`, `out_cache_loc` ([max_bs] int64 each).
-A graph runs embedding → decoder layers → final norm → LM head, whose GEMM writes the logits
-into rows [:bs] of one static [max_bs, vocab] buffer in the model dtype shared by all buckets;
-sampling stays outside.
+Owned by `ModelRunner` (CUDA device, a backend that supports graphs, `disable_cuda_graph` off).
+Captures one graph per batch-size bucket (1, 2, 4, 8, then steps of 8 up to `cuda_graph_max_bs`,
+capped at the pool's request rows), largest first, sharing one memory pool, over static [max_bs]
+int64 buffers `input_ids`, `positions`, `req_pool_indices`, `seq_lens`, `out_cache_loc`. A graph
+runs embedding → layers → final norm → LM head into rows [:bs] of one static [max_bs, vocab]
+logits buffer (model dtype) shared by all buckets; sampling stays outside.
 
-Per decode step (`replay`): the live batch (raw_bs rows) is copied into the static buffers, the
-rows up to the bucket are padded (request row 0, seq_len 1, written to the sink slot 0, so they
-never touch a real slot), the backend's metadata (the decode split plan) is recomputed into its
-static buffer outside the graph, the graph is replayed, and the first raw_bs logit rows are
-returned as a view of the static buffer, without a copy: they hold until the next replay
-overwrites them, so whatever reads them (the sampler) queues its work before that replay.
+`replay`: copies the live batch in, pads rows up to the bucket (request row 0, seq_len 1, sink
+slot 0), recomputes the backend's metadata outside the graph, replays, and returns the first
+raw_bs logit rows as a view of the static buffer: valid only until the next replay, so readers
+(the sampler) must queue their work before it.
 
-With `enable_torch_compile`, buckets <= `torch_compile_max_bs` capture the forward wrapped in
-`torch.compile(mode=torch_compile_mode, dynamic=False)`, compiled per bucket in the warm-up runs.
-While compiling, the layers' triton kernels give way to their `forward_native` forms (each checks
-`torch.compiler.is_compiling()`) so inductor can fuse them; attention stays opaque.
-
+With `enable_torch_compile`, buckets <= `torch_compile_max_bs` capture a
+`torch.compile(mode=torch_compile_mode, dynamic=False)` forward; while compiling, layers use
+their `forward_native` forms (`torch.compiler.is_compiling()`), attention stays opaque.
 Graph-mode decode must not read host-side batch data: the captured ForwardBatch carries
 placeholder host lists (seq_len 1 per row) that are never updated.
 """

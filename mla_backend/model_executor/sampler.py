@@ -1,38 +1,22 @@
 """Sampler: turns a batch's last-position logits into next tokens and their logprobs.
 
-Input: logits [bs, V] from `ModelRunner.forward` (one row per request, batch order; fp32, or
-16-bit from a CUDA graph replay: the greedy kernel reads those as they are, every other path
-converts them to fp32 first) and the
-batch's `Req`s, of which it reads `sampling_params`, `origin_input_ids`, `output_ids` and
-`num_inflight_tokens`.
-Output: `SampleOutput` (host lists) for the engine, which appends the tokens to `req.output_ids`
-and accumulates logprobs; `launch` queues the work and starts the copies to the host,
-`resolve` waits for them (the engine's overlap schedule queues the next forward in between,
-reading the sampled ids on the device). The only `Req` field written is `req.generator`: a private
-`torch.Generator` created on first use for a request whose `sampling_params.seed` is set.
+Input: logits [bs, V] (batch order; fp32, or 16-bit from a CUDA graph replay) and the batch's
+`Req`s (reads `sampling_params`, `origin_input_ids`, `output_ids`, `num_inflight_tokens`; writes
+only `req.generator`, created on first use when `sampling_params.seed` is set). Output:
+`SampleOutput` host lists; `launch` queues the work and the host copies, `resolve` waits for them.
 
-Logit processing (`process_logits`), each step only for the rows that need it:
-0. token restrictions: `logit_bias` added; with `allowed_token_ids` every other token -inf; then
-   the caller's `restrict` (the engine's grammar masks: structured outputs);
-1. repetition penalty, Hugging Face semantics: for every token id in prompt + output,
-   logit / p if logit > 0 else logit * p;
-2. presence / frequency penalties, OpenAI semantics over the output tokens:
-   logit -= frequency_penalty * count + presence_penalty * (count > 0);
-3. min_new_tokens: while the tokens produced so far — len(output_ids) plus a token still in
-   flight (`num_inflight_tokens`, the engine's overlap schedule) — are fewer than min_new_tokens,
-   the EOS ids and the request's stop_token_ids get -inf (EOS is masked even with ignore_eos);
-4. non-greedy rows only: divide by temperature, then top_k, top_p (nucleus over the top_k
-   survivors) and min_p (probability < min_p * max probability) set filtered tokens to -inf.
-Greedy rows (temperature < 1e-5, or top_k == 1) take the argmax of steps 1-3 (ties → lowest id).
-Other rows draw with the Gumbel-max trick: argmax(logits - log(E)), E ~ Exp(1) i.i.d., which
-samples from softmax(logits). E for a seeded row comes from the row's own generator (V draws
-per step), so its tokens do not depend on batch mates, batch position or batch size; unseeded
-rows share the sampler's generator.
+`process_logits`, each step only on rows that need it: 0. `logit_bias`, `allowed_token_ids`, the
+caller's `restrict` (grammar masks); 1. repetition penalty, Hugging Face semantics (logit / p if
+logit > 0 else logit * p, over prompt + output ids); 2. presence / frequency penalties, OpenAI
+semantics over output tokens; 3. min_new_tokens: while output_ids plus in-flight tokens are fewer,
+EOS and stop_token_ids get -inf (even with ignore_eos); 4. non-greedy rows: temperature, top_k,
+top_p (over the top_k survivors), min_p (prob < min_p * max prob) set filtered tokens to -inf.
+Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax (ties → lowest id). Others use
+Gumbel-max: argmax(logits - log(E)), E ~ Exp(1); a seeded row draws E from its own generator, so
+its tokens do not depend on batch mates, position or size; unseeded rows share one generator.
 
-Logprobs are of the raw logits (log_softmax before any processing), fp32. On CUDA, a batch of
-greedy rows whose logits no step changed takes its tokens, logsumexp and logprobs from
-`mla_kernels.sampling.greedy_with_logprob` (one read of the logits in one or two launches instead
-of about six torch passes); same tokens, logprobs equal up to fp32 summation order.
+Logprobs: fp32 log_softmax of the raw logits. On CUDA, unmodified greedy rows use
+`mla_kernels.sampling.greedy_with_logprob` (same tokens; logprobs equal up to fp32 summation order).
 """
 
 from __future__ import annotations

@@ -1,28 +1,20 @@
 """Tensor-parallel worker processes driven by rank 0 (the process that runs the scheduler).
 
-Owned by rank 0's `ModelRunner` when `tensor_parallel_size` > 1 and no process group exists yet
-(the Triton adapter's case): `TpWorkerGroup` spawns ranks 1..N-1, joins the group as rank 0
-(rendezvous through a `file://` in a fresh temp folder: no ports), and each step sends every
-worker one plain-data message.
+Owned by rank 0's `ModelRunner` when `tensor_parallel_size` > 1 and no process group exists (the
+Triton adapter's case): `TpWorkerGroup` spawns ranks 1..N-1 and joins the group as rank 0
+(rendezvous via `file://` in a fresh temp folder, no ports).
 
-Message per forward (a dict of Python ints/lists, pickled over a pipe):
-- "batch": the `ModelRunner.make_forward_batch` arguments (mode, input_ids, positions,
-  req_pool_indices, seq_lens, prefix_lens, extend_lens, out_cache_loc, return_all_logits);
-- "req_to_token": (rows, columns, slots) int lists: the writes that make the worker's
-  `req_to_token` mirror rank 0's for this batch (`apply_req_to_token_writes`: one copy and one
-  scatter): extend sends each request's whole row [0, seq_len) (prefix-cache hits were written
-  by rank 0's cache at admission), decode only the new token's slot.
-Workers hold the same pools; their KV is written by their own forward at `out_cache_loc`, so the
-pools mirror rank 0's. A worker runs the same forward (its collectives meet rank 0's) and drops
-the logits. `None` stops it.
+Per forward, each worker gets one pickled dict of plain ints/lists over a pipe: "batch" (the
+`ModelRunner.make_forward_batch` arguments) and "req_to_token" ((rows, columns, slots): the writes
+that make its `req_to_token` mirror rank 0's; extend sends whole rows [0, seq_len), decode only
+the new slot). Workers hold the same pools, run the same forward (their collectives meet rank
+0's) and drop the logits; KV pools stay mirrored. `None` stops a worker.
 
-Failure (any is fatal: the ranks are out of step, the model must be reloaded): before each step
-rank 0 checks every worker is alive (`check_alive`); a worker dying inside a step makes rank 0's
-collective fail (gloo: connection reset) or time out after `timeout_s`, and `step_failed` turns
-that error into one naming the dead rank and how it ended, e.g. "tensor-parallel worker rank 1
-(pid 123) exited (signal 9, SIGKILL); the model must be reloaded". The first failure sticks:
-every later `check_alive` / `send_step` raises the same `TpWorkerError`. `close()` stops and
-joins the workers and destroys the process group.
+Any failure is fatal (ranks out of step; the model must be reloaded). Rank 0 checks liveness
+before each step (`check_alive`); a worker dying mid-step makes a collective fail or time out
+after `timeout_s`, and `step_failed` turns that into a `TpWorkerError` naming the dead rank, pid
+and exit status. The first failure sticks: every later `check_alive` / `send_step` raises it.
+`close()` stops and joins the workers and destroys the process group.
 """
 
 from __future__ import annotations

@@ -1,28 +1,20 @@
 """DeepSeek-V2 / V2-Lite (`DeepseekV2ForCausalLM`) and DeepSeek-V3 (`DeepseekV3ForCausalLM`)
 with Multi-head Latent Attention.
 
-Owns the model math. Built by `model_executor.model_runner` from the HF config (through
-`models.registry`), filled by `load_weights` from the checkpoint's safetensors (HF names), then
-`post_load_weights()` splits `kv_b_proj` into the absorbed matrices `w_kc`/`w_vc`. Each step the
-runner passes a `ForwardBatch`; attention reads/writes the KV pool through `RadixAttention` and the
-batch's attention backend. Output: final-norm hidden states; `compute_logits` gives fp32 logits.
-
-Attention paths (REFERENCE §1.2), chosen once per batch by `DeepseekV2Model.attention_path`:
-
-| path         | when                                      | pool written       | attends over |
-|--------------|-------------------------------------------|--------------------|--------------|
-| absorbed     | decode; extend over a cached prefix;      | latent c_KV ‖ k_pe | pool (MQA)   |
-|              | extend below the threshold                |                    |              |
-| decompressed | extend, no request has a cached prefix,   | latent (as above)  | new tokens   |
-|              | >= `mla_decompress_min_tokens` new tokens |                    | (pool_free)  |
-| mha          | `ModelConfig.disable_mla` (every batch)   | per-head K/V (MHA) | pool (MHA)   |
-
-Absorbed MQA: H query heads, 1 KV head of kv_lora + rope dims, V = the first kv_lora columns.
-The first query projection and kv_a_proj_with_mqa run as one GEMM (`w_input_proj`). Softmax
-scale in every path: qk_head_dim^-0.5 x mscale(factor, mscale_all_dim)^2, never
+Owns the model math. Built by `model_executor.model_runner` via `models.registry`, filled by
+`load_weights` (HF safetensors names); `post_load_weights()` splits `kv_b_proj` into `w_kc`/`w_vc`.
+Forward takes a `ForwardBatch`, returns final-norm hidden states; `compute_logits` gives fp32.
+Attention paths (REFERENCE §1.2), chosen per batch by `DeepseekV2Model.attention_path`:
+- absorbed (decode; extend over a cached prefix or below the threshold): pool latent c_KV ‖ k_pe,
+  MQA over the pool (1 KV head of kv_lora + rope dims, V = its first kv_lora columns);
+- decompressed (extend, no cached prefix, >= `mla_decompress_min_tokens` new tokens): writes the
+  latent pool, attends over the new tokens only (pool_free);
+- mha (`ModelConfig.disable_mla`, every batch): per-head K/V pool.
+Softmax scale in every path: qk_head_dim^-0.5 x mscale(factor, mscale_all_dim)^2, never
 (kv_lora+rope)^-0.5. RoPE: interleaved pairs with DeepSeek YaRN (`layers.rotary_deepseek`).
-V3 differs only in routing (`MoERouting`, REFERENCE §1.6). FP8 weights and the storage of
-`w_kc`/`w_vc` for each: docs/architecture.md ("models/ and layers/"), `post_load_weights`.
+The first query projection and kv_a_proj_with_mqa run as one GEMM (`w_input_proj`).
+V3 differs only in routing (`MoERouting`, REFERENCE §1.6). FP8 weights and `w_kc`/`w_vc`
+storage: docs/architecture.md ("models/ and layers/"), `post_load_weights`.
 """
 
 from __future__ import annotations

@@ -1,37 +1,22 @@
 """`FlashInferAttnBackend`: attention over the slot pools with flashinfer's JIT-compiled kernels.
 
-Optional (`attention_backend="flashinfer"`): this module is imported only by
-`model_runner.create_attention_backend` when that name is chosen, and raises a clear ImportError
-naming the package when flashinfer is missing. Written against flashinfer-python 0.7.2.post1
-(tvm-ffi JIT wheel; its FA2 kernels, `backend="fa2"` everywhere: they compile for any SM >= 80
-and faster than the sm90 FA3 ones). Verification: `benchmarks/flashinfer_device_check.sh` runs
-tests/layers/test_flashinfer_backend.py on a GPU (outputs against the triton and torch_native
-backends, the first greedy tokens of a tiny model against both).
+Optional (`attention_backend="flashinfer"`): imported only by
+`model_runner.create_attention_backend`; raises ImportError naming the package when flashinfer is
+missing. Written against flashinfer-python 0.7.2.post1; FA2 kernels only (`backend="fa2"`).
 
 Owns, per step, the page tables flashinfer reads and one planned wrapper per layer geometry:
-
-- MHA/GQA/MQA pool, Dk == Dv: decode `BatchDecodeWithPagedKVCacheWrapper` (tensor cores, i.e.
-  the FA2 prefill kernel), extend `BatchPrefillWithPagedKVCacheWrapper` (causal);
-- MHA pool, Dk != Dv (DeepSeek MHA, 192/128): `BatchPrefillWithPagedKVCacheWrapper` for both
-  (decode = one query per request);
+- MHA/GQA/MQA pool, Dk == Dv: `BatchDecodeWithPagedKVCacheWrapper` (decode),
+  `BatchPrefillWithPagedKVCacheWrapper` (extend, causal);
+- MHA pool, Dk != Dv (DeepSeek MHA, 192/128): `BatchPrefillWithPagedKVCacheWrapper` for both;
 - MLA latent pool (absorbed): `BatchMLAPagedAttentionWrapper` (causal for extend);
-- `layer.pool_free` (decompressed MLA prefill): `BatchPrefillWithRaggedKVCacheWrapper` (causal)
-  over each request's new k/v only.
-
-Pages are token slots (page_size 1): request i's page list is `req_to_token[req_pool_indices[i],
-:seq_lens[i]]`, gathered on the device into one int32 `kv_indices` [sum(seq_lens)] (no host
-synchronisation: the host lists of the ForwardBatch give every length). flashinfer's `plan()`
-needs the indptr arrays on the host (it splits the work there) and copies them to the device; it
-runs once per step and geometry, on the first layer that needs it. The pools are passed as views:
-K/V [S, Hkv, D] as [S, 1, Hkv, D]; the MLA latent buffer [S, 1, 576] as flashinfer's packed
-[pages, page_size, ckv + kpe] cache, which the FA2 MLA kernel reads through its strides (the
-512-column value view and the 64-column rope part are never copied).
-
-New K/V are written first with the triton backend's store (`mla_kernels.store_kv`); the causal
-masks of flashinfer align the new tokens with the end of each request's KV (prefix + new).
-Not supported: FP8 pools and fp32 activations (ValueError; flashinfer's FA2 kernels take 16-bit
-q/KV), CUDA graphs (the base class hooks raise NotImplementedError, so `ModelRunner` decodes
-eagerly with an info log; plan() needs host lengths that graph replays do not carry).
+- `layer.pool_free` (decompressed MLA prefill): `BatchPrefillWithRaggedKVCacheWrapper` (causal).
+Pages are token slots (page_size 1): request i's pages, `req_to_token[req_pool_indices[i],
+:seq_lens[i]]`, are gathered on the device into int32 `kv_indices` [sum(seq_lens)]. `plan()` takes
+host indptr arrays (from the ForwardBatch's host lists) and runs once per step and geometry. Pools
+are passed as views, never copied (MLA latent [S, 1, 576] as flashinfer's packed ckv + kpe cache).
+New K/V are stored first (`mla_kernels.store_kv`); causal masks align new tokens with the KV end.
+Raises ValueError for FP8 pools and fp32 activations (FA2 takes 16-bit q/KV). No CUDA graphs: the
+graph hooks raise NotImplementedError, so `ModelRunner` decodes eagerly (plan() needs host lengths).
 """
 
 from __future__ import annotations
