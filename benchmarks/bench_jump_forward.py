@@ -41,8 +41,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-tokens", type=int, default=300)
     args = ap.parse_args(argv)
     from mla_backend.config import EngineConfig
-    from mla_backend.constrained.grammar import (allocate_bitmask, forced_tokens,
-                                                 jump_forward_tokens)
+    from mla_backend.constrained.grammar import (GrammarCompiler, allocate_bitmask,
+                                                 forced_tokens, jump_forward_tokens)
     from mla_backend.constrained.spec import parse_structured_outputs
     from mla_backend.engine import Engine
     from mla_backend.request import SamplingParams
@@ -51,13 +51,15 @@ def main(argv: list[str]) -> int:
     prepare(DEFAULT_MODEL_REPOSITORY, models=[SMOLLM2])
     path = str(weights_dir(DEFAULT_MODEL_REPOSITORY, SMOLLM2))
     eng = Engine(EngineConfig.create(model_path=path, dtype="float32", device="cpu"))
+    grammars = eng.grammars
+    compiler = GrammarCompiler(grammars.tokenizer, grammars.vocab_size,
+                               stop_token_ids=grammars.stop_token_ids)
     rows = []
     try:
         for name, spec in SPECS.items():
             sp = SamplingParams.from_dict({"temperature": 0, "max_tokens": args.max_tokens,
                                            "structured_outputs": spec})
             results = eng.generate([chat(eng.tokenizer, p) for p in PROMPTS], sp)
-            compiler = eng.grammars._compiler  # compiled (and cached) by those requests
             compiled = compiler.compile(parse_structured_outputs(spec))
             total = forced = string_jumps = 0
             runs: Counter[int] = Counter()
@@ -86,6 +88,7 @@ def main(argv: list[str]) -> int:
                          ", ".join(f"{k}×{v}" for k, v in sorted(runs.items())) or "-",
                          total - forced, n_runs, string_jumps])
     finally:
+        compiler.shutdown()
         eng.close()
     table("Exact jump-forward on constrained greedy outputs (SmolLM2-135M-Instruct, CPU)",
           ["constraint", "requests", "output tokens", "forced tokens", "forced share",

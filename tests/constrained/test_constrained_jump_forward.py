@@ -76,19 +76,12 @@ def test_forced_tokens_respect_max_tokens(compiler, tokenizer) -> None:
     assert forced_tokens(state, max_tokens=0, include_stop=True) == []
 
 
-@settings(_settings, max_examples=12)
-@given(schema=schemas, seed=st.integers(0, 2**20))
-def test_forced_jump_forward_gives_the_same_tokens_json(compiler, schema, seed) -> None:
-    plain, _ = decode(_state(compiler, json=schema), seed, max_steps=400)
-    jumped, _ = decode(_state(compiler, json=schema), seed, max_steps=400, jump="forced")
-    assert jumped == plain
-
-
-@settings(_settings, max_examples=10)
-@given(regex=regexes, seed=st.integers(0, 2**20))
-def test_forced_jump_forward_gives_the_same_tokens_regex(compiler, regex, seed) -> None:
-    plain, _ = decode(_state(compiler, regex=regex), seed, max_steps=200)
-    jumped, _ = decode(_state(compiler, regex=regex), seed, max_steps=200, jump="forced")
+@settings(_settings, max_examples=22)
+@given(spec=st.one_of(schemas.map(lambda s: {"json": s}), regexes.map(lambda r: {"regex": r})),
+       seed=st.integers(0, 2**20))
+def test_forced_jump_forward_gives_the_same_tokens(compiler, spec, seed) -> None:
+    plain, _ = decode(_state(compiler, **spec), seed, max_steps=400)
+    jumped, _ = decode(_state(compiler, **spec), seed, max_steps=400, jump="forced")
     assert jumped == plain
 
 

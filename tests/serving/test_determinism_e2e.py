@@ -35,7 +35,7 @@ import pytest
 
 from mla_tools.tritonserver import TritonServer
 
-from test_triton_e2e import Stream, grpc_inputs, is_final, scalar, text_of
+from test_triton_e2e import Stream, grpc_inputs, is_final, scalar, stream_all, text_of
 from serving_helpers import write_model
 
 pytestmark = pytest.mark.e2e
@@ -120,13 +120,7 @@ def one_at_a_time(server, model: str) -> dict[str, str]:
 
 def all_at_once_one_stream(server, model: str, order: list[str], counts: dict | None = None
                            ) -> dict[str, str]:
-    s = Stream(server.grpc_url)
-    try:
-        for rid in order:
-            s.send(model, _inputs(rid), rid)
-        by_rid, errors = s.collect(len(order))
-    finally:
-        s.close()
+    by_rid, errors = stream_all(server.grpc_url, model, {rid: _inputs(rid) for rid in order})
     return _texts(by_rid, errors, counts)
 
 
@@ -203,12 +197,8 @@ def test_seed_changes_the_draw_and_unseeded_requests_still_finish(server):
 
 
 def one_at_a_time_single(server, prompt: str) -> str:
-    s = Stream(server.grpc_url)
-    try:
-        s.send(DET, grpc_inputs(prompt, sampling=GREEDY), "greedy")
-        by_rid, errors = s.collect(1)
-    finally:
-        s.close()
+    by_rid, errors = stream_all(server.grpc_url, DET,
+                                {"greedy": grpc_inputs(prompt, sampling=GREEDY)})
     assert errors == []
     return text_of(by_rid["greedy"])
 

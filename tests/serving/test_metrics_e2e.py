@@ -23,7 +23,7 @@ from mla_tools.tritonserver import TritonServer
 
 import tritonclient.grpc as grpcclient
 
-from test_triton_e2e import Stream, grpc_inputs, is_final, scalar
+from test_triton_e2e import Stream, grpc_inputs, is_final, scalar, stream_all
 from serving_helpers import read_metrics, series, write_model
 
 pytestmark = pytest.mark.e2e
@@ -69,14 +69,10 @@ def test_custom_metrics_match_the_responses(server):
         cached_sum += data["cached_tokens"]
         max_tokens_sum += max_tokens
         n_requests += 1
-    s = Stream(server.grpc_url)  # streaming: tokens counted over several responses
-    try:
-        s.send(DSV2, grpc_inputs(prompt=REPEATED, sampling={"max_tokens": 7, "temperature": 0},
-                                 return_num_input_tokens=True, return_num_output_tokens=True,
-                                 return_cached_tokens=True), "streamed")
-        by_rid, errors = s.collect(1)
-    finally:
-        s.close()
+    # streaming: tokens counted over several responses
+    by_rid, errors = stream_all(server.grpc_url, DSV2, {"streamed": grpc_inputs(
+        prompt=REPEATED, sampling={"max_tokens": 7, "temperature": 0},
+        return_num_input_tokens=True, return_num_output_tokens=True, return_cached_tokens=True)})
     assert errors == []
     results = by_rid["streamed"]
     assert len(results) > 1

@@ -19,7 +19,7 @@ import requests
 
 from mla_tools.tritonserver import TritonServer
 
-from test_triton_e2e import Stream, grpc_inputs, is_final, text_of
+from test_triton_e2e import grpc_inputs, is_final, stream_all, text_of
 from serving_helpers import write_model
 
 pytestmark = pytest.mark.e2e
@@ -87,12 +87,8 @@ def test_regex_over_a_grpc_stream_equals_in_process(server, in_process):
 
     sampling = {"temperature": 0, "max_tokens": 30,
                 "guided_decoding": {"regex": r"\+1 [0-9]{3}-[0-9]{4}"}}
-    stream = Stream(server.grpc_url)
-    try:
-        stream.send(MODEL, grpc_inputs(PROMPT, sampling=sampling), "re1")
-        by_rid, errors = stream.collect(1)
-    finally:
-        stream.close()
+    by_rid, errors = stream_all(server.grpc_url, MODEL,
+                                {"re1": grpc_inputs(PROMPT, sampling=sampling)})
     assert errors == []
     want = in_process.generate([PROMPT], SamplingParams.from_dict(sampling))[0]
     assert len(by_rid["re1"]) > 2 and text_of(by_rid["re1"]) == want.text
@@ -107,15 +103,10 @@ def test_regex_over_a_grpc_stream_equals_in_process(server, in_process):
 ])
 def test_a_bad_constraint_fails_alone(server, constraint, needle):
     good = {"temperature": 0, "max_tokens": 40, "structured_outputs": {"choice": ["yes", "no"]}}
-    stream = Stream(server.grpc_url)
-    try:
-        stream.send(MODEL, grpc_inputs(PROMPT, sampling=good), "good")
-        stream.send(MODEL, grpc_inputs(PROMPT, sampling={"max_tokens": 8,
-                                                         "structured_outputs": constraint}),
-                    "bad")
-        by_rid, errors = stream.collect(2)
-    finally:
-        stream.close()
+    bad = {"max_tokens": 8, "structured_outputs": constraint}
+    by_rid, errors = stream_all(server.grpc_url, MODEL,
+                                {"good": grpc_inputs(PROMPT, sampling=good),
+                                 "bad": grpc_inputs(PROMPT, sampling=bad)})
     assert len(errors) == 1 and needle in errors[0], errors
     assert "bad" not in by_rid and text_of(by_rid["good"]) in ("yes", "no")
     r = _generate(server, {"max_tokens": 8, "structured_outputs": constraint})
@@ -137,13 +128,8 @@ def test_n_completions_over_http_and_a_grpc_stream(server, in_process):
     assert len({w.text for w in want}) == 1
 
     sampled = {"temperature": 1.0, "max_tokens": 16, "n": 3, "seed": 21, "ignore_eos": True}
-    stream = Stream(server.grpc_url)
-    try:
-        stream.send(MODEL, grpc_inputs(PROMPT, sampling=sampled, return_num_output_tokens=True,
-                                       return_finish_reason=True), "multi")
-        by_rid, errors = stream.collect(1)
-    finally:
-        stream.close()
+    by_rid, errors = stream_all(server.grpc_url, MODEL, {"multi": grpc_inputs(
+        PROMPT, sampling=sampled, return_num_output_tokens=True, return_finish_reason=True)})
     assert errors == []
     results = by_rid["multi"]
     texts, tokens = ["", "", ""], [0, 0, 0]

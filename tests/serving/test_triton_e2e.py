@@ -141,6 +141,18 @@ class Stream:
         self.client.close()
 
 
+def stream_all(url: str, model: str, requests: dict) -> tuple[dict[str, list], list[str]]:
+    """Send each request (rid → its inputs) on one new gRPC stream and wait until all ended:
+    `Stream.collect`'s rid → results and error messages."""
+    stream = Stream(url)
+    try:
+        for rid, inputs in requests.items():
+            stream.send(model, inputs, rid)
+        return stream.collect(len(requests))
+    finally:
+        stream.close()
+
+
 def is_final(r) -> bool:
     return r.get_response().parameters["triton_final_response"].bool_param
 
