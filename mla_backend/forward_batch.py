@@ -61,11 +61,11 @@ class ForwardBatch:
     attn_backend: Any
     # True: the model returns logits for every new token (tests); False: last new token per request.
     return_all_logits: bool = False
-    # Host copies of the per-token / per-request ints this batch was built from (set by
-    # `ModelRunner.make_forward_batch`): keys input_ids, positions, req_pool_indices,
-    # out_cache_loc (lists of int). Tensor-parallel step messages read them instead of copying
-    # the device tensors back. None when the batch was built another way.
-    host_ints: dict[str, list[int]] | None = None
+    # The CPU int64 tensor the device's index tensors were copied from (set by
+    # `ModelRunner.make_forward_batch`): input_ids [T] | positions [T] | out_cache_loc [T] |
+    # req_pool_indices [bs] | seq_lens [bs]. Tensor-parallel step messages send its bytes
+    # instead of copying the device tensors back. None when the batch was built another way.
+    host_packed: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -34,7 +34,7 @@ import torch
 
 from mla_backend.config import EngineConfig
 from mla_backend.forward_batch import ForwardBatch, ForwardMode
-from mla_backend.host_tensors import int64_on
+from mla_backend.host_tensors import int64_tensor
 from mla_backend.layers.attention.base import AttentionBackend
 from mla_backend.layers.logits import select_logit_rows
 from mla_backend.mem_cache.memory_pool import (
@@ -358,7 +358,8 @@ class ModelRunner:
             raise ValueError("positions / out_cache_loc must have one entry per input token")
         # One host-to-device copy for all five index tensors (each a contiguous slice of it):
         # separate small copies cost a few microseconds of host time each, every step.
-        packed = int64_on(ids + pos + out_loc + rows + seq, self.device)
+        host = int64_tensor(ids + pos + out_loc + rows + seq)
+        packed = host.to(self.device, non_blocking=True)  # no wait: see host_tensors.int64_on
         t, b = num_tokens, len(seq)
         return ForwardBatch(
             forward_mode=mode,
@@ -375,8 +376,7 @@ class ModelRunner:
             token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend,
             return_all_logits=return_all_logits,
-            host_ints={"input_ids": ids, "positions": pos, "req_pool_indices": rows,
-                       "out_cache_loc": out_loc},
+            host_packed=host,
         )
 
     def check_workers(self) -> None:

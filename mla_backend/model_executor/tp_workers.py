@@ -4,11 +4,14 @@ Owned by rank 0's `ModelRunner` when `tensor_parallel_size` > 1 and no process g
 Triton adapter's case): `TpWorkerGroup` spawns ranks 1..N-1 and joins the group as rank 0
 (rendezvous via `file://` in a fresh temp folder, no ports).
 
-Per forward, each worker gets one pickled dict of plain ints/lists over a pipe: "batch" (the
-`ModelRunner.make_forward_batch` arguments) and "req_to_token" ((rows, columns, slots): the writes
-that make its `req_to_token` mirror rank 0's; extend sends whole rows [0, seq_len), decode only
-the new slot). Workers hold the same pools, run the same forward (their collectives meet rank
-0's) and drop the logits; KV pools stay mirrored. `None` stops a worker.
+Per forward, each worker gets one message of bytes over a pipe (`encode_step`, encoded once
+for all workers): a 32-byte header and the `ModelRunner.make_forward_batch` ints as raw int64
+(the batch's own host copy), plus, for an extend, each request's cached-prefix slots from rank
+0's `req_to_token` (int32).
+`decode_step` turns it back into the batch's arguments and the `req_to_token` writes (prefix and
+new tokens for an extend, the new slot for a decode) that make the worker's table mirror rank
+0's. Workers hold the same pools, run the same forward (their collectives meet rank 0's) and drop
+the logits; KV pools stay mirrored. An empty message stops a worker.
 
 Any failure is fatal (ranks out of step; the model must be reloaded). Rank 0 checks liveness
 before each step (`check_alive`); a worker dying mid-step makes a collective fail or time out
@@ -19,12 +22,14 @@ and exit status. The first failure sticks: every later `check_alive` / `send_ste
 
 from __future__ import annotations
 
+import array
 import gc
 import logging
 import multiprocessing as mp
 import os
 import shutil
 import signal
+import struct
 import sys
 import tempfile
 import threading
@@ -37,6 +42,8 @@ import torch
 
 from mla_backend.config import GC_THRESHOLDS
 from mla_backend.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from mla_backend.forward_batch import ForwardMode
+from mla_backend.host_tensors import int64_tensor
 
 if TYPE_CHECKING:
     from mla_backend.config import EngineConfig
@@ -109,12 +116,12 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: "EngineCo
         return
     try:
         while True:
-            msg = conn.recv()
-            if msg is None:
+            msg = conn.recv_bytes()
+            if not msg:
                 break
-            apply_req_to_token_writes(runner.req_to_token_pool.req_to_token,
-                                      msg["req_to_token"])
-            runner.forward(runner.make_forward_batch(**msg["batch"]))
+            batch, writes = decode_step(msg)
+            apply_req_to_token_writes(runner.req_to_token_pool.req_to_token, writes)
+            runner.forward(runner.make_forward_batch(**batch))
     except (EOFError, KeyboardInterrupt):
         pass
     finally:
@@ -240,10 +247,10 @@ class TpWorkerGroup:
                 (naming the dead worker, as `step_failed`).
         """
         self.check_alive()
-        msg = step_message(forward_batch)
+        msg = encode_step(forward_batch)
         try:
             for conn in self._conns:
-                conn.send(msg)
+                conn.send_bytes(msg)
         except (BrokenPipeError, OSError) as e:
             raise self.step_failed(e) from e
 
@@ -259,7 +266,7 @@ class TpWorkerGroup:
         self._closed = True
         for conn in self._conns:
             try:
-                conn.send(None)
+                conn.send_bytes(b"")
             except (BrokenPipeError, OSError):
                 pass
         # Rank 0 leaves the group while the workers leave theirs (destroying a NCCL group waits
@@ -287,51 +294,99 @@ class TpWorkerGroup:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def step_message(fb: "ForwardBatch") -> dict:
-    """The plain-data message for one forward (see the module docstring). Reads the batch's
-    host copies (`ForwardBatch.host_ints`) where present, so building it costs no device sync."""
-    host = fb.host_ints
-    if host is None:
-        host = {k: getattr(fb, k).tolist() for k in
-                ("input_ids", "positions", "req_pool_indices", "out_cache_loc")}
-    rows, out_loc = host["req_pool_indices"], host["out_cache_loc"]
-    if fb.forward_mode.is_decode():
-        w_rows, w_cols, w_slots = rows, [s - 1 for s in fb.seq_lens_cpu], out_loc
+_HEADER = struct.Struct("<4q")  # forward mode, return_all_logits, tokens T, requests bs
+_DECODE_COLUMN = torch.tensor([[0], [1], [0]])  # (rows, seq_lens, slots) - this: the writes
+
+
+def encode_step(fb: "ForwardBatch") -> bytes:
+    """The message that makes a worker run `fb` (see the module docstring): header (mode,
+    return_all_logits, T, bs), then int64 input_ids [T], positions [T], out_cache_loc [T],
+    req_pool_indices [bs], seq_lens [bs]; for an extend also int64 prefix_lens [bs],
+    extend_lens [bs] and the int32 slots `req_to_token[row, :prefix_len]` of each request in
+    batch order. Reads the batch's host copies (`ForwardBatch.host_packed`,
+    `req_to_token_host`), so it costs no device sync when they exist."""
+    packed = fb.host_packed
+    if packed is None:
+        packed = torch.cat([fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices,
+                            fb.seq_lens]).to("cpu", torch.int64)
+    t, b = fb.num_tokens, fb.batch_size
+    parts = [_HEADER.pack(int(fb.forward_mode), int(fb.return_all_logits), t, b),
+             packed.numpy().tobytes()]
+    if not fb.forward_mode.is_decode():
+        prefix = fb.extend_prefix_lens_cpu
+        lens = array.array("q", prefix)
+        lens.extend(fb.extend_seq_lens_cpu)
+        parts.append(lens.tobytes())
+        if any(prefix):
+            r2t = fb.req_to_token_pool.req_to_token_host  # no device sync
+            rows = packed[3 * t:3 * t + b].tolist()
+            cached = torch.cat([r2t[row, :n] for row, n in zip(rows, prefix) if n])
+            parts.append(cached.to(torch.int32).numpy().tobytes())
+    return b"".join(parts)
+
+
+def _segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[sum(lengths)] int64: starts[i], starts[i] + 1, ..., starts[i] + lengths[i] - 1, for each
+    i in order."""
+    total = int(lengths.sum())
+    first = torch.cumsum(lengths, 0) - lengths  # each segment's offset in the output
+    return torch.arange(total) + torch.repeat_interleave(starts - first, lengths, output_size=total)
+
+
+def decode_step(msg: bytes) -> tuple[dict[str, Any], torch.Tensor]:
+    """(keyword arguments of `ModelRunner.make_forward_batch`, req_to_token writes) from an
+    `encode_step` message. The ints come back as lists; the writes are an int64 CPU tensor
+    [3, N] of (rows, columns, slots): for an extend every request's columns [0, prefix_len)
+    from the message's cached slots and [prefix_len, seq_len) from out_cache_loc; for a decode
+    column seq_len - 1 of each row.
+
+    Raises:
+        ValueError: a message whose length does not match its header.
+    """
+    mode, all_logits, t, b = _HEADER.unpack_from(msg)
+    forward_mode = ForwardMode(mode)
+    decode = forward_mode.is_decode()
+    head = _HEADER.size // 8
+    end = 8 * (head + 3 * t + (2 if decode else 4) * b)
+    if len(msg) < end or (len(msg) - end) % 4:
+        raise ValueError(f"tensor-parallel step message of {len(msg)} bytes does not fit its "
+                         f"header ({t} tokens, {b} requests)")
+    ints = memoryview(msg)[:end].cast("q")  # C-level slices and lists: no torch op per field
+    ids, pos, loc = (ints[head + i * t:head + (i + 1) * t].tolist() for i in range(3))
+    rows, seq, prefix, ext = (ints[head + 3 * t + i * b:head + 3 * t + (i + 1) * b].tolist()
+                              if i < 2 or not decode else None for i in range(4))
+    if decode:  # prefix_lens, extend_lens None: make_forward_batch takes seq_len - 1 and 1
+        start = 8 * (head + 2 * t)  # out_cache_loc, req_pool_indices, seq_lens: contiguous
+        loc_rows_seq = torch.frombuffer(bytearray(msg[start:end]), dtype=torch.int64).view(3, b)
+        writes = loc_rows_seq[[1, 2, 0]] - _DECODE_COLUMN  # few torch calls: each costs µs
     else:
-        r2t = fb.req_to_token_pool.req_to_token_host  # no device sync
-        w_rows, w_cols, w_slots = [], [], []
-        for row, n in zip(rows, fb.seq_lens_cpu):
-            w_rows += [row] * n
-            w_cols += range(n)
-        idx = torch.tensor(w_rows, dtype=torch.int64)
-        col = torch.tensor(w_cols, dtype=torch.int64)
-        w_slots = r2t[idx, col].tolist()
-    return {
-        "req_to_token": (w_rows, w_cols, w_slots),
-        "batch": {
-            "mode": fb.forward_mode,
-            "input_ids": host["input_ids"],
-            "positions": host["positions"],
-            "req_pool_indices": rows,
-            "seq_lens": list(fb.seq_lens_cpu),
-            "prefix_lens": list(fb.extend_prefix_lens_cpu),
-            "extend_lens": list(fb.extend_seq_lens_cpu),
-            "out_cache_loc": out_loc,
-            "return_all_logits": fb.return_all_logits,
-        },
-    }
+        cached = torch.frombuffer(bytearray(msg[end:]), dtype=torch.int32).to(torch.int64) \
+            if len(msg) > end else torch.empty(0, dtype=torch.int64)
+        if cached.numel() != sum(prefix):
+            raise ValueError(f"tensor-parallel step message has {cached.numel()} cached slots "
+                             f"for prefixes of {sum(prefix)} tokens")
+        rows_t, prefix_t, ext_t = int64_tensor(rows + prefix + ext).view(3, b)
+        writes = torch.cat([
+            torch.stack([torch.repeat_interleave(rows_t, prefix_t),
+                         _segments(torch.zeros_like(prefix_t), prefix_t), cached]),
+            torch.stack([torch.repeat_interleave(rows_t, ext_t), _segments(prefix_t, ext_t),
+                         int64_tensor(loc)]),
+        ], dim=1)
+    batch = {"mode": forward_mode, "input_ids": ids, "positions": pos, "req_pool_indices": rows,
+             "seq_lens": seq, "prefix_lens": prefix, "extend_lens": ext, "out_cache_loc": loc,
+             "return_all_logits": bool(all_logits)}
+    return batch, writes
 
 
-def apply_req_to_token_writes(req_to_token: torch.Tensor,
-                              writes: tuple[list[int], list[int], list[int]]) -> None:
-    """Copy rank 0's `req_to_token` entries into this rank's table: `writes` = (rows, columns,
-    slots), equal-length int lists; one host-to-device copy and one scatter, whatever the
-    batch size."""
-    rows, cols, slots = writes
-    if not rows:
+def apply_req_to_token_writes(req_to_token: torch.Tensor, writes: torch.Tensor) -> None:
+    """Copy rank 0's `req_to_token` entries into this rank's table: `writes` = int64 CPU
+    [3, N] (rows, columns, slots), as `decode_step` returns; one host-to-device copy and one
+    scatter, whatever the batch size."""
+    if not writes.shape[1]:
         return
-    t = torch.tensor([rows, cols, slots], dtype=torch.int64).to(req_to_token.device)
+    t = writes.to(req_to_token.device)
     req_to_token[t[0], t[1]] = t[2].to(req_to_token.dtype)
 
 
-__all__ = ["TpWorkerError", "TpWorkerGroup", "apply_req_to_token_writes", "step_message"]
+__all__ = ["TpWorkerError", "TpWorkerGroup", "apply_req_to_token_writes", "decode_step",
+           "encode_step"]
