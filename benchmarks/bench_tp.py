@@ -4,9 +4,11 @@ Run on a machine with at least max(--tp) GPUs (NCCL; NVLink multicast stays off 
 sets it: NCCL_NVLS_ENABLE=0). Prints markdown tables and writes every number to `--out`.
 
 - correctness: a *checkpoint on disk* (so every TP degree loads the same weights) with the real
-  published widths but few layers — DeepSeek-V2-Lite's (`tools.tiny_deepseek` weights: N(0, 0.02)
-  matrices, LM head std 3/sqrt(hidden), so greedy choices are well separated) and
-  Llama-3.1-8B's (`tools.checkpoints.make_tiny_llama`, std 0.02) — in bf16 with CUDA graphs. Each
+  published widths but few layers, per `--correctness-models` — DeepSeek-V2-Lite's and
+  DeepSeek-V2's (`tools.tiny_deepseek` weights: N(0, 0.02) matrices, LM head std 3/sqrt(hidden),
+  so greedy choices are well separated) and Llama-3.1-8B's (`tools.checkpoints.make_tiny_llama`,
+  std 0.02) — in bf16 with CUDA graphs. Layers: `--layers`, else `CORRECTNESS_LAYERS` (V2: 2, a
+  dense and an MoE layer; one V2 MoE layer is 3.8B parameters, 7.5 GB in bf16). Each
   TP degree generates greedily for the same random prompts with top-5 logprobs; reported: tokens
   equal to TP=1 (and where the first difference is, with TP=1's top-1/top-2 logprob margin
   there) and the largest difference of the chosen tokens' logprobs over the common prefix.
@@ -14,7 +16,8 @@ sets it: NCCL_NVLS_ENABLE=0). Prints markdown tables and writes every number to 
   every rank's stacks printed periodically — where a multi-GPU start-up hang shows itself.
 - scaling: the full published shapes with random weights (`load_format="dummy"`): peak output
   throughput on ShareGPT lengths (all requests at once, radix off) and bs-1 decode step time,
-  per TP degree.
+  per TP degree; degrees whose bf16 weights (`model_shapes.bytes_per_rank`) exceed 90% of a GPU
+  are skipped (DeepSeek-V2: 56 GiB per rank at TP 8, 110 GiB at TP 4).
 
     PYTHONPATH=. python3 benchmarks/bench_tp.py --tokenizer-dir TOK --tp 1 2 --out tp.json
 """
@@ -42,44 +45,49 @@ from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
 from mla_backend.config import EngineConfig  # noqa: E402
 from mla_backend.engine import Engine  # noqa: E402
 from mla_backend.request import SamplingParams  # noqa: E402
-from mla_tools.model_shapes import DEEPSEEK_V2_LITE, shape_config, write_shape_model  # noqa: E402
+from mla_tools.model_shapes import (  # noqa: E402
+    SHAPES,
+    bytes_per_rank,
+    shape_config,
+    write_shape_model,
+)
 
 DEVICE, DTYPE = "cuda", "bfloat16"  # --device cpu (gloo, float32) only smoke-tests the script
 log, release = suite.log, suite.release  # release() follows suite.DEVICE, set in main()
+# Layers of each correctness checkpoint unless --layers says otherwise.
+CORRECTNESS_LAYERS = {"deepseek-v2-lite": 3, "deepseek-v2": 2, "llama-3.1-8b": 3}
 
 
-def write_checkpoints(root: str, tokenizer_dir: str, layers: int,
+def write_checkpoints(root: str, tokenizer_dir: str, models: list[str], layers: int | None,
                       overrides: dict[str, Any]) -> dict[str, str]:
-    """Few-layer checkpoints with the published widths, bf16 safetensors."""
+    """Few-layer checkpoints with the published widths of `models` (names of `SHAPES`), bf16
+    safetensors: {name: folder}. layers None: `CORRECTNESS_LAYERS`; `overrides` per name win."""
     from safetensors.torch import save_file
 
     from mla_tools.checkpoints import make_tiny_llama
-    from mla_tools.tiny_deepseek import (copy_tokenizer_files, tiny_deepseek_v2_config,
-                                                 tiny_deepseek_v2_state_dict)
+    from mla_tools.tiny_deepseek import copy_tokenizer_files, tiny_deepseek_v2_state_dict
 
     out = {}
-    t = time.perf_counter()
-    ds = os.path.join(root, "dsv2-lite-few")
-    os.makedirs(ds)
-    cfg = tiny_deepseek_v2_config(**{**DEEPSEEK_V2_LITE, "num_hidden_layers": layers,
-                                      **overrides.get("deepseek-v2-lite", {})})
-    sd = {k: v.to(torch.bfloat16) for k, v in tiny_deepseek_v2_state_dict(cfg, seed=0).items()}
-    save_file(sd, os.path.join(ds, "model.safetensors"), metadata={"format": "pt"})
-    del sd
-    with open(os.path.join(ds, "config.json"), "w") as f:
-        json.dump(dict(cfg, torch_dtype="bfloat16"), f)
-    copy_tokenizer_files(tokenizer_dir, ds)
-    out["deepseek-v2-lite"] = ds
-    log(f"wrote {ds} in {time.perf_counter() - t:.0f} s")
-    t = time.perf_counter()
-    lcfg = shape_config("llama-3.1-8b", **{"num_hidden_layers": layers,
-                                           **overrides.get("llama-3.1-8b", {})})
-    keep = {k: v for k, v in lcfg.items() if k not in ("architectures", "model_type",
-                                                       "torch_dtype", "transformers_version")}
-    ll = make_tiny_llama(os.path.join(root, "llama-8b-few"), seed=0, init_std=0.02, **keep)
-    copy_tokenizer_files(tokenizer_dir, ll)
-    out["llama-3.1-8b"] = ll
-    log(f"wrote {ll} in {time.perf_counter() - t:.0f} s")
+    for name in models:
+        t = time.perf_counter()
+        cfg = shape_config(name, **{"num_hidden_layers": layers or CORRECTNESS_LAYERS[name],
+                                    **overrides.get(name, {})})
+        d = os.path.join(root, f"{name}-few")
+        if name.startswith("deepseek"):
+            os.makedirs(d)
+            sd = {k: v.to(torch.bfloat16)
+                  for k, v in tiny_deepseek_v2_state_dict(cfg, seed=0).items()}
+            save_file(sd, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+            del sd
+            with open(os.path.join(d, "config.json"), "w") as f:
+                json.dump(cfg, f)
+        else:
+            keep = {k: v for k, v in cfg.items() if k not in (
+                "architectures", "model_type", "torch_dtype", "transformers_version")}
+            make_tiny_llama(d, seed=0, init_std=0.02, **keep)
+        copy_tokenizer_files(tokenizer_dir, d)
+        out[name] = d
+        log(f"wrote {d} in {time.perf_counter() - t:.0f} s")
     return out
 
 
@@ -149,13 +157,19 @@ def scaling(model: str, tokenizer_dir: str, tps: list[int], n_requests: int,
             graph_max_bs: int, lengths: str, overrides: dict[str, Any]) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="tpshape_")
     mdir = write_shape_model(os.path.join(root, model), model, tokenizer_dir, **overrides)
-    vocab = int(shape_config(model, **overrides)["vocab_size"])
+    cfg = shape_config(model, **overrides)
+    vocab = int(cfg["vocab_size"])
     pairs = load_length_pairs(lengths, n_requests, seed=0)
     gen = torch.Generator().manual_seed(0)
     prompts = [suite.random_prompt(gen, p, vocab) for p, _ in pairs]
     outs = [o for _, o in pairs]
     res: dict[str, Any] = {}
     for tp in tps:
+        weights = bytes_per_rank(cfg, tp, 2)
+        if DEVICE == "cuda" and weights > 0.9 * torch.cuda.get_device_properties(0).total_memory:
+            res[f"tp{tp}"] = {"skipped": f"{weights / 2**30:.1f} GiB of bf16 weights per rank"}
+            log(f"  {model} TP={tp}: skipped, {res[f'tp{tp}']['skipped']}")
+            continue
         t = time.perf_counter()
         eng = suite.make_engine(mdir, tensor_parallel_size=tp, enable_radix_cache=False,
                                 cuda_graph_max_bs=graph_max_bs)
@@ -275,12 +289,16 @@ def main() -> None:
                     choices=["smoke", "correctness", "scaling"])
     ap.add_argument("--hang-dump-s", type=float, default=60.0,
                     help="smoke: print every rank's stacks this often (seconds)")
-    ap.add_argument("--layers", type=int, default=3, help="layers of the correctness checkpoints")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers of every correctness checkpoint (default: CORRECTNESS_LAYERS)")
+    ap.add_argument("--correctness-models", nargs="+", choices=SHAPES,
+                    default=["deepseek-v2-lite", "llama-3.1-8b"])
     ap.add_argument("--correctness-dtypes", nargs="+", default=["bfloat16", "float32"],
                     help="float32 separates real TP differences from bf16 near-ties")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--scaling-models", nargs="+", default=["deepseek-v2-lite", "llama-3.1-8b"])
+    ap.add_argument("--scaling-models", nargs="+", choices=SHAPES,
+                    default=["deepseek-v2-lite", "llama-3.1-8b"])
     ap.add_argument("--num-requests", type=int, nargs="+", default=[1000, 500],
                     help="per scaling model")
     ap.add_argument("--graph-max-bs", type=int, default=160)
@@ -310,7 +328,8 @@ def main() -> None:
         save()
     if "correctness" in args.sections:
         root = tempfile.mkdtemp(prefix="tpckpt_")
-        dirs = write_checkpoints(root, args.tokenizer_dir, args.layers, overrides)
+        dirs = write_checkpoints(root, args.tokenizer_dir, args.correctness_models, args.layers,
+                                 overrides)
         for name, d in dirs.items():
             vocab = int(json.load(open(os.path.join(d, "config.json")))["vocab_size"])
             for dtype in (args.correctness_dtypes if DEVICE == "cuda" else ["float32"]):

@@ -6,9 +6,14 @@ batches and meets its peers in the same collectives), and returns its greedy tok
 all-position prefill logits of one prompt. The parent runs the identical function at TP 1 and
 compares: tokens equal, logits within fp32 tolerance (the row-parallel sums add in another order).
 SmolLM2 has 9 query / 3 KV heads, so it runs at TP 3 (TP 2 must fail with a clear error).
+A tiny model with DeepSeek-V2's (236B) structure runs at TP 4 and 8, each rank's weights counted
+against `mla_tools.model_shapes.rank_parameter_counts`.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import pytest
 import torch
@@ -19,6 +24,7 @@ from mla_backend.distributed import get_tp_rank, get_tp_size
 from mla_backend.engine import Engine
 from mla_backend.forward_batch import ForwardMode
 from mla_backend.request import SamplingParams
+from mla_tools.model_shapes import rank_parameter_counts
 
 PROMPTS = ["The capital of France is", "def fib(n):", "1, 2, 3, 4, 5,"]
 NEW_TOKENS = 12
@@ -38,15 +44,33 @@ def _prefill_logits(eng: Engine, ids: list[int]) -> torch.Tensor:
     return logits
 
 
-def _run_model(path: str, settings: dict) -> tuple[int, list[list[int]], torch.Tensor]:
-    """On one rank (or the parent at TP 1): (rank, greedy tokens per prompt, prefill logits)."""
-    eng = Engine(EngineConfig.create(model_path=path, tensor_parallel_size=get_tp_size(),
-                                     max_total_tokens=1024, **settings))
+def _outputs(eng: Engine) -> tuple[int, list[list[int]], torch.Tensor]:
+    """(rank, greedy tokens per prompt, prefill logits) of an engine."""
     sp = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     tokens = [o.token_ids for o in eng.generate(PROMPTS, sp)]
     eng.check_invariant()
     logits = _prefill_logits(eng, eng.tokenizer.encode(PROMPTS[0]))
     return get_tp_rank(), tokens, logits
+
+
+def _engine(path: str, settings: dict) -> Engine:
+    return Engine(EngineConfig.create(model_path=path, tensor_parallel_size=get_tp_size(),
+                                      max_total_tokens=1024, **settings))
+
+
+def _run_model(path: str, settings: dict) -> tuple[int, list[list[int]], torch.Tensor]:
+    """On one rank (or the parent at TP 1): (rank, greedy tokens per prompt, prefill logits)."""
+    return _outputs(_engine(path, settings))
+
+
+def _run_model_and_count(path: str, settings: dict) -> tuple[tuple, tuple[int, int]]:
+    """`_run_model`'s result, and (parameter elements, absorbed w_kc + w_vc elements) of this
+    rank's model."""
+    eng = _engine(path, settings)
+    model = eng.runner.model
+    absorbed = sum(layer.self_attn.w_kc.numel() + layer.self_attn.w_vc.numel()
+                   for layer in model.model.layers)
+    return _outputs(eng), (sum(p.numel() for p in model.parameters()), absorbed)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +104,37 @@ def test_tiny_deepseek_tp2_equals_tp1(workers2, tiny_deepseek_factory, settings)
     # Dense first layer, then MoE (experts split along the intermediate dim) + shared experts.
     path = tiny_deepseek_factory(seed=6, hidden_size=64, num_hidden_layers=2)
     _check(workers2.run(_run_model, path, settings), _run_model(path, settings))
+
+
+# DeepSeek-V2's structure at tiny widths: q LoRA, 16 heads (2 per rank at TP 8), group-limited
+# routing (8 groups, top-3) of 32 experts top-6 + 2 shared, routed_scaling_factor 16, a dense
+# first layer, expert intermediate 16 (2 per rank at TP 8).
+V2_LIKE = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 16,
+           "q_lora_rank": 32, "kv_lora_rank": 64, "intermediate_size": 128,
+           "n_routed_experts": 32, "num_experts_per_tok": 6, "n_shared_experts": 2,
+           "moe_intermediate_size": 16, "topk_method": "group_limited_greedy", "n_group": 8,
+           "topk_group": 3, "routed_scaling_factor": 16.0}
+
+
+@pytest.fixture(scope="module")
+def v2_like(tiny_deepseek_factory):
+    """(checkpoint folder, its config dict, `_run_model_and_count` at TP 1)."""
+    path = tiny_deepseek_factory(seed=7, **V2_LIKE)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    return path, cfg, _run_model_and_count(path, {})
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_deepseek_v2_structure_tp_equals_tp1(v2_like, tp):
+    path, cfg, (expected, counts) = v2_like
+    ref = rank_parameter_counts(cfg, 1)
+    assert counts == (ref["total"], ref["absorbed"])
+    with TpWorkers(tp, timeout=240.0) as w:
+        results = w.run(_run_model_and_count, path, {})
+    _check([out for out, _ in results], expected)
+    want = rank_parameter_counts(cfg, tp)
+    assert [c for _, c in results] == [(want["total"], want["absorbed"])] * tp
 
 
 def test_smollm2_tp3_equals_tp1(smollm2_dir):
