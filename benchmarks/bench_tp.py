@@ -25,8 +25,10 @@ sets it: NCCL_NVLS_ENABLE=0). Prints markdown tables and writes every number to 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -154,8 +156,9 @@ def _generate_with_logprobs(eng: Engine, prompts: list[list[int]], sp: SamplingP
 
 
 def scaling(model: str, tokenizer_dir: str, tps: list[int], n_requests: int,
-            graph_max_bs: int, lengths: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    root = tempfile.mkdtemp(prefix="tpshape_")
+            graph_max_bs: int, lengths: str, overrides: dict[str, Any],
+            work: str) -> dict[str, Any]:
+    root = tempfile.mkdtemp(prefix="tpshape_", dir=work)
     mdir = write_shape_model(os.path.join(root, model), model, tokenizer_dir, **overrides)
     cfg = shape_config(model, **overrides)
     vocab = int(cfg["vocab_size"])
@@ -239,7 +242,7 @@ def step_profile(eng: Engine, bs: int, vocab: int) -> dict[str, float]:
     return out
 
 
-def smoke(tokenizer_dir: str, tps: list[int], hang_dump_s: float) -> dict[str, Any]:
+def smoke(tokenizer_dir: str, tps: list[int], hang_dump_s: float, work: str) -> dict[str, Any]:
     """Tiny random DeepSeek-V2 (tools.tiny_deepseek defaults) at each TP degree, eager and with
     CUDA graphs, each stage timed; greedy tokens compared with TP=1. Every process prints its
     stacks every `hang_dump_s` seconds (faulthandler; workers via MLA_TP_HANG_DUMP_S), so a hang
@@ -250,7 +253,7 @@ def smoke(tokenizer_dir: str, tps: list[int], hang_dump_s: float) -> dict[str, A
 
     faulthandler.dump_traceback_later(hang_dump_s, repeat=True)
     os.environ["MLA_TP_HANG_DUMP_S"] = str(hang_dump_s)
-    d = make_tiny_deepseek_v2(os.path.join(tempfile.mkdtemp(prefix="tpsmoke_"), "m"),
+    d = make_tiny_deepseek_v2(os.path.join(tempfile.mkdtemp(prefix="tpsmoke_", dir=work), "m"),
                               tokenizer_dir=tokenizer_dir)
     vocab = int(json.load(open(os.path.join(d, "config.json")))["vocab_size"])
     gen = torch.Generator().manual_seed(0)
@@ -323,11 +326,13 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=2, default=str)
 
+    work = tempfile.mkdtemp(prefix="bench_tp_")  # model folders; removed when the run ends
+    atexit.register(shutil.rmtree, work, True)
     if "smoke" in args.sections:
-        res["smoke"] = smoke(args.tokenizer_dir, args.tp, args.hang_dump_s)
+        res["smoke"] = smoke(args.tokenizer_dir, args.tp, args.hang_dump_s, work)
         save()
     if "correctness" in args.sections:
-        root = tempfile.mkdtemp(prefix="tpckpt_")
+        root = tempfile.mkdtemp(prefix="tpckpt_", dir=work)
         dirs = write_checkpoints(root, args.tokenizer_dir, args.correctness_models, args.layers,
                                  overrides)
         for name, d in dirs.items():
@@ -346,7 +351,7 @@ def main() -> None:
             try:
                 res.setdefault("scaling", {})[model] = scaling(
                     model, args.tokenizer_dir, args.tp, n, args.graph_max_bs, args.lengths,
-                    overrides.get(model, {}))
+                    overrides.get(model, {}), work)
             except Exception as e:
                 res.setdefault("scaling", {})[model] = {"error": repr(e)[:2000]}
             log(f"scaling {model}: done")
