@@ -23,13 +23,13 @@ export PYTHONUNBUFFERED=1
 case "${1:-}" in
   tests)
     # what the stub imports, as the stub sees it (no PYTHONPATH)
-    (unset PYTHONPATH; cd /tmp && python3 -c 'import mla_backend.client, mla_backend.engine, xgrammar; print("stub imports: ok")') \
+    (unset PYTHONPATH; cd /tmp && python3 -c 'import mla_backend.client, mla_backend.engine, xgrammar; from transformers import AutoTokenizer; print("stub imports: ok")') \
       >"$out/stub_import.log" 2>&1
     tail -40 "$out/stub_import.log"
     grep -q "stub imports: ok" "$out/stub_import.log" || exit 3
     python3 -m mla_tools.prepare --models deepseek-v2-tiny
     # the cut V2-Lite shape takes DeepSeek-V3's tokenizer
-    MLA_TEST_TOKENIZER_DIR="$MLA_DEEPSEEK_TOKENIZER_DIR" python3 -m pytest -q -p no:cacheprovider \
+    MLA_KEEP_SERVER_LOGS=1 MLA_TEST_TOKENIZER_DIR="$MLA_DEEPSEEK_TOKENIZER_DIR" python3 -m pytest -q -p no:cacheprovider \
       -m "gpu and e2e" tests/serving/test_gpu_e2e.py 2>&1 | tee "$out/gpu_e2e.log"
     for log in /tmp/tritonserver-*/server.log; do  # (the first few servers' logs)
       [[ -f "$log" ]] && cp "$log" "$out/server-$(basename "$(dirname "$log")").log"

@@ -61,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.chat:
         from transformers import AutoTokenizer
 
-        prompt = AutoTokenizer.from_pretrained(args.chat).apply_chat_template(
+        tokenizer = AutoTokenizer.from_pretrained(args.chat)
+        if not tokenizer.chat_template:
+            print(f"error: the tokenizer in {args.chat} has no chat template; leave out --chat "
+                  "to send the prompt as text", file=sys.stderr)
+            return 2
+        prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
 
     responses: queue.Queue = queue.Queue()
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         if response.parameters["triton_final_response"].bool_param:
             break
     client.stop_stream()
-    print()
+    print(flush=True)  # before the timings on stderr
     if args.stats and last is not None:
         fields = {n: last.as_numpy(n) for n in ("finish_reason", "num_input_tokens",
                                                 "cached_tokens")}

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol, Sequence
 
 import torch
-from transformers import AutoTokenizer
 
 from mla_backend.config import GC_THRESHOLDS, EngineConfig
 from mla_backend.constrained.manager import GrammarManager
@@ -49,6 +48,7 @@ from mla_backend.request import (
 )
 from mla_backend.scheduler.schedule_batch import ScheduleBatch
 from mla_backend.scheduler.scheduler import Scheduler
+from mla_backend.tokenizer import load_tokenizer
 from mla_backend.tokenizer.output_processor import OutputProcessor, engine_streams
 
 _IDLE_POLL_S = 0.1  # `serve_engine`'s wait for a message while the engine has no work (s)
@@ -146,7 +146,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.model_path)
+        self.tokenizer = load_tokenizer(config.model.model_path)
         self.vocab_size: int = self.runner.vocab_size
         self.context_len: int = self.runner.context_len
         self.max_total_tokens: int = self.runner.max_total_num_tokens

@@ -4,7 +4,7 @@ Not part of the engine. `write_shape_model` writes `config.json` (plus tokenizer
 from a folder, when given) for one of `SHAPES`; the engine loads such a folder with
 `load_format="dummy"` (random weights made on the device, nothing read from disk).
 
-Shapes (from the published config.json files, see REFERENCE.md §1.6):
+Shapes (from the published config.json files):
 - "deepseek-v2-lite": DeepSeek-V2-Lite — 27 layers, hidden 2048, 16 heads, q_lora_rank null,
   kv_lora_rank 512, qk_nope/rope/v 128/64/128, 64 routed experts top-6 + 2 shared (moe
   intermediate 1408), first layer dense (10944), vocab 102400, YaRN factor 40, 15.7B parameters.

@@ -40,6 +40,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,7 +291,9 @@ class TritonServer:
         load_models: `--load-model` names (explicit mode).
         extra_args: further tritonserver flags.
         host: bind address (loopback by default).
-        log_path: server log file; default a new file in a temp folder.
+        log_path: server log file; default a new file in a temp folder, removed with this object
+            (or at exit) unless the server failed to start or died, or `MLA_KEEP_SERVER_LOGS`
+            is set.
         startup_timeout: seconds to wait for readiness (s).
         wait_models: models that must be READY before start() returns; None means every model
             the repository index lists (an UNAVAILABLE one raises).
@@ -323,8 +326,12 @@ class TritonServer:
         self.model_control_mode = model_control_mode
         self.load_models = tuple(load_models)
         self.extra_args = tuple(extra_args)
+        self._log_cleanup: weakref.finalize | None = None
         if log_path is None:
-            log_path = Path(tempfile.mkdtemp(prefix="tritonserver-")) / "server.log"
+            log_dir = tempfile.mkdtemp(prefix="tritonserver-")
+            log_path = Path(log_dir) / "server.log"
+            if not os.environ.get("MLA_KEEP_SERVER_LOGS"):
+                self._log_cleanup = weakref.finalize(self, shutil.rmtree, log_dir, True)
         self.log_path = Path(log_path)
         self.startup_timeout = startup_timeout
         self.wait_models = None if wait_models is None else tuple(wait_models)
@@ -364,6 +371,7 @@ class TritonServer:
             except TritonServerError as e:
                 clash = "already in use" in str(e) and None in self._fixed_ports
                 if not clash or attempt == attempts - 1:
+                    self.keep_log()
                     raise
                 self.proc = None
                 self._pick_ports()
@@ -504,6 +512,11 @@ class TritonServer:
         self._kill_group()
         return self.proc.returncode
 
+    def keep_log(self) -> None:
+        """Keep the default log folder after this object is gone (failures call this)."""
+        if self._log_cleanup is not None:
+            self._log_cleanup.detach()
+
     def _kill_group(self) -> None:
         assert self.proc is not None
         try:
@@ -522,6 +535,8 @@ class TritonServer:
     ) -> None:
         died = self.proc is not None and self.proc.poll() is not None and not self._stopping
         rc = self.stop()
+        if died:
+            self.keep_log()
         if died and exc_type is None:
             raise TritonServerError(
                 f"tritonserver died during the session (exit code {rc}); log {self.log_path}, "

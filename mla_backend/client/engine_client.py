@@ -47,6 +47,7 @@ from mla_backend.request import (
     RequestOutput,
     validate_request,
 )
+from mla_backend.tokenizer import load_tokenizer
 from mla_backend.tokenizer.output_processor import OutputProcessor, engine_streams
 
 _IDLE_POLL_S = 0.1  # the receiver's wait for a message; it checks the engine is alive between (s)
@@ -166,8 +167,6 @@ class EngineClient:
     where = "engine"  # for logs: where the engine runs
 
     def __init__(self, config: EngineConfig, threads: int | None = None) -> None:
-        from transformers import AutoTokenizer
-
         if threads is None:
             threads = default_torch_threads(config.model.device)
         self._lock = threading.Lock()  # failed, and the live requests with it
@@ -184,7 +183,7 @@ class EngineClient:
         self._channel = self._start_engine(config, threads)
         try:
             facts = self._wait_ready()  # first: the engine's own load error names the cause
-            self.tokenizer = AutoTokenizer.from_pretrained(config.model.model_path)
+            self.tokenizer = load_tokenizer(config.model.model_path)
         except BaseException:
             self._stop_engine(5.0)
             raise

@@ -13,11 +13,12 @@ is testable with plain numpy arrays:
   by the detokenizer or a stop-string prefix) with the next one, so that no empty non-final
   response is sent (genai-perf would time an empty first response as the first token).
 
-Contract (REFERENCE.md §4.1–4.2): sampling fields come from the `sampling_parameters` tensor
-(a JSON object) or, when that tensor is absent, from the request parameters (never merged);
-default max_tokens 16; the prompt is echoed only for non-streaming requests unless
-`exclude_input_in_output` says otherwise; streaming with `exclude_input_in_output` = false is an
-error. Our additions: `input_ids` (token ids instead of `text_input`) and `return_cached_tokens`.
+Contract (that of Triton's vLLM backend, its model.py): sampling fields come from the
+`sampling_parameters` tensor (a JSON object) or, when that tensor is absent, from the request
+parameters (never merged); default max_tokens 16; the prompt is echoed only for non-streaming
+requests unless `exclude_input_in_output` says otherwise; streaming with
+`exclude_input_in_output` = false is an error. Our additions: `input_ids` (token ids instead
+of `text_input`) and `return_cached_tokens`.
 """
 
 from __future__ import annotations
@@ -292,7 +293,7 @@ def build_outputs(
     prefix: str = "",
     decode: Callable[[int], str] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Output tensors for one response (REFERENCE.md §4.1).
+    """Output tensors for one response (the vLLM backend's output names).
 
     Args:
         out: the engine's increment (streaming) or final result (non-streaming).

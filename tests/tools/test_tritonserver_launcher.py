@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import shutil
 import signal
 import sys
 import textwrap
@@ -106,6 +108,11 @@ def test_explicit_mode_waits_for_named_model(tmp_path: Path) -> None:
                       wait_models=["b"]) as server:
         states = server.model_states()
         assert states["b"][0] == "READY" and states["a"][0] != "READY"
+    log_dir = server.log_path.parent
+    assert log_dir.is_dir() and log_dir.name.startswith("tritonserver-")
+    del server  # a clean session's default log folder goes with the object
+    gc.collect()
+    assert not log_dir.exists()
 
 
 def test_failed_model_raises_with_log_tail(tmp_path: Path) -> None:
@@ -114,6 +121,11 @@ def test_failed_model_raises_with_log_tail(tmp_path: Path) -> None:
     with pytest.raises(TritonServerError, match="boom-1234"):
         server.start()
     assert not server.is_running()
+    log = server.log_path
+    del server  # a failed start keeps its log
+    gc.collect()
+    assert "boom-1234" in log.read_text()
+    shutil.rmtree(log.parent)
 
 
 def test_death_during_session_raises(tmp_path: Path) -> None:
@@ -121,11 +133,14 @@ def test_death_during_session_raises(tmp_path: Path) -> None:
     shm = Path("/dev/shm")
     before = set(shm.glob("triton_python_backend_shm_region_*"))
     try:
+        server = TritonServer(tmp_path / "repo")
         with pytest.raises(TritonServerError, match="died"):
-            with TritonServer(tmp_path / "repo") as server:
+            with server:
                 os.kill(server.proc.pid, signal.SIGKILL)
                 server.proc.wait(10)
+        assert server.log_path.exists()  # kept: the server died
     finally:
+        shutil.rmtree(server.log_path.parent, ignore_errors=True)
         # A killed server cannot remove its stubs' shared-memory regions: remove ours.
         for region in set(shm.glob("triton_python_backend_shm_region_*")) - before:
             region.unlink(missing_ok=True)
