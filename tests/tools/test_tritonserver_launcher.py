@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import textwrap
 import urllib.request
 from pathlib import Path
@@ -130,8 +131,9 @@ def test_failed_model_raises_with_log_tail(tmp_path: Path) -> None:
 
 def test_death_during_session_raises(tmp_path: Path) -> None:
     _model(tmp_path / "repo", "echo")
-    shm = Path("/dev/shm")
+    shm, tmp = Path("/dev/shm"), Path(tempfile.gettempdir())
     before = set(shm.glob("triton_python_backend_shm_region_*"))
+    envs_before = set(tmp.glob("python_env_*"))
     try:
         server = TritonServer(tmp_path / "repo")
         with pytest.raises(TritonServerError, match="died"):
@@ -141,6 +143,9 @@ def test_death_during_session_raises(tmp_path: Path) -> None:
         assert server.log_path.exists()  # kept: the server died
     finally:
         shutil.rmtree(server.log_path.parent, ignore_errors=True)
-        # A killed server cannot remove its stubs' shared-memory regions: remove ours.
+        # A killed server cannot remove its stubs' shared-memory regions nor the Python
+        # backend's python_env_* folder: remove ours.
         for region in set(shm.glob("triton_python_backend_shm_region_*")) - before:
             region.unlink(missing_ok=True)
+        for folder in set(tmp.glob("python_env_*")) - envs_before:
+            shutil.rmtree(folder, ignore_errors=True)
