@@ -7,8 +7,10 @@ encodings of the same step, sent to 1, 3 and 7 worker processes that decode each
 apply its `req_to_token` writes to a CPU table:
 - "pickled lists": a dict of Python int lists pickled once per worker (`Connection.send`), an
   extend carrying every request's whole row [0, seq_len) as (row, column, slot) triples;
-- "bytes": `encode_step` once for all workers (`send_bytes`): raw int64 arrays, an extend
-  carrying only the cached prefixes' slots; the worker decodes with `decode_step`.
+- "bytes": `encode_step` once for all workers (`send_bytes`): raw int64 arrays and the
+  (row, column, slot) cells rank 0's pool recorded since the last message (here: the batch's
+  own rows, written before each message as the scheduler writes them, not timed); the worker
+  decodes with `decode_step`.
 Steps: decodes of 64 and 1,024 rows (contexts 200-1,500), a 6,800-token prefill of 20 new
 requests, and 64 requests of 128 new tokens on 1,024-token cached prefixes. Prints the medians
 (ms) of rank 0's encode + send, and of the time from rank 0 starting the message until a worker
@@ -93,6 +95,22 @@ def _worker(conn) -> None:
         spent.setdefault(tag, []).append(time.perf_counter() - t)
 
 
+def write_rows(fb: ForwardBatch) -> None:
+    """Write the batch's cells into its pool as the scheduler does before a forward (an extend:
+    the cached prefix and the new slots of each row; a decode: the new slot), so that rank 0's
+    pool records them for the next message. The values are the ones already there."""
+    pool, r2t = fb.req_to_token_pool, fb.req_to_token_pool.req_to_token_host
+    rows = fb.req_pool_indices.tolist()
+    if fb.forward_mode.is_decode():
+        cols = [s - 1 for s in fb.seq_lens_cpu]
+        pool.write_positions(rows, cols, r2t[rows, cols].to(torch.int64))
+        return
+    for r, p, s in zip(rows, fb.extend_prefix_lens_cpu, fb.seq_lens_cpu):
+        if p:
+            pool.write_row(r, 0, r2t[r, :p].clone())
+        pool.write_row(r, p, r2t[r, p:s].clone())
+
+
 def make_batch(pool: ReqToTokenPool, mode: ForwardMode, prefix: list[int],
                ext: list[int]) -> tuple[ForwardBatch, dict[str, list[int]]]:
     """A batch of requests in rows 0..n-1 with the given prefixes and new tokens, and the int
@@ -122,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     random.seed(0)
     pool = ReqToTokenPool(ROWS, CONTEXT)
     pool.req_to_token.copy_(torch.randint(0, 3_000_000, (ROWS, CONTEXT), dtype=torch.int32))
+    pool.track_writes()  # as a rank 0 with workers
     steps = {
         "decode, 64 rows": make_batch(pool, ForwardMode.DECODE,
                                       [random.randint(200, 1500) for _ in range(64)], [1] * 64),
@@ -148,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             for enc in ("pickled lists", "bytes"):
                 tag = f"{name}|{enc}"
                 for _ in range(args.repeats):
+                    write_rows(fb)  # (not timed: the scheduler's part)
                     for c in pipes:  # the worker times from this marker on
                         c.send_bytes((b"P" if enc == "pickled lists" else b"B") + tag.encode())
                     t = time.perf_counter()
@@ -169,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, (fb, lists) in steps.items():
             for enc in ("pickled lists", "bytes"):
                 tag = f"{name}|{enc}"
+                write_rows(fb)
                 size = len(pickle.dumps(pickled_lists(fb, lists))) \
                     if enc == "pickled lists" else len(encode_step(fb))
                 w = max(statistics.median(s[tag]) for s in worker_spent)

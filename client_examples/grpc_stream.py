@@ -7,7 +7,7 @@ Usage:
 Sends the vLLM-backend inputs (text_input, stream=true, sampling_parameters JSON) and prints each
 `text_output` delta; with --stats also the finish reason, prompt / cached tokens and the total
 of the per-response `num_output_tokens`.
-Exit code 1 on an error response.
+Exit code 1 on an error response, 2 when --chat names a tokenizer without a chat template.
 """
 
 from __future__ import annotations

@@ -42,3 +42,12 @@ def int64_on(values: Iterable[int], device: torch.device | str) -> torch.Tensor:
         as `int64_tensor`.
     """
     return int64_tensor(values).to(device, non_blocking=True)
+
+
+def segment_aranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[sum(lengths)] int64: starts[i], starts[i] + 1, ..., starts[i] + lengths[i] - 1, for each
+    i in order (`starts`, `lengths`: [k] int64 CPU tensors, lengths >= 0)."""
+    total = int(lengths.sum())
+    first = torch.cumsum(lengths, 0) - lengths  # each segment's offset in the output
+    return torch.arange(total) + torch.repeat_interleave(starts - first, lengths, output_size=total)
+

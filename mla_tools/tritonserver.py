@@ -292,8 +292,8 @@ class TritonServer:
         extra_args: further tritonserver flags.
         host: bind address (loopback by default).
         log_path: server log file; default a new file in a temp folder, removed with this object
-            (or at exit) unless the server failed to start or died, or `MLA_KEEP_SERVER_LOGS`
-            is set.
+            (or at exit) unless the server failed to start or died, the `with` block raised, or
+            `MLA_KEEP_SERVER_LOGS` is set.
         startup_timeout: seconds to wait for readiness (s).
         wait_models: models that must be READY before start() returns; None means every model
             the repository index lists (an UNAVAILABLE one raises).
@@ -426,6 +426,7 @@ class TritonServer:
             raise TritonServerError("server not started")
         rc = self.proc.poll()
         if rc is not None:
+            self.keep_log()
             raise TritonServerError(
                 f"tritonserver exited with code {rc}; log {self.log_path}, last lines:\n"
                 + self.log_tail()
@@ -535,7 +536,7 @@ class TritonServer:
     ) -> None:
         died = self.proc is not None and self.proc.poll() is not None and not self._stopping
         rc = self.stop()
-        if died:
+        if died or exc_type is not None:  # a failure inside the session keeps the log too
             self.keep_log()
         if died and exc_type is None:
             raise TritonServerError(

@@ -4,6 +4,8 @@ Owns:
 - `ReqToTokenPool`: `req_to_token[row, position] -> slot` (int32, model device) plus the host copy
   `req_to_token_host`; rows are one per running request. Writes (`write_row`, `write_positions`)
   update both copies; `read_row` reads the host copy, so the host never waits on the device.
+  With `track_writes()` (a tensor-parallel rank 0) the pool also records which cells every write
+  touched, and `take_writes()` hands them over with their current values, for the workers' tables.
 - `TokenToKVPoolAllocator`: CPU free list of slots 1..size. Slot 0 is a reserved sink (padded
   CUDA-graph rows write there) and is never handed out.
 - `MHATokenToKVPool` (per layer K and V per KV head) and `MLATokenToKVPool` (per layer one latent
@@ -28,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mla_backend.host_tensors import int64_tensor
+from mla_backend.host_tensors import int64_tensor, segment_aranges
 
 # `CacheConfig.kv_cache_dtype` → storage dtype (None: the model's dtype).
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
@@ -86,6 +88,11 @@ def _check_scales(name: str, scales: Sequence[float] | None, layer_num: int,
     return scales
 
 
+_NO_RUNS = torch.empty((0, 3), dtype=torch.int32)  # take_writes with nothing of a kind
+_NO_SLOTS = torch.empty(0, dtype=torch.int32)
+_NO_POINTS = torch.empty((3, 0), dtype=torch.int32)
+
+
 class ReqToTokenPool:
     """Maps (request row, token position) to a token slot.
 
@@ -111,6 +118,9 @@ class ReqToTokenPool:
             torch.zeros((size, max_context_len), dtype=torch.int32)
         self._free: list[int] = list(range(size))
         self._is_free = [True] * size
+        # Cells written since the last `take_writes` (None: not tracked): (row, start, n) runs
+        # and [2, n] int64 (rows, cols) points.
+        self._written: tuple[list[tuple[int, int, int]], list[torch.Tensor]] | None = None
 
     def available_size(self) -> int:
         """Number of free rows."""
@@ -145,9 +155,43 @@ class ReqToTokenPool:
         self._free = list(range(self.size))
         self._is_free = [True] * self.size
 
+    def track_writes(self) -> None:
+        """From now on record the cells every write touches (see `take_writes`)."""
+        self._written = ([], [])
+
+    def take_writes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The cells written since the last call (or since `track_writes`), with the values the
+        host table holds now, and clears the record: (runs int32 [k, 3] of (row, start, n) from
+        `write_row`, their slots int32 [sum n] in order, points int32 [3, m] of (row, column,
+        slot) from `write_positions`). A cell written twice appears twice with its latest value,
+        so the writes can be applied in any order (`expand_writes`).
+
+        Raises:
+            RuntimeError: writes are not tracked.
+        """
+        if self._written is None:
+            raise RuntimeError("ReqToTokenPool.take_writes: call track_writes() first")
+        runs, points = self._written
+        self._written = ([], [])
+        host = self.req_to_token_host
+        run_t, run_slots, point_t = _NO_RUNS, _NO_SLOTS, _NO_POINTS
+        if runs:
+            runs64 = int64_tensor(v for run in runs for v in run).view(-1, 3)
+            rows, starts, lengths = runs64.T
+            run_slots = host.view(-1)[segment_aranges(rows * host.shape[1] + starts, lengths)]
+            run_t = runs64.to(torch.int32)
+        if points:  # (few torch calls: a decode step's writes are all points)
+            cells = points[0] if len(points) == 1 else torch.cat(points, dim=1)
+            point_t = torch.empty((3, cells.shape[1]), dtype=torch.int32)
+            point_t[:2] = cells
+            point_t[2] = host[cells[0], cells[1]]
+        return run_t, run_slots, point_t
+
     def write_row(self, row: int, start: int, slots: torch.Tensor) -> None:
         """req_to_token[row, start:start + n] = slots ([n] integer tensor, CPU), both copies."""
         n = int(slots.numel())
+        if self._written is not None:
+            self._written[0].append((row, start, n))
         host = slots.to(torch.int32)
         self.req_to_token_host[row, start:start + n] = host
         if self.req_to_token is not self.req_to_token_host:
@@ -162,6 +206,8 @@ class ReqToTokenPool:
         packed[2 * n:] = slots
         r, c = packed[:n], packed[n:2 * n]
         self.req_to_token_host[r, c] = slots.to(torch.int32)
+        if self._written is not None:
+            self._written[1].append(packed[:2 * n].view(2, n))
         if self.req_to_token is not self.req_to_token_host:
             dev = packed.to(self.device, non_blocking=True)
             self.req_to_token[dev[:n], dev[n:2 * n]] = dev[2 * n:].to(torch.int32)
@@ -170,6 +216,19 @@ class ReqToTokenPool:
         """Slots of positions start..end-1 of `row` from the host copy: [end - start] int64
         CPU tensor (a copy)."""
         return self.req_to_token_host[row, start:end].to(torch.int64)
+
+
+def expand_writes(runs: torch.Tensor, run_slots: torch.Tensor,
+                  points: torch.Tensor) -> torch.Tensor:
+    """The cells of `ReqToTokenPool.take_writes`'s (runs, run_slots, points) as one [3, N]
+    tensor of (rows, columns, slots), ready for one scatter: int32 when there are no runs (a
+    decode step's writes), else int64."""
+    if not runs.shape[0]:
+        return points
+    rows, starts, lengths = runs.to(torch.int64).T
+    cells = torch.stack([torch.repeat_interleave(rows, lengths),
+                         segment_aranges(starts, lengths), run_slots.to(torch.int64)])
+    return torch.cat([cells, points.to(torch.int64)], dim=1)
 
 
 class TokenToKVPoolAllocator:

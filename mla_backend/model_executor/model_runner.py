@@ -261,6 +261,8 @@ class ModelRunner:
         self.max_running_requests = int(rows)
         width = min(self.context_len, self.max_total_num_tokens) + REQ_TO_TOKEN_MARGIN
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, width, self.device)
+        if self.tp_workers is not None:  # their tables replay this one's writes (encode_step)
+            self.req_to_token_pool.track_writes()
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.max_total_num_tokens,
                                                                  self.device)
         self.token_to_kv_pool = self._make_kv_pool(layout)

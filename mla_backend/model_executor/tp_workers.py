@@ -5,13 +5,12 @@ Triton adapter's case): `TpWorkerGroup` spawns ranks 1..N-1 and joins the group 
 (rendezvous via `file://` in a fresh temp folder, no ports).
 
 Per forward, each worker gets one message of bytes over a pipe (`encode_step`, encoded once
-for all workers): a 32-byte header and the `ModelRunner.make_forward_batch` ints as raw int64
-(the batch's own host copy), plus, for an extend, each request's cached-prefix slots from rank
-0's `req_to_token` (int32).
-`decode_step` turns it back into the batch's arguments and the `req_to_token` writes (prefix and
-new tokens for an extend, the new slot for a decode) that make the worker's table mirror rank
-0's. Workers hold the same pools, run the same forward (their collectives meet rank 0's) and drop
-the logits; KV pools stay mirrored. An empty message stops a worker.
+for all workers): a 56-byte header, the `ModelRunner.make_forward_batch` ints as raw int64 (the
+batch's own host copy) and every `req_to_token` cell rank 0 wrote since the previous message
+(its pool tracks them: the batch's rows, and the prefix cache's rewrites of rows after a step).
+`decode_step` turns it back into the batch's arguments and those writes, so each worker's table
+mirrors rank 0's. Workers hold the same pools, run the same forward (their collectives meet rank
+0's) and drop the logits; KV pools stay mirrored. An empty message stops a worker.
 
 Any failure is fatal (ranks out of step; the model must be reloaded). Rank 0 checks liveness
 before each step (`check_alive`); a worker dying mid-step makes a collective fail or time out
@@ -43,7 +42,7 @@ import torch
 from mla_backend.config import GC_THRESHOLDS
 from mla_backend.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from mla_backend.forward_batch import ForwardMode
-from mla_backend.host_tensors import int64_tensor
+from mla_backend.mem_cache.memory_pool import expand_writes
 
 if TYPE_CHECKING:
     from mla_backend.config import EngineConfig
@@ -294,84 +293,70 @@ class TpWorkerGroup:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-_HEADER = struct.Struct("<4q")  # forward mode, return_all_logits, tokens T, requests bs
-_DECODE_COLUMN = torch.tensor([[0], [1], [0]])  # (rows, seq_lens, slots) - this: the writes
+# forward mode, return_all_logits, tokens T, requests bs, runs k, their slots, points m
+_HEADER = struct.Struct("<7q")
 
 
 def encode_step(fb: "ForwardBatch") -> bytes:
     """The message that makes a worker run `fb` (see the module docstring): header (mode,
-    return_all_logits, T, bs), then int64 input_ids [T], positions [T], out_cache_loc [T],
-    req_pool_indices [bs], seq_lens [bs]; for an extend also int64 prefix_lens [bs],
-    extend_lens [bs] and the int32 slots `req_to_token[row, :prefix_len]` of each request in
-    batch order. Reads the batch's host copies (`ForwardBatch.host_packed`,
-    `req_to_token_host`), so it costs no device sync when they exist."""
+    return_all_logits, T, bs, runs k, run slots, points m), then int64 input_ids [T], positions
+    [T], out_cache_loc [T], req_pool_indices [bs], seq_lens [bs], for an extend also prefix_lens
+    [bs] and extend_lens [bs], then the `req_to_token` cells written on this rank since the
+    previous message (`ReqToTokenPool.take_writes`: the batch's own rows and the prefix cache's
+    later rewrites of earlier ones) as int32 runs [k, 3], their slots and points [3, m]. Reads
+    host copies only (`ForwardBatch.host_packed`, `req_to_token_host`), so it costs no device
+    sync when they exist. The host copy is final only without the overlap schedule, which fills
+    a decode's input ids on the device after the batch is built (the engine turns it off at
+    TP > 1).
+
+    Raises:
+        RuntimeError: the batch's `ReqToTokenPool` does not track its writes.
+    """
     packed = fb.host_packed
     if packed is None:
         packed = torch.cat([fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices,
                             fb.seq_lens]).to("cpu", torch.int64)
-    t, b = fb.num_tokens, fb.batch_size
-    parts = [_HEADER.pack(int(fb.forward_mode), int(fb.return_all_logits), t, b),
+    runs, run_slots, points = fb.req_to_token_pool.take_writes()
+    parts = [_HEADER.pack(int(fb.forward_mode), int(fb.return_all_logits), fb.num_tokens,
+                          fb.batch_size, runs.shape[0], run_slots.numel(), points.shape[1]),
              packed.numpy().tobytes()]
     if not fb.forward_mode.is_decode():
-        prefix = fb.extend_prefix_lens_cpu
-        lens = array.array("q", prefix)
+        lens = array.array("q", fb.extend_prefix_lens_cpu)
         lens.extend(fb.extend_seq_lens_cpu)
         parts.append(lens.tobytes())
-        if any(prefix):
-            r2t = fb.req_to_token_pool.req_to_token_host  # no device sync
-            rows = packed[3 * t:3 * t + b].tolist()
-            cached = torch.cat([r2t[row, :n] for row, n in zip(rows, prefix) if n])
-            parts.append(cached.to(torch.int32).numpy().tobytes())
+    parts += [runs.numpy().tobytes(), run_slots.numpy().tobytes(), points.numpy().tobytes()]
     return b"".join(parts)
-
-
-def _segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """[sum(lengths)] int64: starts[i], starts[i] + 1, ..., starts[i] + lengths[i] - 1, for each
-    i in order."""
-    total = int(lengths.sum())
-    first = torch.cumsum(lengths, 0) - lengths  # each segment's offset in the output
-    return torch.arange(total) + torch.repeat_interleave(starts - first, lengths, output_size=total)
 
 
 def decode_step(msg: bytes) -> tuple[dict[str, Any], torch.Tensor]:
     """(keyword arguments of `ModelRunner.make_forward_batch`, req_to_token writes) from an
-    `encode_step` message. The ints come back as lists; the writes are an int64 CPU tensor
-    [3, N] of (rows, columns, slots): for an extend every request's columns [0, prefix_len)
-    from the message's cached slots and [prefix_len, seq_len) from out_cache_loc; for a decode
-    column seq_len - 1 of each row.
+    `encode_step` message. The ints come back as lists; the writes as a CPU tensor [3, N] of
+    (rows, columns, slots) (`memory_pool.expand_writes`).
 
     Raises:
         ValueError: a message whose length does not match its header.
     """
-    mode, all_logits, t, b = _HEADER.unpack_from(msg)
+    mode, all_logits, t, b, k, k_slots, m = _HEADER.unpack_from(msg)
     forward_mode = ForwardMode(mode)
     decode = forward_mode.is_decode()
     head = _HEADER.size // 8
     end = 8 * (head + 3 * t + (2 if decode else 4) * b)
-    if len(msg) < end or (len(msg) - end) % 4:
+    if len(msg) != end + 4 * (3 * k + k_slots + 3 * m):
         raise ValueError(f"tensor-parallel step message of {len(msg)} bytes does not fit its "
-                         f"header ({t} tokens, {b} requests)")
+                         f"header ({t} tokens, {b} requests, {k} runs of {k_slots} slots, {m} "
+                         "points)")
     ints = memoryview(msg)[:end].cast("q")  # C-level slices and lists: no torch op per field
     ids, pos, loc = (ints[head + i * t:head + (i + 1) * t].tolist() for i in range(3))
     rows, seq, prefix, ext = (ints[head + 3 * t + i * b:head + 3 * t + (i + 1) * b].tolist()
                               if i < 2 or not decode else None for i in range(4))
-    if decode:  # prefix_lens, extend_lens None: make_forward_batch takes seq_len - 1 and 1
-        start = 8 * (head + 2 * t)  # out_cache_loc, req_pool_indices, seq_lens: contiguous
-        loc_rows_seq = torch.frombuffer(bytearray(msg[start:end]), dtype=torch.int64).view(3, b)
-        writes = loc_rows_seq[[1, 2, 0]] - _DECODE_COLUMN  # few torch calls: each costs µs
-    else:
-        cached = torch.frombuffer(bytearray(msg[end:]), dtype=torch.int32).to(torch.int64) \
-            if len(msg) > end else torch.empty(0, dtype=torch.int64)
-        if cached.numel() != sum(prefix):
-            raise ValueError(f"tensor-parallel step message has {cached.numel()} cached slots "
-                             f"for prefixes of {sum(prefix)} tokens")
-        rows_t, prefix_t, ext_t = int64_tensor(rows + prefix + ext).view(3, b)
-        writes = torch.cat([
-            torch.stack([torch.repeat_interleave(rows_t, prefix_t),
-                         _segments(torch.zeros_like(prefix_t), prefix_t), cached]),
-            torch.stack([torch.repeat_interleave(rows_t, ext_t), _segments(prefix_t, ext_t),
-                         int64_tensor(loc)]),
-        ], dim=1)
+    # decode: prefix_lens, extend_lens None (make_forward_batch takes seq_len - 1 and 1)
+    cells = torch.frombuffer(bytearray(msg[end:]), dtype=torch.int32) if len(msg) > end \
+        else torch.empty(0, dtype=torch.int32)
+    if k:
+        writes = expand_writes(cells[:3 * k].view(k, 3), cells[3 * k:3 * k + k_slots],
+                               cells[3 * k + k_slots:].view(3, m))
+    else:  # a decode step's writes: points only, one view (each torch call costs µs)
+        writes = cells.view(3, m)
     batch = {"mode": forward_mode, "input_ids": ids, "positions": pos, "req_pool_indices": rows,
              "seq_lens": seq, "prefix_lens": prefix, "extend_lens": ext, "out_cache_loc": loc,
              "return_all_logits": bool(all_logits)}
@@ -379,13 +364,14 @@ def decode_step(msg: bytes) -> tuple[dict[str, Any], torch.Tensor]:
 
 
 def apply_req_to_token_writes(req_to_token: torch.Tensor, writes: torch.Tensor) -> None:
-    """Copy rank 0's `req_to_token` entries into this rank's table: `writes` = int64 CPU
-    [3, N] (rows, columns, slots), as `decode_step` returns; one host-to-device copy and one
+    """Copy rank 0's `req_to_token` entries into this rank's table: `writes` = int32 or int64
+    CPU [3, N] (rows, columns, slots), as `decode_step` returns; one host-to-device copy and one
     scatter, whatever the batch size."""
     if not writes.shape[1]:
         return
     t = writes.to(req_to_token.device)
-    req_to_token[t[0], t[1]] = t[2].to(req_to_token.dtype)
+    req_to_token[t[0], t[1]] = t[2] if t.dtype == req_to_token.dtype else \
+        t[2].to(req_to_token.dtype)
 
 
 __all__ = ["TpWorkerError", "TpWorkerGroup", "apply_req_to_token_writes", "decode_step",

@@ -78,6 +78,28 @@ def test_tp2_structured_outputs_and_n_equal_tp1(deepseek):
     assert got[0].finish_reason == FinishReason.STOP and got[0].text.startswith('{"a": ')
 
 
+def test_tp2_slots_the_prefix_cache_swapped_after_a_prefill_equal_tp1(deepseek):
+    """Two identical prompts in one prefill: after it, rank 0's radix cache frees the second
+    one's duplicate slots and points its row at the first one's (`cache_unfinished_req`). The
+    worker's row must follow, or its decode reads slots that a small pool soon hands to other
+    tokens (silently: the logprobs drift, greedy tokens of a tiny model may not)."""
+    prompt = PROMPTS[0]
+    sp = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    settings = {"model_path": deepseek, "max_total_tokens": 48}
+    runs = []
+    for tp in (1, 2):
+        eng = Engine(EngineConfig.create(tensor_parallel_size=tp, **settings))
+        try:
+            runs.append(eng.generate([prompt, prompt], sp))
+            eng.check_invariant()
+        finally:
+            eng.close()
+    (a1, b1), (a2, b2) = runs
+    assert a2.token_ids == a1.token_ids and b2.token_ids == b1.token_ids
+    for one, two in ((a1, a2), (b1, b2)):
+        assert two.cumulative_logprob == pytest.approx(one.cumulative_logprob, abs=1e-4)
+
+
 def _killed_message(pid: int) -> str:
     return (f"tensor-parallel worker rank 1 (pid {pid}) exited (signal 9, SIGKILL); the model "
             "must be reloaded")

@@ -134,15 +134,18 @@ def test_death_during_session_raises(tmp_path: Path) -> None:
     shm, tmp = Path("/dev/shm"), Path(tempfile.gettempdir())
     before = set(shm.glob("triton_python_backend_shm_region_*"))
     envs_before = set(tmp.glob("python_env_*"))
+    server = TritonServer(tmp_path / "repo")
+    log = server.log_path
     try:
-        server = TritonServer(tmp_path / "repo")
         with pytest.raises(TritonServerError, match="died"):
             with server:
                 os.kill(server.proc.pid, signal.SIGKILL)
                 server.proc.wait(10)
-        assert server.log_path.exists()  # kept: the server died
+        del server
+        gc.collect()
+        assert log.exists()  # kept: the server died
     finally:
-        shutil.rmtree(server.log_path.parent, ignore_errors=True)
+        shutil.rmtree(log.parent, ignore_errors=True)
         # A killed server cannot remove its stubs' shared-memory regions nor the Python
         # backend's python_env_* folder: remove ours.
         for region in set(shm.glob("triton_python_backend_shm_region_*")) - before:
