@@ -369,7 +369,7 @@ def apply_req_to_token_writes(req_to_token: torch.Tensor, writes: torch.Tensor) 
     scatter, whatever the batch size."""
     if not writes.shape[1]:
         return
-    t = writes.to(req_to_token.device)
+    t = writes.to(req_to_token.device, non_blocking=True)  # no wait: see host_tensors.int64_on
     req_to_token[t[0], t[1]] = t[2] if t.dtype == req_to_token.dtype else \
         t[2].to(req_to_token.dtype)
 
