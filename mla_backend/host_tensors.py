@@ -50,4 +50,3 @@ def segment_aranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor
     total = int(lengths.sum())
     first = torch.cumsum(lengths, 0) - lengths  # each segment's offset in the output
     return torch.arange(total) + torch.repeat_interleave(starts - first, lengths, output_size=total)
-

@@ -352,11 +352,8 @@ def decode_step(msg: bytes) -> tuple[dict[str, Any], torch.Tensor]:
     # decode: prefix_lens, extend_lens None (make_forward_batch takes seq_len - 1 and 1)
     cells = torch.frombuffer(bytearray(msg[end:]), dtype=torch.int32) if len(msg) > end \
         else torch.empty(0, dtype=torch.int32)
-    if k:
-        writes = expand_writes(cells[:3 * k].view(k, 3), cells[3 * k:3 * k + k_slots],
-                               cells[3 * k + k_slots:].view(3, m))
-    else:  # a decode step's writes: points only, one view (each torch call costs µs)
-        writes = cells.view(3, m)
+    writes = expand_writes(cells[:3 * k].view(k, 3), cells[3 * k:3 * k + k_slots],
+                           cells[3 * k + k_slots:].view(3, m))
     batch = {"mode": forward_mode, "input_ids": ids, "positions": pos, "req_pool_indices": rows,
              "seq_lens": seq, "prefix_lens": prefix, "extend_lens": ext, "out_cache_loc": loc,
              "return_all_logits": bool(all_logits)}
@@ -370,8 +367,7 @@ def apply_req_to_token_writes(req_to_token: torch.Tensor, writes: torch.Tensor) 
     if not writes.shape[1]:
         return
     t = writes.to(req_to_token.device, non_blocking=True)  # no wait: see host_tensors.int64_on
-    req_to_token[t[0], t[1]] = t[2] if t.dtype == req_to_token.dtype else \
-        t[2].to(req_to_token.dtype)
+    req_to_token[t[0], t[1]] = t[2].to(req_to_token.dtype)  # (int32 slots: no copy)
 
 
 __all__ = ["TpWorkerError", "TpWorkerGroup", "apply_req_to_token_writes", "decode_step",
