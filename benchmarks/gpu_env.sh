@@ -6,7 +6,7 @@
 # Unpacks the bundle to $MLA_GPU_DIR (default /tmp/mla_gpu) and makes the environment the
 # Python-backend stub needs: a venv of the machine's python3 whose own site-packages hold numpy
 # 1.26.4 and tritonclient, ahead of the machine's packages (torch, transformers, ...; added by a
-# .pth file) and this repository (the stub does not read PYTHONPATH; it uses the site-packages
+# .pth file, less those that need numpy 2: benchmarks/gpu_stub_site.py) and this repository (the stub does not read PYTHONPATH; it uses the site-packages
 # of the `python3` first on PATH). Then: that venv's bin first on PATH, MLA_TRITONSERVER_ROOT for
 # mla_tools.tritonserver, perf_analyzer on PATH (a wrapper that gives it libcudart.so.12
 # and libb64), MLA_DEEPSEEK_TOKENIZER_DIR for the V2-Lite-shaped models.
@@ -19,7 +19,16 @@ if [[ ! -x "$MLA_GPU_DIR/venv/bin/python" ]]; then
   venv_site="$("$MLA_GPU_DIR/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
   cp -a "$MLA_GPU_DIR/site/." "$venv_site/"
   echo "$PWD" >"$venv_site/mla_backend_repo.pth"
-  echo "import site; site.addsitedir('$image_site')" >"$venv_site/zz_machine_site.pth"
+  # the machine's packages minus those that need numpy 2 (the stub's numpy is 1.26.4)
+  numpy_version="$(cd "$MLA_GPU_DIR/site" && python3 -c 'import importlib.metadata as m; print(m.version("numpy"))')"
+  python3 benchmarks/gpu_stub_site.py "$image_site" "$MLA_GPU_DIR/image_site" "$numpy_version"
+  echo "import site; site.addsitedir('$MLA_GPU_DIR/image_site')" >"$venv_site/zz_machine_site.pth"
+  # a package whose metadata does not say it needs numpy 2 shows here: leave SciPy out then
+  if ! (cd /tmp && "$MLA_GPU_DIR/venv/bin/python" -c 'from transformers import AutoTokenizer' \
+      >/dev/null 2>&1); then
+    rm -rf "$MLA_GPU_DIR/image_site"
+    python3 benchmarks/gpu_stub_site.py "$image_site" "$MLA_GPU_DIR/image_site" "$numpy_version" scipy
+  fi
   # structured outputs (xgrammar), after the machine's packages; pydantic only where it lacks it
   extra="$MLA_GPU_DIR/extra/xgrammar"
   python3 -c 'import pydantic' 2>/dev/null || extra="$extra:$MLA_GPU_DIR/extra/pydantic"
