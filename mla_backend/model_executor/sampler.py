@@ -120,14 +120,20 @@ def apply_token_restrictions(logits: torch.Tensor, reqs: Sequence[Req]) -> None:
 
 def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: set[int]) -> None:
     """In place on logits [bs, V]: -inf for EOS and stop_token_ids of every request that has
-    produced fewer than `min_new_tokens` tokens (output_ids plus one in flight)."""
+    produced fewer than `min_new_tokens` tokens (output_ids plus one in flight). One indexed
+    write per distinct stop_token_ids among those rows (usually one per step), not one per row:
+    a write indexed by a host list uploads its index and waits for it."""
     vocab = logits.shape[1]
+    groups: dict[tuple[int, ...], list[int]] = {}
     for i, r in enumerate(reqs):
         sp = r.sampling_params
         if len(r.output_ids) + r.num_inflight_tokens < sp.min_new_tokens:
-            banned = sorted(t for t in set(sp.stop_token_ids) | eos_token_ids if 0 <= t < vocab)
-            if banned:
-                logits[i, banned] = float("-inf")
+            groups.setdefault(tuple(sp.stop_token_ids), []).append(i)
+    for stops, rows in groups.items():
+        banned = sorted(t for t in set(stops) | eos_token_ids if 0 <= t < vocab)
+        if banned:
+            logits[_on(rows, logits.device).unsqueeze(1), _on(banned, logits.device)] = \
+                float("-inf")
 
 
 def apply_temperature_and_filters(logits: torch.Tensor,
