@@ -179,7 +179,7 @@ class Engine:
         self._unflushed: list[_Token] = []  # committed tokens `_flush_tokens` has not seen
         # structured outputs: compiles, waiting requests, masks; and the requests whose grammar
         # refused their token (from _commit_tokens)
-        self.grammars = GrammarManager(self.tokenizer, self.vocab_size, eos)
+        self.grammars = GrammarManager(self.tokenizer, self.vocab_size, eos, pin_memory=on_cuda)
         self._grammar_errors: list[tuple[Req, str]] = []
         # n > 1: the completions that wait for their first one's prefill (its rid → them),
         # and those to hand to the scheduler at the next step

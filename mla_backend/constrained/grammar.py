@@ -5,6 +5,7 @@ Owns the library-facing half of structured outputs:
   on a small thread pool, cached by (kind, text). A bad schema/regex/grammar is a `ValueError`
   from the future, naming the field.
 - `GrammarState` (one per request): the matcher; tokens in, next-token bitmask out.
+- `BitmaskFiller` (one per engine): a batch's rows filled in one call, on xgrammar's threads.
 - `allocate_bitmask` / `apply_bitmask`: bitmask [batch, ceil(vocab_size / 32)] int32 on CPU (bit
   j of word i set = token 32*i + j allowed); logits [batch, width] float32/bfloat16/float16 on CPU
   or CUDA, width >= vocab_size; masked entries become -inf in place.
@@ -18,6 +19,7 @@ The tokenizer's other special tokens (`<|im_start|>`, ...) are never allowed. To
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -208,6 +210,34 @@ class GrammarState:
         out.vocab_size, out._token_bytes = self.vocab_size, self._token_bytes
         out.num_tokens = self.num_tokens
         return out
+
+
+class BitmaskFiller:
+    """Fills the bitmask rows of many `GrammarState`s in one call (xgrammar's
+    `BatchGrammarMatcher`): on `max_threads` threads from `min_rows_threaded` rows on, else on
+    one. The same bits as `GrammarState.fill_bitmask` row by row. max_threads None: half this
+    process's CPUs, at most 8. One caller at a time."""
+
+    def __init__(self, max_threads: int | None = None, min_rows_threaded: int = 256) -> None:
+        if max_threads is None:
+            max_threads = min(8, max(1, len(os.sched_getaffinity(0)) // 2))
+        self.max_threads = max_threads
+        self.min_rows_threaded = min_rows_threaded
+        self._one = xgr.BatchGrammarMatcher(max_threads=1)
+        self._many = xgr.BatchGrammarMatcher(max_threads=max_threads) if max_threads > 1 \
+            else self._one
+
+    def fill(self, states: Sequence[GrammarState], bitmask: torch.Tensor) -> None:
+        """Row j of `bitmask` (CPU int32, see `allocate_bitmask`) ← the allowed next tokens of
+        states[j]. Raises RuntimeError when a state is terminated (nothing may follow a stop
+        token)."""
+        matchers = []
+        for state in states:
+            if state._matcher.is_terminated():
+                raise RuntimeError("grammar state is terminated (a stop token was accepted)")
+            matchers.append(state._matcher)
+        batch = self._many if len(matchers) >= self.min_rows_threaded else self._one
+        batch.batch_fill_next_token_bitmask(matchers, bitmask)
 
 
 def build_tokenizer_info(tokenizer: Any, vocab_size: int,

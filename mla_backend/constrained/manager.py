@@ -26,13 +26,17 @@ class GrammarManager:
         tokenizer: the engine's tokenizer.
         vocab_size: the logits' width (tokens).
         stop_token_ids: the ids a grammar allows once complete (the model's EOS ids).
+        pin_memory: the step's bitmask in pinned memory (its upload to a GPU does not wait).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 pin_memory: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.pin_memory = pin_memory
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(t for t in stop_token_ids if 0 <= t < vocab_size)
         self._compiler: Any = None
+        self._filler: Any = None
         self._waiting: dict[str, tuple[Req, concurrent.futures.Future]] = {}
 
     def __bool__(self) -> bool:
@@ -53,13 +57,14 @@ class GrammarManager:
         """
         if self._compiler is None:
             try:
-                from mla_backend.constrained.grammar import GrammarCompiler
+                from mla_backend.constrained.grammar import BitmaskFiller, GrammarCompiler
             except ImportError as e:
                 raise ValueError(
                     f"structured_outputs: this server cannot constrain outputs ({e}); install "
                     "the xgrammar package (requirements.txt pins it)") from None
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
                                              stop_token_ids=self.stop_token_ids)
+            self._filler = BitmaskFiller()
         self._waiting[req.rid] = (req, self._compiler.submit(req.sampling_params
                                                              .structured_outputs))
 
@@ -90,8 +95,8 @@ class GrammarManager:
 
     def masks(self, reqs: Sequence[Req]) -> Callable[[torch.Tensor], None] | None:
         """The sampler's `restrict` for the rows of constrained requests among `reqs` (a batch's
-        sampling rows, in order): their grammars' next-token bitmasks, filled now on the host,
-        applied to those rows of the logits. None when no row needs one (a request that has
+        sampling rows, in order): their grammars' next-token bitmasks, filled now on the host
+        (`BitmaskFiller`: on several threads for a large batch), applied to those rows of the logits. None when no row needs one (a request that has
         ended is left alone: its token is dropped)."""
         from mla_backend.constrained.grammar import allocate_bitmask, apply_bitmask
 
@@ -99,9 +104,8 @@ class GrammarManager:
                 and r.finished_reason is None and not r.grammar.is_terminated()]
         if not rows:
             return None
-        bitmask = allocate_bitmask(len(rows), self.vocab_size)
-        for j, i in enumerate(rows):
-            reqs[i].grammar.fill_bitmask(bitmask, j)
+        bitmask = allocate_bitmask(len(rows), self.vocab_size, pin_memory=self.pin_memory)
+        self._filler.fill([reqs[i].grammar for i in rows], bitmask)
         vocab = self.vocab_size
 
         def restrict(logits: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mla_backend.constrained.grammar import (
+    BitmaskFiller,
     GrammarCompiler,
     GrammarState,
     allocate_bitmask,
@@ -57,6 +58,31 @@ def test_valid_json_drives_the_matcher_to_the_end(compiler, tokenizer) -> None:
     assert state.accept_token(eos) and state.is_terminated()
     with pytest.raises(RuntimeError, match="terminated"):
         state.fill_bitmask(allocate_bitmask(1, state.vocab_size), 0)
+
+
+@pytest.mark.parametrize("min_rows_threaded", [1, 10_000])  # threaded, one thread
+def test_bitmask_filler_equals_filling_row_by_row(compiler, tokenizer, min_rows_threaded) -> None:
+    text = '{"name": "Bob", "age": 42, "ok": true}'
+    ids = _ids(tokenizer, text)
+    states = []
+    for i in range(40):  # states at every position of the text, some twice
+        state = compiler.new_state(compiler.compile(_spec(json=PERSON)))
+        for tid in ids[: i % (len(ids) + 1)]:
+            assert state.accept_token(tid)
+        states.append(state)
+    expected = allocate_bitmask(len(states), compiler.vocab_size)
+    for j, state in enumerate(states):
+        state.fill_bitmask(expected, j)
+    got = allocate_bitmask(len(states), compiler.vocab_size)
+    got.fill_(0)
+    BitmaskFiller(max_threads=2, min_rows_threaded=min_rows_threaded).fill(states, got)
+    assert torch.equal(got, expected)
+    assert len({tuple(row.tolist()) for row in unpack_bitmask(got, compiler.vocab_size)}) > 5
+    assert states[0].accept_token(tokenizer.eos_token_id) is False
+    finished = states[len(ids)]
+    assert finished.accept_token(tokenizer.eos_token_id) and finished.is_terminated()
+    with pytest.raises(RuntimeError, match="terminated"):
+        BitmaskFiller(max_threads=1).fill([states[1], finished], got)
 
 
 def test_invalid_token_is_rejected_and_leaves_the_state(compiler, tokenizer) -> None:
