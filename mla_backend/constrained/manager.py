@@ -96,8 +96,9 @@ class GrammarManager:
     def masks(self, reqs: Sequence[Req]) -> Callable[[torch.Tensor], None] | None:
         """The sampler's `restrict` for the rows of constrained requests among `reqs` (a batch's
         sampling rows, in order): their grammars' next-token bitmasks, filled now on the host
-        (`BitmaskFiller`: on several threads for a large batch), applied to those rows of the logits. None when no row needs one (a request that has
-        ended is left alone: its token is dropped)."""
+        (`BitmaskFiller`: on several threads for a large batch), applied to those rows of the
+        logits. None when no row needs one (a request that has ended is left alone: its token
+        is dropped)."""
         from mla_backend.constrained.grammar import allocate_bitmask, apply_bitmask
 
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None

@@ -12,6 +12,9 @@ every request gets "Stub process … is not healthy".
 (`pb_utils.Tensor.from_dlpack(...).as_numpy()`, which wraps the tensor's memory in a numpy array
 inside the stub) and raises `StubEnvironmentError`, naming what to install, when the values read
 back differ, so such a model fails to load instead of dying on a user's first request.
+`check_stub_imports` does the same for transformers, which the model needs for its tokenizer:
+under numpy 1 it fails to import where a package it pulls in was built for numpy 2 (seen: a SciPy
+that needs numpy >= 2, which transformers 5.17 imports through scikit-learn).
 """
 
 from __future__ import annotations
@@ -53,3 +56,30 @@ def check_stub_arrays(pb_utils: Any) -> None:
         f"not read PYTHONPATH): `python3 -m pip install '{NUMPY_REQUIREMENT}'` "
         "(the project is tested with numpy 1.26.4); see the README, 'Serving on a GPU'."
     )
+
+
+def check_stub_imports() -> None:
+    """Import what the model needs in the stub's Python (transformers' AutoTokenizer).
+
+    Raises:
+        StubEnvironmentError: the import failed; the message names its root cause and what to
+            change in that Python environment.
+    """
+    import numpy as np
+
+    try:
+        from transformers import AutoTokenizer  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure here is the environment's
+        root: BaseException = e
+        while root.__cause__ is not None or root.__context__ is not None:
+            root = root.__cause__ or root.__context__
+        raise StubEnvironmentError(
+            f"transformers cannot be imported in the stub's Python (numpy {np.__version__}): "
+            f"{type(e).__name__}: {e}; root cause: {type(root).__name__}: {root}. A package it "
+            "imports was probably built for another numpy: the stub needs "
+            f"'{NUMPY_REQUIREMENT}', so install versions built for numpy 1 of the packages "
+            "that need numpy 2 (a SciPy that needs numpy >= 2 is imported by scikit-learn, "
+            "which transformers imports when installed), or uninstall them, in the Python "
+            "environment of the `python3` first on tritonserver's PATH; see the README, "
+            "'Serving on a GPU'."
+        ) from None

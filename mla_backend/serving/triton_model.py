@@ -41,7 +41,11 @@ from mla_backend.serving.protocol import (
     parse_request,
 )
 from mla_backend.serving.responder import Responder, send_error
-from mla_backend.serving.stub_check import StubEnvironmentError, check_stub_arrays
+from mla_backend.serving.stub_check import (
+    StubEnvironmentError,
+    check_stub_arrays,
+    check_stub_imports,
+)
 
 _FINALIZE_DRAIN_S = 10.0  # how long finalize() waits for aborted requests' final outputs
 _DEFAULT_SENDER_THREADS = 4  # RESPONSE_SENDER_THREADS when config.pbtxt does not set it
@@ -103,6 +107,7 @@ class TritonPythonModel:
         self.logger = pb_utils.Logger
         try:
             check_stub_arrays(pb_utils)  # before anything slow: a stub that cannot work
+            check_stub_imports()
         except StubEnvironmentError as e:
             raise pb_utils.TritonModelException(str(e)) from None
         model_config = json.loads(args["model_config"])
