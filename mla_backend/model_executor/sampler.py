@@ -15,8 +15,9 @@ Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax (ties → lowest 
 Gumbel-max: argmax(logits - log(E)), E ~ Exp(1); a seeded row draws E from its own generator, so
 its tokens do not depend on batch mates, position or size; unseeded rows share one generator.
 
-Logprobs: fp32 log_softmax of the raw logits. On CUDA, unmodified greedy rows use
-`mla_kernels.sampling.greedy_with_logprob` (same tokens; logprobs equal up to fp32 summation order).
+Logprobs: fp32 log_softmax of the raw logits. On CUDA, a batch of greedy rows with no
+processing but the min_new_tokens mask uses `mla_kernels.sampling.greedy_with_logprob` (same
+tokens; logprobs equal up to fp32 summation order).
 """
 
 from __future__ import annotations
@@ -118,22 +119,50 @@ def apply_token_restrictions(logits: torch.Tensor, reqs: Sequence[Req]) -> None:
             logits[i] = row
 
 
-def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: set[int]) -> None:
-    """In place on logits [bs, V]: -inf for EOS and stop_token_ids of every request that has
-    produced fewer than `min_new_tokens` tokens (output_ids plus one in flight). One indexed
-    write per distinct stop_token_ids among those rows (usually one per step), not one per row:
-    a write indexed by a host list uploads its index and waits for it."""
-    vocab = logits.shape[1]
+def min_tokens_bans(reqs: Sequence[Req], eos_token_ids: set[int], vocab: int
+                    ) -> list[tuple[list[int], list[int]]]:
+    """(rows, banned ids) of the requests that have produced fewer than `min_new_tokens` tokens
+    (output_ids plus one in flight): their EOS and stop_token_ids, grouped by stop_token_ids
+    (usually one group), ids in [0, vocab) only; [] when no row is banned anything."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, r in enumerate(reqs):
         sp = r.sampling_params
         if len(r.output_ids) + r.num_inflight_tokens < sp.min_new_tokens:
             groups.setdefault(tuple(sp.stop_token_ids), []).append(i)
+    bans = []
     for stops, rows in groups.items():
         banned = sorted(t for t in set(stops) | eos_token_ids if 0 <= t < vocab)
         if banned:
-            logits[_on(rows, logits.device).unsqueeze(1), _on(banned, logits.device)] = \
-                float("-inf")
+            bans.append((rows, banned))
+    return bans
+
+
+def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: set[int]) -> None:
+    """In place on logits [bs, V]: -inf for EOS and stop_token_ids of every request that has
+    produced fewer than `min_new_tokens` tokens (`min_tokens_bans`). One indexed write per
+    group, not one per row: a write indexed by a host list uploads its index and waits."""
+    for rows, banned in min_tokens_bans(reqs, eos_token_ids, logits.shape[1]):
+        logits[_on(rows, logits.device).unsqueeze(1), _on(banned, logits.device)] = \
+            float("-inf")
+
+
+def _greedy_with_bans(view: torch.Tensor, bans: list[tuple[list[int], list[int]]],
+                      greedy: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`greedy(view)` (the one-pass kernel: ids, chosen logprob, logsumexp) with the banned
+    ids of each group's rows excluded from the argmax, and the logprobs still those of the raw
+    logits: the banned logits are set to -inf in `view` for the kernel and written back after
+    it; each banned row's logsumexp is the kernel's combined with theirs (logaddexp)."""
+    dev = view.device
+    idx = [(_on(rows, dev), _on(banned, dev)) for rows, banned in bans]
+    saved = [view[r.unsqueeze(1), c] for r, c in idx]  # copies [rows, banned]
+    for r, c in idx:
+        view[r.unsqueeze(1), c] = float("-inf")
+    next_ids, chosen_lp, lse_kept = greedy(view)
+    lse = lse_kept.clone()
+    for (r, c), old in zip(idx, saved):
+        view[r.unsqueeze(1), c] = old
+        lse[r] = torch.logaddexp(lse_kept[r], old.float().logsumexp(dim=1))
+    return next_ids, chosen_lp + (lse_kept - lse), lse
 
 
 def apply_temperature_and_filters(logits: torch.Tensor,
@@ -189,18 +218,16 @@ def _restrict(params: Sequence[SamplingParams]) -> bool:
     return False
 
 
-def needs_processing(reqs: Sequence[Req]) -> bool:
-    """Whether `process_logits` would change the logits of these requests (token restrictions,
-    penalties, the min_new_tokens mask, or a non-greedy row); False: each token is the raw
-    argmax."""
+def _greedy_unprocessed_but_min(reqs: Sequence[Req]) -> bool:
+    """Every row greedy, without restrictions or penalties: at most the min_new_tokens mask
+    applies."""
     for r in reqs:  # one scan: this runs every decode step
         p = r.sampling_params
         if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                 or p.frequency_penalty != 0.0 or p.logit_bias or p.allowed_token_ids is not None
-                or not is_greedy(p)
-                or len(r.output_ids) + r.num_inflight_tokens < p.min_new_tokens):
-            return True
-    return False
+                or not is_greedy(p)):
+            return False
+    return True
 
 
 def process_logits(logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: set[int],
@@ -257,6 +284,9 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        # greedy batches through the one-pass kernel (tests also run it on the CPU, under
+        # triton's interpreter)
+        self.fused_greedy = self.device.type == "cuda"
 
     @torch.no_grad()
     def warm_up(self, max_rows: int,
@@ -334,17 +364,22 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[1]} columns < vocab {self.vocab_size}")
         view = logits[:, : self.vocab_size]
         params = [r.sampling_params for r in reqs]
-        if (view.is_cuda and view.stride(1) == 1 and view.dtype in _GREEDY_KERNEL_DTYPES
+        if (self.fused_greedy and view.stride(1) == 1 and view.dtype in _GREEDY_KERNEL_DTYPES
                 and not torch.compiler.is_compiling() and restrict is None
-                and not needs_processing(reqs)):
+                and _greedy_unprocessed_but_min(reqs)):
             # all greedy on unprocessed logits: argmax, logsumexp and the chosen logprob in
             # one read of the logits (`mla_kernels.sampling`), the same values as below (16-bit
             # logits, as a CUDA graph replay gives them, are read as they are: their fp32 form
             # is the same values); faster than torch's passes at every batch size measured
-            # (`benchmarks/bench_sampling.py`)
+            # (`benchmarks/bench_sampling.py`). Rows under min_new_tokens: `_greedy_with_bans`
+            # (no float32 copy of the batch's logits).
             from mla_kernels.sampling import greedy_with_logprob
 
-            next_ids, chosen_lp, lse = greedy_with_logprob(view)
+            bans = min_tokens_bans(reqs, self.eos_token_ids, self.vocab_size)
+            if bans:
+                next_ids, chosen_lp, lse = _greedy_with_bans(view, bans, greedy_with_logprob)
+            else:
+                next_ids, chosen_lp, lse = greedy_with_logprob(view)
             raw = view
         else:
             raw = view.float()

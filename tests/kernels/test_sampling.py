@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mla_kernels.sampling import greedy_with_logprob
 
@@ -205,3 +207,54 @@ def test_sampler_reads_16bit_logits_as_their_fp32_form(monkeypatch, dtype):
     assert calls == []  # processed logits: the torch branch, on the fp32 form
     assert pen.next_token_ids == sampler.sample(low.float(), reqs(repetition_penalty=1.3)
                                                 ).next_token_ids
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(
+    st.integers(0, 3),  # min_new_tokens
+    st.integers(0, 2),  # output tokens so far
+    st.sampled_from([(), (2,), (5, 2)]),  # stop_token_ids
+    st.sampled_from([None, 3]),  # logprobs
+    st.booleans(),  # make EOS (or the first stop id) the row's argmax
+), min_size=1, max_size=7), st.sampled_from([torch.float32, torch.bfloat16]),
+    st.integers(0, 2**31 - 1))
+def test_sampler_fused_branch_with_min_tokens_equals_the_torch_path(rows, dtype, seed):
+    """Greedy rows under min_new_tokens take the one-pass kernel with their EOS / stop ids set
+    to -inf and written back (`sampler._greedy_with_bans`): the same tokens and, within fp32
+    rounding, the same logprobs (of the raw logits) as the torch path, and the logits are left
+    as they were."""
+    from mla_backend.model_executor.sampler import Sampler
+    from mla_backend.request import Req, SamplingParams
+
+    vocab, eos = 300, 7
+    logits = torch.randn(len(rows), vocab + 5, generator=torch.Generator().manual_seed(seed)) * 4
+    reqs = []
+    for i, (min_new, n_out, stops, logprobs, top_banned) in enumerate(rows):
+        if top_banned:
+            logits[i, (stops or (eos,))[0]] = logits[i].max() + 1.0
+        r = Req(rid=str(i), origin_input_ids=[1, 2], sampling_params=SamplingParams(
+            temperature=0.0, max_new_tokens=8, min_new_tokens=min_new,
+            stop_token_ids=stops, logprobs=logprobs))
+        r.output_ids = [9] * n_out
+        reqs.append(r)
+    logits = logits.to(dtype).to(DEV)
+    before = logits.clone()
+    torch_path = Sampler({eos}, vocab, DEV)
+    torch_path.fused_greedy = False
+    fused_path = Sampler({eos}, vocab, DEV)
+    fused_path.fused_greedy = True
+    want = torch_path.sample(logits, reqs)
+    got = fused_path.sample(logits, reqs)
+    assert torch.equal(logits, before)
+    assert got.next_token_ids == want.next_token_ids
+    for i, (min_new, n_out, stops, _, _) in enumerate(rows):
+        if n_out < min_new:
+            assert got.next_token_ids[i] not in set(stops) | {eos}
+    torch.testing.assert_close(torch.tensor(got.token_logprobs), torch.tensor(want.token_logprobs),
+                               rtol=1e-5, atol=1e-5)
+    for g, w in zip(got.top_logprobs, want.top_logprobs):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert list(g) == list(w)
+            torch.testing.assert_close(torch.tensor(list(g.values())),
+                                       torch.tensor(list(w.values())), rtol=1e-5, atol=1e-5)

@@ -7,15 +7,12 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from mla_backend.model_executor.sampler import (
     Sampler,
     apply_min_tokens,
     apply_penalties,
     apply_temperature_and_filters,
-    needs_processing,
     process_logits,
 )
 from mla_backend.request import Req, SamplingParams
@@ -371,26 +368,3 @@ def test_logprobs_are_of_raw_logits(device: str) -> None:
     assert out.top_logprobs[3] is None
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(
-    st.sampled_from([0.0, 1e-6, 0.7]),  # temperature (1e-6: below the greedy threshold)
-    st.sampled_from([-1, 1, 5]),  # top_k
-    st.sampled_from([1.0, 1.3]),  # repetition_penalty
-    st.sampled_from([0.0, 0.5]),  # presence_penalty
-    st.sampled_from([0.0, -0.5]),  # frequency_penalty
-    st.integers(0, 4),  # min_new_tokens
-    st.integers(0, 3),  # output tokens so far
-    st.integers(0, 2),  # tokens in flight
-), min_size=1, max_size=6))
-def test_needs_processing_iff_process_logits_changes_something(rows):
-    """`needs_processing` (the decode step's fast-path test, plain loops) says True exactly
-    when `process_logits` does not return the logits object itself."""
-    reqs = []
-    for temp, top_k, rep, pres, freq, min_new, n_out, inflight in rows:
-        r = req(output=[5] * n_out, temperature=temp, top_k=top_k, repetition_penalty=rep,
-                presence_penalty=pres, frequency_penalty=freq, min_new_tokens=min_new,
-                max_new_tokens=8)
-        r.num_inflight_tokens = inflight
-        reqs.append(r)
-    logits = rand_logits(len(reqs), 16, seed=len(reqs))
-    assert needs_processing(reqs) == (process_logits(logits, reqs, {EOS}) is not logits)
