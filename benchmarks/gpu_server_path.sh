@@ -1,26 +1,47 @@
 #!/usr/bin/env bash
-# The product path on the GPU machine (issue 41): tritonserver, the stub, our model and its engine
-# process on CUDA. One step per device call (each fits its 10-minute limit):
+# The GPU runs of issues 41-44, one step per device call (each fits its 10-minute limit):
 #
-#   bash benchmarks/gpu_server_path.sh tests   # the gpu+e2e tests through tritonserver
-#   bash benchmarks/gpu_server_path.sh bf16    # bench_server_path.py, V2-Lite shape: peak + sweep
-#   bash benchmarks/gpu_server_path.sh fp8     # the FP8 weights + FP8 cache peak, merged in
+#   bash benchmarks/gpu_server_path.sh tests        # the gpu+e2e tests through tritonserver
+#   bash benchmarks/gpu_server_path.sh bf16         # bench_server_path.py, V2-Lite shape: peak + sweep
+#   bash benchmarks/gpu_server_path.sh fp8          # the FP8 weights + FP8 cache peak, merged in
+#   bash benchmarks/gpu_server_path.sh structured   # bench_structured.py (JSON schema vs free)
+#   bash benchmarks/gpu_server_path.sh profile [DIR]  # bench_profile.py's peak (Engine.step alone)
+#   bash benchmarks/gpu_server_path.sh latency      # bs-1 decode, bf16 and FP8 weights
 #
-# Arguments after the step go to bench_server_path.py (e.g. --num-requests 3000).
+# Arguments after the step go to the benchmark (e.g. bf16 --num-requests 3000; profile
+# --quantization fp8 --kv-cache-dtype fp8_e4m3). `profile DIR` runs DIR's own bench_profile.py
+# on DIR's code (an older checkout, e.g. `git archive <commit> | tar -x -C .old`), for a
+# before/after pair on one machine.
 #
-# Run in the repository root with .gpu/ carried (benchmarks/gpu_bundle.sh makes it) and
-# MLA_COMMIT set to the commit under test (the machine's copy has no git history). Logs and the
-# JSON results go to $OUT (the device tool's folder) or /tmp/mla_out; copy h200_server_path.json
-# from there to benchmarks/results/ (fp8 run on its own: merge its "fp8" key by hand).
+# Run in the repository root with MLA_COMMIT set to the commit under test (the machine's copy
+# has no git history). tests, bf16, fp8 and structured need .gpu/ carried
+# (benchmarks/gpu_bundle.sh makes it) and run in the stub's environment
+# (benchmarks/gpu_env.sh); profile and latency run on the machine's own python3 and need only
+# a DeepSeek-V3 tokenizer folder: $MLA_DEEPSEEK_TOKENIZER_DIR, else .tok/ (carried), else the
+# bundle's. Logs and JSON results go to $OUT (the device tool's folder) or /tmp/mla_out; copy
+# h200_server_path.json from there to benchmarks/results/ (fp8 run on its own: merge its "fp8"
+# key by hand).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-source benchmarks/gpu_env.sh || exit 1
 out="${OUT:-/tmp/mla_out}"
 mkdir -p "$out"
 commit="${MLA_COMMIT:-unknown}"
 json_name=h200_server_path.json  # written after each phase into $out; (fp8) merged into one there
 export PYTHONUNBUFFERED=1
-case "${1:-}" in
+step="${1:-}"
+case "$step" in
+  tests|bf16|fp8|structured) source benchmarks/gpu_env.sh || exit 1 ;;
+  profile|latency)
+    if [[ -z "${MLA_DEEPSEEK_TOKENIZER_DIR:-}" ]]; then
+      if [[ -f .tok/tokenizer.json ]]; then
+        MLA_DEEPSEEK_TOKENIZER_DIR="$PWD/.tok"
+      else
+        source benchmarks/gpu_env.sh || exit 1
+      fi
+    fi
+    ;;
+esac
+case "$step" in
   tests)
     # what the stub imports, as the stub sees it (no PYTHONPATH)
     (unset PYTHONPATH; cd /tmp && python3 -c 'import mla_backend.client, mla_backend.engine, xgrammar; from transformers import AutoTokenizer; print("stub imports: ok")') \
@@ -44,8 +65,30 @@ case "${1:-}" in
       --quantization fp8 --kv-cache-dtype fp8_e4m3 --concurrency --merge \
       --json "$out/$json_name" --details "$out/fp8_details.json" "${@:2}" 2>&1 | tee "$out/fp8.log"
     ;;
+  structured)
+    python3 benchmarks/bench_structured.py --model deepseek-v2-lite \
+      --tokenizer-dir "$MLA_DEEPSEEK_TOKENIZER_DIR" --out "$out/structured.json" "${@:2}" \
+      2>&1 | tee "$out/structured.log"
+    ;;
+  profile)
+    tree=.
+    if [[ -n "${2:-}" && "${2:0:1}" != "-" ]]; then tree="$2"; set -- "$1" "${@:3}"; fi
+    name="profile-$(basename "$(cd "$tree" && pwd)")"
+    (cd "$tree" && PYTHONPATH=. python3 benchmarks/bench_profile.py --model deepseek-v2-lite \
+      --tokenizer-dir "$MLA_DEEPSEEK_TOKENIZER_DIR" --sections steps --graph-max-bs 1024 \
+      --max-running 1024 --prefill-min-free-rows 64 --num-requests 3000 "${@:2}") \
+      2>&1 | grep -v '^\[transformers\]' | tee "$out/$name.log"
+    ;;
+  latency)
+    for quant in "" "--quantization fp8"; do
+      # shellcheck disable=SC2086
+      PYTHONPATH=. python3 benchmarks/bench_suite.py --model deepseek-v2-lite \
+        --tokenizer-dir "$MLA_DEEPSEEK_TOKENIZER_DIR" --sections latency --latency-modes graphs \
+        --latency-bs 1 $quant "${@:2}" 2>&1 | grep -v '^\[transformers\]' | tee -a "$out/latency.log"
+    done
+    ;;
   *)
-    echo "usage: bash benchmarks/gpu_server_path.sh tests|bf16|fp8" >&2
+    echo "usage: bash benchmarks/gpu_server_path.sh tests|bf16|fp8|structured|profile [DIR]|latency" >&2
     exit 2
     ;;
 esac
