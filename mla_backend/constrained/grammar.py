@@ -296,10 +296,15 @@ def _clean_error(e: Exception) -> str:
 # Bitmasks
 
 
-def allocate_bitmask(batch: int, vocab_size: int, *, pin_memory: bool = False) -> torch.Tensor:
-    """[batch, ceil(vocab_size / 32)] int32 on CPU, every bit set (all tokens allowed). Rows are
-    filled by GrammarState.fill_bitmask; pin_memory for a fast copy to the GPU."""
+def allocate_bitmask(batch: int, vocab_size: int, *, pin_memory: bool = False,
+                     all_allowed: bool = True) -> torch.Tensor:
+    """[batch, ceil(vocab_size / 32)] int32 on CPU, every bit set (all tokens allowed), or left
+    uninitialized with all_allowed False (for a caller that fills every row). Rows are filled by
+    GrammarState.fill_bitmask / BitmaskFiller (each writes its whole row); pin_memory for a
+    fast copy to the GPU."""
     shape = xgr.get_bitmask_shape(batch, vocab_size)
+    if not all_allowed:
+        return torch.empty(shape, dtype=torch.int32, pin_memory=pin_memory)
     return torch.full(shape, -1, dtype=torch.int32, pin_memory=pin_memory)
 
 

@@ -105,7 +105,8 @@ class GrammarManager:
                 and r.finished_reason is None and not r.grammar.is_terminated()]
         if not rows:
             return None
-        bitmask = allocate_bitmask(len(rows), self.vocab_size, pin_memory=self.pin_memory)
+        bitmask = allocate_bitmask(len(rows), self.vocab_size, pin_memory=self.pin_memory,
+                                   all_allowed=False)  # the filler writes every row
         self._filler.fill([reqs[i].grammar for i in rows], bitmask)
         vocab = self.vocab_size
 
