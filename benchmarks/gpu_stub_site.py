@@ -4,10 +4,11 @@ The Triton 2.51 stub needs numpy 1 (`mla_backend/serving/stub_check.py`), so `gp
 numpy 1.26.4 ahead of the GPU machine's own packages. Some of those packages need numpy 2 (the
 image's SciPy requires numpy >= 2.0, and scikit-learn needs SciPy); transformers imports
 scikit-learn whenever it can find it (5.17's `generation/candidate_generator.py`), so
-`from transformers import AutoTokenizer` then fails. This script links every top-level entry of
-the machine's site-packages into DEST, except the files of the distributions whose
-`Requires-Dist` excludes NUMPY_VERSION, directly or through another excluded distribution (and
-numpy itself). Run it with the machine's `python3` (it needs `packaging`):
+`from transformers import AutoTokenizer` then fails. This script links the entries of the
+machine's site-packages into DEST, except the files of the distributions whose `Requires-Dist`
+excludes NUMPY_VERSION, directly or through another excluded distribution (and numpy itself); a
+folder shared by excluded and kept distributions (a namespace such as nvidia/) is made in DEST
+and its entries linked the same way. Run it with the machine's `python3` (it needs `packaging`):
 
     python3 benchmarks/gpu_stub_site.py IMAGE_SITE DEST NUMPY_VERSION [NAME ...]
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import sys
-from pathlib import Path
+from pathlib import PurePosixPath
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
@@ -63,26 +64,54 @@ def excluded_distributions(site: str, numpy_version: str, also: list[str]
     return {name: dists[name] for name in sorted(out | ({"numpy"} & dists.keys()))}
 
 
-def owned_entries(dist: md.Distribution) -> set[str]:
-    """The top-level entries of site-packages that hold `dist`'s files."""
-    entries = set()
+def files_of(dist: md.Distribution) -> set[PurePosixPath]:
+    """`dist`'s files inside site-packages (RECORD paths; those outside it left out)."""
+    out = set()
     for f in dist.files or []:
-        top = Path(str(f)).parts[0]
-        if top not in ("..", "/"):
-            entries.add(top)
-    return entries
+        path = PurePosixPath(str(f))
+        if path.parts and path.parts[0] not in ("..", "/"):
+            out.add(path)
+    return out
+
+
+def parents(paths: set[PurePosixPath]) -> set[PurePosixPath]:
+    """Every folder (relative, not ".") that holds one of `paths`."""
+    return {parent for p in paths for parent in p.parents if parent != PurePosixPath(".")}
+
+
+def link_site(site: str, dest: str, excluded: set[PurePosixPath],
+              kept: set[PurePosixPath]) -> None:
+    """Links in `dest` to the entries of `site`, less the `excluded` files: a folder that holds
+    excluded files and no `kept` ones is left out; one that holds both (a namespace folder such
+    as nvidia/) becomes a real folder whose entries are linked the same way."""
+    excluded_dirs, kept_dirs = parents(excluded), parents(kept)
+
+    def walk(rel: PurePosixPath) -> None:
+        os.makedirs(os.path.join(dest, rel), exist_ok=True)
+        for entry in sorted(os.listdir(os.path.join(site, rel))):
+            path = rel / entry
+            if entry == "__pycache__" or path in excluded:
+                continue
+            if path in excluded_dirs:
+                if path in kept_dirs:
+                    walk(path)
+                continue
+            os.symlink(os.path.join(site, path), os.path.join(dest, path))
+
+    walk(PurePosixPath("."))
 
 
 def main(argv: list[str]) -> int:
     site, dest, numpy_version, *also = argv
     out = excluded_distributions(site, numpy_version, also)
-    skip: set[str] = set()
+    excluded: set[PurePosixPath] = set()
     for dist in out.values():
-        skip |= owned_entries(dist)
-    os.makedirs(dest, exist_ok=True)
-    for entry in sorted(os.listdir(site)):
-        if entry not in skip and entry != "__pycache__":
-            os.symlink(os.path.join(site, entry), os.path.join(dest, entry))
+        excluded |= files_of(dist)
+    kept: set[PurePosixPath] = set()
+    for dist in md.distributions(path=[site]):
+        if dist.metadata["Name"] and canonicalize_name(dist.metadata["Name"]) not in out:
+            kept |= files_of(dist)
+    link_site(site, dest, excluded, kept - excluded)
     print("stub site: left out (need another numpy): "
           + ", ".join(f"{n} {d.version}" for n, d in out.items()))
     return 0

@@ -154,15 +154,18 @@ def _greedy_with_bans(view: torch.Tensor, bans: list[tuple[list[int], list[int]]
     it; each banned row's logsumexp is the kernel's combined with theirs (logaddexp)."""
     dev = view.device
     idx = [(_on(rows, dev), _on(banned, dev)) for rows, banned in bans]
-    saved = [view[r.unsqueeze(1), c] for r, c in idx]  # copies [rows, banned]
-    for r, c in idx:
-        view[r.unsqueeze(1), c] = float("-inf")
-    next_ids, chosen_lp, lse_kept = greedy(view)
-    lse = lse_kept.clone()
-    for (r, c), old in zip(idx, saved):
-        view[r.unsqueeze(1), c] = old
-        lse[r] = torch.logaddexp(lse_kept[r], old.float().logsumexp(dim=1))
-    return next_ids, chosen_lp + (lse_kept - lse), lse
+    # an eager forward's logits are inference tensors (ModelRunner forwards under
+    # inference_mode), which take in-place writes only inside it
+    with torch.inference_mode():
+        saved = [view[r.unsqueeze(1), c] for r, c in idx]  # copies [rows, banned]
+        for r, c in idx:
+            view[r.unsqueeze(1), c] = float("-inf")
+        next_ids, chosen_lp, lse_kept = greedy(view)
+        lse = lse_kept.clone()
+        for (r, c), old in zip(idx, saved):
+            view[r.unsqueeze(1), c] = old
+            lse[r] = torch.logaddexp(lse_kept[r], old.float().logsumexp(dim=1))
+        return next_ids, chosen_lp + (lse_kept - lse), lse
 
 
 def apply_temperature_and_filters(logits: torch.Tensor,

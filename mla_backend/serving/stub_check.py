@@ -71,8 +71,13 @@ def check_stub_imports() -> None:
         from transformers import AutoTokenizer  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any failure here is the environment's
         root: BaseException = e
-        while root.__cause__ is not None or root.__context__ is not None:
-            root = root.__cause__ or root.__context__
+        seen = {id(root)}
+        while True:  # down the chain of causes (a context unless suppressed), without cycles
+            nxt = root.__cause__ or (None if root.__suppress_context__ else root.__context__)
+            if nxt is None or id(nxt) in seen:
+                break
+            root = nxt
+            seen.add(id(root))
         raise StubEnvironmentError(
             f"transformers cannot be imported in the stub's Python (numpy {np.__version__}): "
             f"{type(e).__name__}: {e}; root cause: {type(root).__name__}: {root}. A package it "

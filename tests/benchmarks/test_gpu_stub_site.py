@@ -11,12 +11,13 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_stub_site.py"
 
 
 def _dist(site: Path, name: str, version: str, top: str, requires: list[str]) -> None:
+    """A distribution whose files are the package folder `top` (may be nested: "nvidia/x")."""
     info = site / f"{name.replace('-', '_')}-{version}.dist-info"
     info.mkdir()
     meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
     meta += [f"Requires-Dist: {r}" for r in requires]
     (info / "METADATA").write_text("\n".join(meta) + "\n")
-    (site / top).mkdir()
+    (site / top).mkdir(parents=True)
     (site / top / "__init__.py").write_text("")
     (info / "RECORD").write_text(f"{top}/__init__.py,,\n{info.name}/METADATA,,\n"
                                  f"{info.name}/RECORD,,\n")
@@ -48,3 +49,17 @@ def test_leaves_out_what_needs_numpy_2_and_what_needs_that(tmp_path) -> None:
     dest2 = tmp_path / "dest2"
     assert "torch 2.11.0" in _run(site, dest2, "torch")
     assert not (dest2 / "torch").exists() and (dest2 / "transformers").exists()
+
+
+def test_a_namespace_folder_keeps_the_kept_distributions_files(tmp_path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    _dist(site, "nvidia-cudnn-cu13", "9.0", "nvidia/cudnn", [])
+    _dist(site, "nvidia-tool", "1.0", "nvidia/tool", ["numpy>=2"])
+    _dist(site, "jax", "0.11.2", "jax", ["numpy>=2.0"])
+    dest = tmp_path / "dest"
+    assert "jax 0.11.2, nvidia-tool 1.0" in _run(site, dest)
+    assert not (dest / "nvidia").is_symlink() and (dest / "nvidia").is_dir()
+    assert sorted(p.name for p in (dest / "nvidia").iterdir()) == ["cudnn"]
+    assert (dest / "nvidia" / "cudnn" / "__init__.py").is_file()
+    assert not (dest / "jax").exists() and not (dest / "jax-0.11.2.dist-info").exists()

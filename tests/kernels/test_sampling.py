@@ -217,12 +217,14 @@ def test_sampler_reads_16bit_logits_as_their_fp32_form(monkeypatch, dtype):
     st.sampled_from([None, 3]),  # logprobs
     st.booleans(),  # make EOS (or the first stop id) the row's argmax
 ), min_size=1, max_size=7), st.sampled_from([torch.float32, torch.bfloat16]),
-    st.integers(0, 2**31 - 1))
-def test_sampler_fused_branch_with_min_tokens_equals_the_torch_path(rows, dtype, seed):
+    st.integers(0, 2**31 - 1), st.booleans())
+def test_sampler_fused_branch_with_min_tokens_equals_the_torch_path(rows, dtype, seed,
+                                                                    inference):
     """Greedy rows under min_new_tokens take the one-pass kernel with their EOS / stop ids set
     to -inf and written back (`sampler._greedy_with_bans`): the same tokens and, within fp32
     rounding, the same logprobs (of the raw logits) as the torch path, and the logits are left
-    as they were."""
+    as they were. `inference`: the logits are an inference tensor, as an eager forward's
+    (ModelRunner forwards under inference_mode; a CUDA graph's buffer is a normal tensor)."""
     from mla_backend.model_executor.sampler import Sampler
     from mla_backend.request import Req, SamplingParams
 
@@ -238,6 +240,10 @@ def test_sampler_fused_branch_with_min_tokens_equals_the_torch_path(rows, dtype,
         r.output_ids = [9] * n_out
         reqs.append(r)
     logits = logits.to(dtype).to(DEV)
+    if inference:
+        with torch.inference_mode():
+            logits = logits.clone()
+        assert logits.is_inference()
     before = logits.clone()
     torch_path = Sampler({eos}, vocab, DEV)
     torch_path.fused_greedy = False
@@ -258,3 +264,31 @@ def test_sampler_fused_branch_with_min_tokens_equals_the_torch_path(rows, dtype,
             assert list(g) == list(w)
             torch.testing.assert_close(torch.tensor(list(g.values())),
                                        torch.tensor(list(w.values())), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_with_the_fused_min_tokens_path_equals_the_torch_path():
+    """Through `Engine` (eager forwards, whose logits are inference tensors): greedy requests
+    under min_new_tokens give the same tokens with the one-pass kernel as with the torch path,
+    and run to their length."""
+    from pathlib import Path
+
+    from mla_backend.config import EngineConfig
+    from mla_backend.engine import Engine
+    from mla_backend.request import SamplingParams
+
+    model = Path(__file__).resolve().parents[2] / "checkpoints" / "deepseek-v2-tiny"
+    eng = Engine(EngineConfig.create(model_path=str(model), dtype="float32", device="cpu",
+                                     overlap_schedule="false"))
+    try:
+        prompts = ["Once upon a time", "The capital of France is"]
+        params = [SamplingParams(max_new_tokens=6, min_new_tokens=6, temperature=0.0),
+                  SamplingParams(max_new_tokens=5, min_new_tokens=2, temperature=0.0,
+                                 stop_token_ids=(11,), logprobs=2)]
+        want = eng.generate(prompts, params)
+        eng.sampler.fused_greedy = True
+        got = eng.generate(prompts, params)
+    finally:
+        eng.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    assert len(got[0].token_ids) == 6

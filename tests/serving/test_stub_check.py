@@ -51,3 +51,20 @@ def test_a_missing_transformers_is_refused_too(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(StubEnvironmentError, match="root cause: ModuleNotFoundError"):
         check_stub_imports()
+
+
+class _CyclicTransformers(types.ModuleType):
+    """Its attributes fail with an exception chain that loops back on itself."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        first, second = ImportError("first"), ImportError("second")
+        first.__cause__, second.__cause__ = second, first
+        raise first
+
+
+def test_a_cyclic_exception_chain_ends(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", _CyclicTransformers("transformers"))
+    with pytest.raises(StubEnvironmentError, match="root cause: ImportError: second"):
+        check_stub_imports()
