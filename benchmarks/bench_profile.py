@@ -62,7 +62,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_suite as bs_  # noqa: E402
-from bench_suite import (log, make_engine, random_prompt, release, run_requests,  # noqa: E402
+from bench_suite import (StepLog, log, make_engine, random_prompt, release, run_requests,  # noqa: E402
                          run_sections, table, warm_up)
 from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
 
@@ -468,45 +468,16 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
     if 0 < chunk and chunk + 1000 + 2 <= eng.context_len:
         wgen = torch.Generator().manual_seed(1)
         run_requests(eng, [random_prompt(wgen, chunk + 1000, vocab)], [2])
-    batches: list[tuple[str, int, int]] = []
-    orig = eng.scheduler.get_next_batch
-
-    def get_next_batch():
-        b = orig()
-        if b is not None:
-            batches.append(("prefill" if b.is_extend() else "decode", b.batch_size,
-                            b.num_tokens))
-        return b
-
-    eng.scheduler.get_next_batch = get_next_batch
-    # The host's wait for the GPU: the time a step blocks on a sampled batch's event (the
-    # engine's only wait for the device). A mean wait near 0 for a kind of step means the host,
-    # not the GPU, set its pace (with the overlap schedule a decode step takes max(GPU, host)).
-    waited = [0.0]
-    inner_resolve = eng.sampler.resolve
-
-    def resolve(launched):
-        if launched.event is not None:
-            t = time.perf_counter()
-            launched.event.synchronize()
-            waited[0] += time.perf_counter() - t
-        return inner_resolve(launched)
-
-    eng.sampler.resolve = resolve
-    log_rows: list[tuple[str, int, int, float, float]] = []
+    steps = StepLog(eng)
     window = StepWindow(eng, *args.window) if args.window else None
     pre_host = (PrefillHost(eng, 8, args.prefill_host,
-                            lambda: bool(batches) and batches[-1][0] == "prefill")
+                            lambda: bool(steps.batches) and steps.batches[-1][0] == "prefill")
                 if args.prefill_host else None)
-
-    def on_step(dt: float, _outs: list) -> None:
-        if batches:
-            log_rows.append((*batches[-1], dt, waited[0]))
-            batches.clear()
-        waited[0] = 0.0
+    log_rows = steps.rows
 
     with GcPauses() as gcp, CompileLog(lambda: len(log_rows)) as compiles:
-        r = run_requests(eng, prompts, outs, on_step)
+        r = run_requests(eng, prompts, outs, steps.on_step)
+    steps.close()
     stats = eng.stats()
     del eng
     release()
@@ -515,26 +486,10 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
     if pre_host is not None:
         res["prefill_host"] = pre_host.report(args.top)
     total = r["seconds"]
-    edges = [e for e in (1, 16, 64, 128, 256, 512, 1024, 4096)]
-    groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0.0, 0.0])
-    dec_rows = 0
-    for mode, b, ntok, dt, wait in log_rows:
-        if mode == "prefill":
-            key = "prefill / extend"
-        else:
-            lo = max(e for e in edges if e <= b)
-            hi = min([e for e in edges if e > b] or [b + 1]) - 1
-            key = f"decode bs {lo}-{hi} ({'graphs' if b <= graph_max else 'eager'})"
-            dec_rows += b
-        g = groups[key]
-        g[0] += 1
-        g[1] += dt
-        g[2] += ntok
-        g[3] = max(g[3], dt)
-        g[4] += wait
-    n_dec = sum(1 for m, *_ in log_rows if m == "decode")
-    rows = [[k, int(g[0]), 1000 * g[1] / g[0], 1000 * g[4] / g[0], 1000 * g[3], g[1],
-             100 * g[1] / total, int(g[2])] for k, g in sorted(groups.items())]
+    groups = steps.groups(graph_max)
+    dec = [b for m, b, *_ in log_rows if m == "decode"]
+    dec_rows, n_dec = sum(dec), len(dec)
+    rows = steps.table_rows(graph_max, total)
     out_tok_s = r["output_tokens"] / total
     res["steps"] = {"seconds": total, "output_tokens": r["output_tokens"],
                     "output_tok_s": out_tok_s, "graph_max_bs": graph_max,
@@ -544,8 +499,7 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
           f"{r['output_tokens']:,} output tokens in {total:.1f} s = {out_tok_s:,.0f} tok/s; "
           f"mean decode batch {dec_rows / max(n_dec, 1):.0f}; graphs to bs {graph_max}; "
           f"retractions {stats.get('retractions', 0)}",
-          ["steps", "count", "mean ms", "GPU wait ms", "max ms", "seconds", "% of run",
-           "tokens"], rows)
+          StepLog.HEADER, rows)
     res["steps"]["gc"] = gcp.summary()
     table(f"Garbage collections during the run ({gc.get_freeze_count():,} objects frozen)",
           ["generation", "collections", "total ms", "max ms"],

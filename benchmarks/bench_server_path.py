@@ -5,6 +5,8 @@ exactly the output length asked). Measures the peak output tok/s (`--num-request
 at each `--concurrency` (closed loop), tok/s, TTFT and ITL p50 / p99 (a request's ITL: (last -
 first token) / (tokens - 1), as genai-perf's). The engine and the own client run in child
 processes (`--worker`); the engine exits before the server starts (one GPU holds one engine).
+The in-process peak also prints its steps by kind with the time they waited for the GPU
+(`bench_suite.StepLog`, as bench_profile's steps section): a wait near 0 means host-bound.
 The second command below adds an FP8 peak (no sweep) to the first one's JSON file.
 
     PYTHONPATH=. python3 benchmarks/bench_server_path.py --model deepseek-v2-lite --tokenizer-dir T
@@ -177,6 +179,7 @@ def in_process_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """The engine with the server model's settings (its config.pbtxt), in this process, loaded
     by `serving_client.engine_load` (record_times)."""
     import torch
+    from bench_suite import StepLog, table
     from serving_client import engine_load
 
     from mla_backend.engine import Engine
@@ -193,9 +196,16 @@ def in_process_worker(spec: dict[str, Any]) -> dict[str, Any]:
     results = []
     for run in (Run(**r) for r in spec["runs"]):
         jobs = run_jobs(requests, run)
-        stats = engine_load(engine, jobs, run.concurrency, record_times=True)
+        steps = StepLog(engine) if run.label == "peak" else None
+        stats = engine_load(engine, jobs, run.concurrency, record_times=True,
+                            on_step=steps.on_step if steps else None)
         results.append(load_result(stats, jobs))
         print(f"  in-process {run.label}: {stats.tokens_per_s:,.0f} tok/s", flush=True)
+        if steps is not None:  # where the peak's steps spent their time (host or GPU)
+            steps.close()
+            cgr = engine.runner.cuda_graph_runner
+            table(f"In-process peak by kind of step ({stats.wall_s:.1f} s)", StepLog.HEADER,
+                  steps.table_rows(cgr.max_bs if cgr else 0, stats.wall_s))
     engine.shutdown()
     return {"hardware": hardware(), "kv_tokens": engine.max_total_tokens, "results": results}
 

@@ -222,6 +222,81 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
 
 
+class StepLog:
+    """One row per step of a run on `eng`: (mode, batch size, tokens, seconds, GPU wait seconds).
+    Wraps `eng.scheduler.get_next_batch` (the batch a step ran) and `eng.sampler.resolve` (the
+    time the step blocked on a sampled batch's event, the engine's only wait for the device: a
+    mean near 0 for a kind of step means the host, not the GPU, set its pace; with the overlap
+    schedule a decode step takes max(GPU, host)) until `close`. The caller reports each step's
+    wall time with `on_step(seconds)` (`run_requests`' and `serving_client.engine_load`'s
+    `on_step`: the step and the processing of its outputs)."""
+
+    EDGES = (1, 16, 64, 128, 256, 512, 1024, 4096)
+
+    def __init__(self, eng: Engine) -> None:
+        self.rows: list[tuple[str, int, int, float, float]] = []
+        self.batches: list[tuple[str, int, int]] = []  # the batches of the step under way
+        self._eng = eng
+        self._wait = 0.0
+        next_batch, resolve = eng.scheduler.get_next_batch, eng.sampler.resolve
+
+        def get_next_batch():
+            b = next_batch()
+            if b is not None:
+                self.batches.append(("prefill" if b.is_extend() else "decode", b.batch_size,
+                                     b.num_tokens))
+            return b
+
+        def timed_resolve(launched):
+            if launched.event is not None:
+                t = time.perf_counter()
+                launched.event.synchronize()
+                self._wait += time.perf_counter() - t
+            return resolve(launched)
+
+        eng.scheduler.get_next_batch, eng.sampler.resolve = get_next_batch, timed_resolve
+        self._originals = (next_batch, resolve)
+
+    def on_step(self, seconds: float, *_: Any) -> None:
+        if self.batches:
+            self.rows.append((*self.batches[-1], seconds, self._wait))
+            self.batches.clear()
+        self._wait = 0.0
+
+    def close(self) -> None:
+        """Give the engine its own methods back."""
+        self._eng.scheduler.get_next_batch, self._eng.sampler.resolve = self._originals
+
+    def groups(self, graph_max: int) -> dict[str, list[float]]:
+        """Per kind of step ("prefill / extend", "decode bs LO-HI (graphs|eager)"): [count,
+        seconds, tokens, longest seconds, GPU wait seconds]."""
+        groups: dict[str, list[float]] = {}
+        for mode, b, ntok, dt, wait in self.rows:
+            if mode == "prefill":
+                key = "prefill / extend"
+            else:
+                lo = max(e for e in self.EDGES if e <= b)
+                hi = min([e for e in self.EDGES if e > b] or [b + 1]) - 1
+                key = f"decode bs {lo}-{hi} ({'graphs' if b <= graph_max else 'eager'})"
+            g = groups.setdefault(key, [0, 0.0, 0, 0.0, 0.0])
+            g[0] += 1
+            g[1] += dt
+            g[2] += ntok
+            g[3] = max(g[3], dt)
+            g[4] += wait
+        return groups
+
+    def table_rows(self, graph_max: int, total_s: float) -> list[list[Any]]:
+        """["steps", "count", "mean ms", "GPU wait ms", "max ms", "seconds", "% of run",
+        "tokens"] rows (`HEADER`), by kind of step."""
+        return [[k, int(g[0]), 1000 * g[1] / g[0], 1000 * g[4] / g[0], 1000 * g[3], g[1],
+                 100 * g[1] / total_s, int(g[2])]
+                for k, g in sorted(self.groups(graph_max).items())]
+
+    HEADER = ["steps", "count", "mean ms", "GPU wait ms", "max ms", "seconds", "% of run",
+              "tokens"]
+
+
 def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
                  on_step: Callable[[float, list], None] | None = None,
                  sampling: list[SamplingParams] | None = None) -> dict:

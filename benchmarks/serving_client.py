@@ -25,7 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,13 +181,16 @@ def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
 
 
 def engine_load(engine, jobs: list[Job], concurrency: int,
-                record_times: bool = False) -> LoadStats:
+                record_times: bool = False,
+                on_step: Callable[[float], None] | None = None) -> LoadStats:
     """The same closed loop on an in-process Engine (streaming requests, this thread steps;
     text and stop strings from an `OutputProcessor` here, as the server's front door has one).
 
     Args:
         record_times: fill `stats.times` (the outputs of one `engine.step()` share the time it
             returned; tokens: len(new_token_ids)).
+        on_step: called after each step with its seconds (the step and the processing of its
+            outputs), as `bench_suite.run_requests`' (e.g. `bench_suite.StepLog.on_step`).
     """
     from mla_backend.request import GenerateRequest, SamplingParams, validate_request
     from mla_backend.tokenizer.output_processor import OutputProcessor
@@ -219,9 +222,12 @@ def engine_load(engine, jobs: list[Job], concurrency: int,
     while todo and len(live) < concurrency:
         add_next()
     while live:
+        ts = time.perf_counter()
         outs, stopped = processor.process(engine.step())
         for rid in stopped:
             engine.abort(rid)
+        if on_step is not None:
+            on_step(time.perf_counter() - ts)
         now_ns = time.perf_counter_ns() if times is not None else 0
         for out in outs:
             if out.rid not in live:
