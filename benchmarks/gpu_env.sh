@@ -23,12 +23,6 @@ if [[ ! -x "$MLA_GPU_DIR/venv/bin/python" ]]; then
   numpy_version="$(cd "$MLA_GPU_DIR/site" && python3 -c 'import importlib.metadata as m; print(m.version("numpy"))')"
   python3 benchmarks/gpu_stub_site.py "$image_site" "$MLA_GPU_DIR/image_site" "$numpy_version"
   echo "import site; site.addsitedir('$MLA_GPU_DIR/image_site')" >"$venv_site/zz_machine_site.pth"
-  # a package whose metadata does not say it needs numpy 2 shows here: leave SciPy out then
-  if ! (cd /tmp && "$MLA_GPU_DIR/venv/bin/python" -c 'from transformers import AutoTokenizer' \
-      >/dev/null 2>&1); then
-    rm -rf "$MLA_GPU_DIR/image_site"
-    python3 benchmarks/gpu_stub_site.py "$image_site" "$MLA_GPU_DIR/image_site" "$numpy_version" scipy
-  fi
   # structured outputs (xgrammar), after the machine's packages; pydantic only where it lacks it
   extra="$MLA_GPU_DIR/extra/xgrammar"
   python3 -c 'import pydantic' 2>/dev/null || extra="$extra:$MLA_GPU_DIR/extra/pydantic"

@@ -10,11 +10,9 @@ excludes NUMPY_VERSION, directly or through another excluded distribution (and n
 folder shared by excluded and kept distributions (a namespace such as nvidia/) is made in DEST
 and its entries linked the same way. Run it with the machine's `python3` (it needs `packaging`):
 
-    python3 benchmarks/gpu_stub_site.py IMAGE_SITE DEST NUMPY_VERSION [NAME ...]
+    python3 benchmarks/gpu_stub_site.py IMAGE_SITE DEST NUMPY_VERSION
 
-NAMEs are distributions to leave out as well, with what needs them (for one whose metadata does
-not say which numpy it needs). Prints the excluded distributions. Entries no distribution owns
-are linked.
+Prints the excluded distributions. Entries no distribution owns are linked.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 
-def excluded_distributions(site: str, numpy_version: str, also: list[str]
-                           ) -> dict[str, md.Distribution]:
+def excluded_distributions(site: str, numpy_version: str) -> dict[str, md.Distribution]:
     """Distributions of `site` that cannot run with numpy `numpy_version` (by name), and numpy
     itself (the stub's numpy replaces it)."""
     dists = {canonicalize_name(d.metadata["Name"]): d for d in md.distributions(path=[site])
@@ -47,7 +44,7 @@ def excluded_distributions(site: str, numpy_version: str, also: list[str]
                 reqs.append(req)
         needs[name] = reqs
     numpy = Version(numpy_version)
-    out = {canonicalize_name(n) for n in also} & dists.keys()
+    out: set[str] = set()
     changed = True
     while changed:
         changed = False
@@ -102,8 +99,8 @@ def link_site(site: str, dest: str, excluded: set[PurePosixPath],
 
 
 def main(argv: list[str]) -> int:
-    site, dest, numpy_version, *also = argv
-    out = excluded_distributions(site, numpy_version, also)
+    site, dest, numpy_version = argv
+    out = excluded_distributions(site, numpy_version)
     excluded: set[PurePosixPath] = set()
     for dist in out.values():
         excluded |= files_of(dist)

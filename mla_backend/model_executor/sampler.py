@@ -141,7 +141,11 @@ def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: s
     """In place on logits [bs, V]: -inf for EOS and stop_token_ids of every request that has
     produced fewer than `min_new_tokens` tokens (`min_tokens_bans`). One indexed write per
     group, not one per row: a write indexed by a host list uploads its index and waits."""
-    for rows, banned in min_tokens_bans(reqs, eos_token_ids, logits.shape[1]):
+    _ban(logits, min_tokens_bans(reqs, eos_token_ids, logits.shape[1]))
+
+
+def _ban(logits: torch.Tensor, bans: list[tuple[list[int], list[int]]]) -> None:
+    for rows, banned in bans:
         logits[_on(rows, logits.device).unsqueeze(1), _on(banned, logits.device)] = \
             float("-inf")
 
@@ -207,13 +211,6 @@ def _penalize(params: Sequence[SamplingParams]) -> bool:
     return False
 
 
-def _mask_min(reqs: Sequence[Req]) -> bool:
-    for r in reqs:
-        if len(r.output_ids) + r.num_inflight_tokens < r.sampling_params.min_new_tokens:
-            return True
-    return False
-
-
 def _restrict(params: Sequence[SamplingParams]) -> bool:
     for p in params:
         if p.logit_bias or p.allowed_token_ids is not None:
@@ -246,9 +243,9 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: set
     params = [r.sampling_params for r in reqs]
     restricted = _restrict(params)
     penalize = _penalize(params)
-    mask_min = _mask_min(reqs)
+    bans = min_tokens_bans(reqs, eos_token_ids, logits.shape[1])
     sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
-    if not (restricted or restrict is not None or penalize or mask_min or sampled):
+    if not (restricted or restrict is not None or penalize or bans or sampled):
         return logits
     out = logits.clone()
     if restricted:
@@ -257,8 +254,7 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: set
         restrict(out)
     if penalize:
         apply_penalties(out, reqs)
-    if mask_min:
-        apply_min_tokens(out, reqs, eos_token_ids)
+    _ban(out, bans)
     if sampled:
         if len(sampled) == len(reqs):
             out = apply_temperature_and_filters(out, params)

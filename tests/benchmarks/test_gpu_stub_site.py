@@ -23,8 +23,8 @@ def _dist(site: Path, name: str, version: str, top: str, requires: list[str]) ->
                                  f"{info.name}/RECORD,,\n")
 
 
-def _run(site: Path, dest: Path, *extra: str) -> str:
-    out = subprocess.run([sys.executable, str(SCRIPT), str(site), str(dest), "1.26.4", *extra],
+def _run(site: Path, dest: Path) -> str:
+    out = subprocess.run([sys.executable, str(SCRIPT), str(site), str(dest), "1.26.4"],
                          capture_output=True, text=True, check=True)
     return out.stdout
 
@@ -46,9 +46,6 @@ def test_leaves_out_what_needs_numpy_2_and_what_needs_that(tmp_path) -> None:
     assert linked == ["distutils-precedence.pth", "torch", "torch-2.11.0.dist-info",
                       "transformers", "transformers-5.17.0.dist-info"]
     assert (dest / "torch").resolve() == (site / "torch").resolve()
-    dest2 = tmp_path / "dest2"
-    assert "torch 2.11.0" in _run(site, dest2, "torch")
-    assert not (dest2 / "torch").exists() and (dest2 / "transformers").exists()
 
 
 def test_a_namespace_folder_keeps_the_kept_distributions_files(tmp_path) -> None:
