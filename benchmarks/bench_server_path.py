@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import resource
 import shlex
 import shutil
@@ -581,6 +582,23 @@ def write_outputs(args, raw: dict[str, dict[str, dict]], head: dict[str, str],
              "sides": sides}, indent=1))
 
 
+def engine_loop_times(server_log: Path) -> dict[str, float] | None:
+    """The server's engine process over its whole run, from the adapter's unload line in
+    `server_log` (`engine.LoopTimes`): steps and ms per step in `Engine.step`, in sending the
+    outputs to the stub (a send blocks while the stub lags) and in taking requests. None when
+    the log has no such line."""
+    found = None
+    if server_log.is_file():
+        for line in server_log.read_text(errors="replace").splitlines():
+            if "unloaded; engine stats" in line and "loop_steps=" in line:
+                found = dict(re.findall(r"(loop_\w+)=(\d+)", line))
+    if not found or not int(found["loop_steps"]):
+        return None
+    steps = int(found["loop_steps"])
+    return {"steps": steps, **{f"{k}_ms_per_step": int(found[f"loop_{k}_ms"]) / steps
+                               for k in ("step", "send", "inbox")}}
+
+
 def server_groups(runs: list[Run]) -> list[list[Run]]:
     """`runs` cut after each measured run: one own-client call per group (a measured run with
     the warm-ups before it)."""
@@ -604,10 +622,13 @@ def main(argv: list[str]) -> int:
             "hardware": "", "command": "python3 benchmarks/bench_server_path.py "
             + shlex.join(argv)}
     raw: dict[str, dict[str, dict]] = {side: {} for side in (IN_PROCESS, *args.clients)}
+    loop: dict[str, float] = {}  # the server's engine loop (`engine_loop_times`)
     with contextlib.ExitStack() as stack:
         workdir = Path(args.workdir) if args.workdir else Path(
             stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_server_path_")))
         workdir.mkdir(parents=True, exist_ok=True)
+        # after the server has stopped (it logs its engine's loop times at unload)
+        stack.callback(lambda: loop.update(engine_loop_times(workdir / "server.log") or {}))
         folder, dummy = model_folder(args, workdir)
         requests = make_requests(args, folder, max(r.count for r in runs))
         requests_path = workdir / "requests.json"
@@ -665,7 +686,15 @@ def main(argv: list[str]) -> int:
                         f"{result['output_tokens'] / result['span_s']:,.0f} tok/s")
             server.check_alive()
             write_outputs(args, raw, head, settings, final=False)
+    if loop:
+        log(f"server's engine process, whole run: {loop['steps']:,} steps; per step "
+            f"{loop['step_ms_per_step']:.2f} ms in Engine.step, {loop['send_ms_per_step']:.2f} "
+            f"ms sending outputs, {loop['inbox_ms_per_step']:.2f} ms taking requests")
     write_outputs(args, raw, head, settings, final=True)
+    if loop and args.details:
+        details = json.loads(Path(args.details).read_text())
+        Path(args.details).write_text(json.dumps({**details, "server_engine_loop": loop},
+                                                 indent=1))
     return 0
 
 

@@ -759,7 +759,8 @@ def serve_engine(channel: Channel, config: EngineConfig) -> None:
     outputs or changed `failed` or (at most every `_STATS_EVERY_S`) the counters;
     ("check", verdict or None, stats). A request the engine refuses (duplicate id, failed) gets
     its final error output; a step that raises ends every live request with
-    "Error generating stream: <error>" and the loop goes on.
+    "Error generating stream: <error>" and the loop goes on. `stats` is `Engine.stats()` plus
+    the loop's own totals since start (`LoopTimes`: where the loop's busy time went).
     """
     try:
         engine = Engine(config)
@@ -781,14 +782,38 @@ def serve_engine(channel: Channel, config: EngineConfig) -> None:
         engine.close()
 
 
+class LoopTimes:
+    """`serve_engine`'s busy time since start, for profiles of the server path (the adapter logs
+    them at unload, `benchmarks/bench_server_path.py` reads them): steps, ms in `Engine.step`,
+    ms in `channel.send` of outputs (a send blocks while the other end lags) and ms taking
+    messages (add / abort / check) while there was work. Idle waits are not counted."""
+
+    __slots__ = ("steps", "step_s", "send_s", "inbox_s")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.step_s = self.send_s = self.inbox_s = 0.0
+
+    def stats(self) -> dict[str, int]:
+        return {"loop_steps": self.steps, "loop_step_ms": round(self.step_s * 1e3),
+                "loop_send_ms": round(self.send_s * 1e3),
+                "loop_inbox_ms": round(self.inbox_s * 1e3)}
+
+
 def _run_loop(engine: Engine, channel: Channel) -> None:
     """`serve_engine`'s loop: the channel's messages, then a step (or a health check)."""
     last_stats: dict[str, int] | None = None
     last_stats_t = 0.0
     failed_sent: str | None = None
+    times = LoopTimes()
+    clock = time.perf_counter
     while True:
-        wait = 0.0 if engine.has_work() else _IDLE_POLL_S
+        busy = engine.has_work()
+        wait = 0.0 if busy else _IDLE_POLL_S
+        t0 = clock()
         while channel.poll(wait):
+            if not busy:  # the wait for the first message is idle time
+                t0, busy = clock(), True
             message = channel.recv()
             kind = message[0]
             if kind == "close":
@@ -808,26 +833,33 @@ def _run_loop(engine: Engine, channel: Channel) -> None:
                     verdict = None
                 except AssertionError as e:
                     verdict = f"{e!r}"
-                channel.send(("check", verdict, engine.stats()))
+                channel.send(("check", verdict, {**engine.stats(), **times.stats()}))
             wait = 0.0
+        t1 = clock()
+        if busy:
+            times.inbox_s += t1 - t0
         outputs: list[RequestOutput] = []
         if engine.has_work():
             try:
                 outputs = engine.step()
             except Exception as e:  # noqa: BLE001 - fail the live requests, keep serving
                 outputs = engine.fail_live(f"Error generating stream: {e!r}")
+            times.steps += 1
+            times.step_s += clock() - t1
         else:
             engine.check_health()
         now = time.monotonic()
         stats = None
         if now - last_stats_t >= _STATS_EVERY_S or not engine.has_work():
-            current = engine.stats()
+            current = {**engine.stats(), **times.stats()}
             if current != last_stats:
                 stats = last_stats = current
                 last_stats_t = now
         if outputs or stats is not None or engine.failed != failed_sent:
             failed_sent = engine.failed
+            t2 = clock()
             channel.send(("out", outputs, engine.failed, stats))
+            times.send_s += clock() - t2
 
 
 __all__ = ["Channel", "Engine", "EngineFailedError", "GenerateResult", "InvalidRequestError",

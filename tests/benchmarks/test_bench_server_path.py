@@ -70,6 +70,11 @@ def test_end_to_end_on_cpu(tmp_path):
             assert (r.get("server_cpu_s", 0) > 0) == (side != "in_process"), (side, label)
     assert sides["perf_analyzer"]["peak"]["tok_s"] / sides["in_process"]["peak"]["tok_s"] \
         == pytest.approx(peak["ratio"])
+    # The server's engine loop (from its unload line): at least one step per token of the
+    # c=1 runs of both clients (one request at a time), each taking time.
+    loop = json.loads(details.read_text())["server_engine_loop"]
+    assert loop["steps"] >= 2 * sum(outs[:3]) and loop["step_ms_per_step"] > 0, loop
+    assert "server's engine process, whole run" in proc.stdout + proc.stderr, log
 
 
 def test_profile_export_token_counts(tmp_path):

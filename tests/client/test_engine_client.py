@@ -119,6 +119,23 @@ def test_outputs_equal_the_in_process_engine(client):
     assert len(client.processor) == 0  # its per-request state went with the final outputs
 
 
+def test_the_engine_loop_counts_its_steps(client):
+    """`engine.LoopTimes` in the counters: one step per token of a lone greedy request (its
+    prefill makes the first), their time, and no more steps once it has ended."""
+    client.check_invariant()  # fresh counters come with the answer
+    before = client.stats()
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    _run(client, [GenerateRequest(rid="loop", text=PROMPTS[0], sampling_params=sp)])
+    client.check_invariant()
+    after = client.stats()
+    assert after["loop_steps"] - before["loop_steps"] == 10, (before, after)
+    assert after["loop_step_ms"] > before["loop_step_ms"]
+    assert after["loop_send_ms"] >= before["loop_send_ms"]
+    time.sleep(0.3)
+    client.check_invariant()
+    assert client.stats()["loop_steps"] == after["loop_steps"]
+
+
 def test_a_stop_string_ends_a_non_streaming_request_early(client):
     """Non-streaming with a stop string: the engine still sends every step's tokens (the
     output processor needs them to find the string), the client gets one output, cut there."""
