@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import multiprocessing as mp
 import os
 import re
 import resource
@@ -213,8 +214,9 @@ def in_process_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def own_client_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """`serving_client.stream_load` against the server (record_times: each request's send and
-    each response's arrival on tritonclient's stream thread)."""
-    from serving_client import ProcTree, stream_load
+    each response's arrival on tritonclient's stream thread), in `spec["procs"]` processes
+    (`client_procs_load`)."""
+    from serving_client import ProcTree
 
     requests = json.loads(Path(spec["requests"]).read_text())
     server = ProcTree(spec["server_pid"])
@@ -222,11 +224,55 @@ def own_client_worker(spec: dict[str, Any]) -> dict[str, Any]:
     for run in (Run(**r) for r in spec["runs"]):
         jobs = run_jobs(requests, run)
         server_cpu = server.cpu_s()
-        stats = stream_load(spec["url"], spec["model"], jobs, run.concurrency,
-                            timeout_s=spec["timeout_s"], record_times=True)
-        results.append({**load_result(stats, jobs), "server_cpu_s": server.cpu_s() - server_cpu})
-        print(f"  own client {run.label}: {stats.tokens_per_s:,.0f} tok/s", flush=True)
+        stats, procs = client_procs_load(spec, jobs, run.concurrency)
+        results.append({**load_result(stats, jobs), "server_cpu_s": server.cpu_s() - server_cpu,
+                        "client_procs": procs})
+        print(f"  own client {run.label}: {stats.tokens_per_s:,.0f} tok/s ({procs} "
+              f"process{'es' * (procs > 1)})", flush=True)
     return {"results": results}
+
+
+def client_procs_load(spec: dict[str, Any], jobs: list, concurrency: int) -> tuple[Any, int]:
+    """One closed-loop load of `jobs` split over P = min(spec["procs"], concurrency) client
+    processes (a Python gRPC client's GIL caps what one process receives): job i goes to
+    process i mod P, the concurrency is shared out, all start together (a barrier), and their
+    results merge into one `LoadStats` under the jobs' own indices (perf_counter_ns is
+    CLOCK_MONOTONIC: one clock for every process; CPU: the sum). Returns (stats, P)."""
+    from serving_client import LoadStats, stream_load
+
+    procs = max(1, min(int(spec.get("procs", 1)), concurrency, len(jobs)))
+    if procs == 1:
+        return stream_load(spec["url"], spec["model"], jobs, concurrency,
+                           timeout_s=spec["timeout_s"], record_times=True), 1
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(procs), ctx.Queue()
+    children = [ctx.Process(target=_client_part, daemon=True, args=(
+        k, spec["url"], spec["model"], jobs[k::procs],
+        concurrency // procs + (k < concurrency % procs), spec["timeout_s"], barrier, results))
+        for k in range(procs)]
+    for child in children:
+        child.start()
+    stats = LoadStats()
+    for _ in children:
+        k, part = results.get(timeout=spec["timeout_s"] + 120)
+        stats.times.update({i * procs + k: t for i, t in part.times.items()})
+        for name in ("requests", "output_tokens", "short", "responses", "cpu_s"):
+            setattr(stats, name, getattr(stats, name) + getattr(part, name))
+        stats.errors += part.errors
+        stats.latency_s += part.latency_s
+        stats.wall_s = max(stats.wall_s, part.wall_s)
+    for child in children:
+        child.join()
+    return stats, procs
+
+
+def _client_part(k: int, url: str, model: str, jobs: list, concurrency: int, timeout_s: float,
+                 barrier: Any, results: Any) -> None:
+    """Client process k of `client_procs_load`: its jobs, then (k, LoadStats) on `results`."""
+    from serving_client import stream_load
+
+    results.put((k, stream_load(url, model, jobs, concurrency, timeout_s=timeout_s,
+                                record_times=True, before_start=barrier.wait)))
 
 
 WORKERS = {IN_PROCESS: in_process_worker, "own_client": own_client_worker}
@@ -520,6 +566,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-prompt", type=int, default=None, help="cap on prompt lengths")
     ap.add_argument("--lengths", default=str(DEFAULT_PATH))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="processes of the own client (each load's jobs shared out among them)")
     ap.add_argument("--clients", nargs="*", default=list(CLIENTS), choices=CLIENTS,
                     help="server-side load generators; the first one's peak is server_tok_s")
     ap.add_argument("--perf-analyzer", default=None, help="perf_analyzer binary")
@@ -669,7 +717,7 @@ def main(argv: list[str]) -> int:
             # the own client warms the server up before each measured run, and measures it
             own = [r for r in group if not r.measured or "own_client" in args.clients]
             got = run_worker("own_client", {
-                **spec, "url": server.grpc_url, "model": MODEL_NAME,
+                **spec, "url": server.grpc_url, "model": MODEL_NAME, "procs": args.client_procs,
                 "server_pid": server.proc.pid, "timeout_s": args.run_timeout,
                 "runs": [dataclasses.asdict(r) for r in own]}, workdir, args.run_timeout)
             for run, result in zip(own, got["results"]):

@@ -58,11 +58,12 @@ case "$step" in
     ;;
   bf16)
     python3 benchmarks/bench_server_path.py --model deepseek-v2-lite --commit "$commit" \
-      --json "$out/$json_name" --details "$out/bf16_details.json" "${@:2}" 2>&1 | tee "$out/bf16.log"
+      --client-procs 4 --json "$out/$json_name" --details "$out/bf16_details.json" "${@:2}" \
+      2>&1 | tee "$out/bf16.log"
     ;;
   fp8)
     python3 benchmarks/bench_server_path.py --model deepseek-v2-lite --commit "$commit" \
-      --quantization fp8 --kv-cache-dtype fp8_e4m3 --concurrency --merge \
+      --quantization fp8 --kv-cache-dtype fp8_e4m3 --concurrency --merge --client-procs 4 \
       --json "$out/$json_name" --details "$out/fp8_details.json" "${@:2}" 2>&1 | tee "$out/fp8.log"
     ;;
   structured)

@@ -94,7 +94,8 @@ def _inputs(job: Job) -> list:
 
 def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
                 timeout_s: float = 300.0, progress_every: int = 0,
-                on_progress=None, record_times: bool = False) -> LoadStats:
+                on_progress=None, record_times: bool = False,
+                before_start: Callable[[], Any] | None = None) -> LoadStats:
     """Run `jobs` through one gRPC stream with `concurrency` requests in flight.
 
     Args:
@@ -103,6 +104,8 @@ def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
         progress_every: call `on_progress(done, stats)` every this many finished requests.
         record_times: fill `stats.times` (each response is stamped on tritonclient's stream
             thread as it arrives; without it the callback stamps nothing).
+        before_start: called once the stream is open, before the first request (and the
+            clock) starts: e.g. a barrier shared with other client processes.
     Returns:
         LoadStats (tokens from the server's `num_output_tokens`).
     """
@@ -119,6 +122,8 @@ def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
     stats = LoadStats()
     times = stats.times if record_times else None
     todo = deque(enumerate(jobs))
+    if before_start is not None:
+        before_start()
     live: dict[str, tuple[float, int, int]] = {}  # rid → (start, tokens so far, max_tokens)
     cpu0, t0 = time.process_time(), time.perf_counter()
 

@@ -25,12 +25,14 @@ ROW_KEYS = {"concurrency", "side", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p
 @pytest.mark.e2e
 def test_end_to_end_on_cpu(tmp_path):
     """10 requests at once, then concurrency 1 (3 requests) and 4 (8 requests), outputs capped
-    at 6 tokens: every side of every run gets exactly the tokens asked, and the JSON holds the
-    issue's schema with one sweep row per (concurrency, side)."""
+    at 6 tokens, the own client in two processes: every side of every run gets exactly the
+    tokens asked, and the JSON holds the issue's schema with one sweep row per (concurrency,
+    side)."""
     out, details = tmp_path / "out.json", tmp_path / "details.json"
     argv = ["--model", "deepseek-v2-tiny", "--device", "cpu", "--num-requests", "10",
             "--concurrency", "1", "4", "--sweep-min-requests", "3", "--max-output", "6",
-            "--max-prompt", "48", "--json", str(out), "--details", str(details)]
+            "--max-prompt", "48", "--client-procs", "2", "--json", str(out),
+            "--details", str(details)]
     proc = subprocess.run([sys.executable, str(BENCH / "bench_server_path.py"), *argv],
                           capture_output=True, text=True, timeout=600)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -68,6 +70,9 @@ def test_end_to_end_on_cpu(tmp_path):
             assert r["ttft_p50_ms"] < r["e2e_p50_ms"] and r["ttft_p99_ms"] < r["e2e_p99_ms"]
             assert r["client_cpu_s"] > 0
             assert (r.get("server_cpu_s", 0) > 0) == (side != "in_process"), (side, label)
+    # the own client's loads over two processes (one at concurrency 1)
+    assert [sides["own_client"][label]["client_procs"] for label in ("peak", "c=1", "c=4")] \
+        == [2, 1, 2]
     assert sides["perf_analyzer"]["peak"]["tok_s"] / sides["in_process"]["peak"]["tok_s"] \
         == pytest.approx(peak["ratio"])
     # The server's engine loop (from its unload line): at least one step per token of the
