@@ -68,8 +68,11 @@ def _scan_columns(base, lo, hi, BLOCK: tl.constexpr):
 
 @triton.jit
 def _finish_row(base, row, idx, nan_idx, big_m, total, next_ptr, lp_ptr, lse_ptr):
-    idx = tl.where(nan_idx != 2147483647, nan_idx, idx)  # torch.argmax: the first NaN
-    lse = big_m + tl.log(total)
+    has_nan = nan_idx != 2147483647
+    idx = tl.where(has_nan, nan_idx, idx)  # torch.argmax: the first NaN
+    # torch.logsumexp: NaN for a row with a NaN (a GPU's max ignores NaN operands, so the
+    # running sums above do not carry it)
+    lse = tl.where(has_nan, float("nan"), big_m + tl.log(total))
     chosen = tl.load(base + idx).to(tl.float32)
     tl.store(next_ptr + row, idx.to(tl.int64))
     tl.store(lp_ptr + row, chosen - lse)

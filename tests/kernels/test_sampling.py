@@ -267,9 +267,10 @@ def test_sampler_fused_branch_with_min_tokens_equals_the_torch_path(rows, dtype,
 
 
 def test_engine_with_the_fused_min_tokens_path_equals_the_torch_path():
-    """Through `Engine` (eager forwards, whose logits are inference tensors): greedy requests
-    under min_new_tokens give the same tokens with the one-pass kernel as with the torch path,
-    and run to their length."""
+    """Through `Engine` (eager forwards, whose logits are inference tensors; on the GPU when
+    there is one, else under triton's interpreter): greedy requests under min_new_tokens give
+    the same tokens with the one-pass kernel as with the torch path, and run to their
+    length."""
     from pathlib import Path
 
     from mla_backend.config import EngineConfig
@@ -277,9 +278,10 @@ def test_engine_with_the_fused_min_tokens_path_equals_the_torch_path():
     from mla_backend.request import SamplingParams
 
     model = Path(__file__).resolve().parents[2] / "checkpoints" / "deepseek-v2-tiny"
-    eng = Engine(EngineConfig.create(model_path=str(model), dtype="float32", device="cpu",
-                                     overlap_schedule="false"))
+    eng = Engine(EngineConfig.create(model_path=str(model), dtype="float32", device=DEV,
+                                     overlap_schedule="false", disable_cuda_graph=True))
     try:
+        eng.sampler.fused_greedy = False  # (the default on CUDA is the kernel)
         prompts = ["Once upon a time", "The capital of France is"]
         params = [SamplingParams(max_new_tokens=6, min_new_tokens=6, temperature=0.0),
                   SamplingParams(max_new_tokens=5, min_new_tokens=2, temperature=0.0,
