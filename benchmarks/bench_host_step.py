@@ -13,7 +13,7 @@ engine's front door runs on its own side). The forward and the sampler are the C
 here; the other parts are the per-request Python a GPU host runs too. Prints one table row of
 ms per step and the per-request µs of the host parts.
 
-    .venv/bin/python benchmarks/bench_host_step.py [--requests 512] [--steps 20]
+    .venv/bin/python benchmarks/bench_host_step.py [--requests 512] [--steps 20] [--min-tokens]
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--min-tokens", action="store_true",
+                    help="min_tokens = max_tokens on every request (as genai-perf sends)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     eng = Engine(EngineConfig.create(model_path=args.model, dtype="float32", device="cpu",
@@ -73,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     for i in range(args.requests):
         prompt = torch.randint(10, 1000, (16,), generator=gen).tolist()
-        sp = SamplingParams(max_new_tokens=args.warmup + args.steps + 8, temperature=0.0,
-                            ignore_eos=True)
+        n = args.warmup + args.steps + 8
+        sp = SamplingParams(max_new_tokens=n, min_new_tokens=n if args.min_tokens else 0,
+                            temperature=0.0, ignore_eos=True)
         processor.add(f"h{i}", prompt, sp, stream=True)
         eng.add_request(GenerateRequest(rid=f"h{i}", input_ids=prompt, sampling_params=sp,
                                         stream=True))

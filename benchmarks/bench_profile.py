@@ -66,6 +66,7 @@ from bench_suite import (StepLog, log, make_engine, random_prompt, release, run_
                          run_sections, table, warm_up)
 from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
 
+from mla_backend.request import SamplingParams  # noqa: E402
 from mla_tools.model_shapes import SHAPES, write_shape_model  # noqa: E402
 
 # (category, substrings of the kernel name, lower case); first match wins.
@@ -475,8 +476,16 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
                 if args.prefill_host else None)
     log_rows = steps.rows
 
+    sampling = None
+    if args.min_tokens:  # as genai-perf and bench_server_path send fixed output lengths
+        sampling = [SamplingParams(max_new_tokens=o, min_new_tokens=o, temperature=0.0,
+                                   ignore_eos=True) for o in outs]
+    if args.sync_debug:  # a warning (with its stack) for each op that waits for the device
+        torch.cuda.set_sync_debug_mode("warn")
     with GcPauses() as gcp, CompileLog(lambda: len(log_rows)) as compiles:
-        r = run_requests(eng, prompts, outs, steps.on_step)
+        r = run_requests(eng, prompts, outs, steps.on_step, sampling)
+    if args.sync_debug:
+        torch.cuda.set_sync_debug_mode("default")
     steps.close()
     stats = eng.stats()
     del eng
@@ -553,6 +562,10 @@ def main() -> None:
                     help="steps: also cProfile the host side of the run's first N prefill "
                          "steps after its eighth step (wall ms per step, top functions)")
     ap.add_argument("--overlap-schedule", default="auto", choices=["auto", "true", "false"])
+    ap.add_argument("--min-tokens", action="store_true",
+                    help="steps: min_tokens = max_tokens on every request (fixed lengths)")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="steps: torch.cuda.set_sync_debug_mode('warn') during the run")
     ap.add_argument("--gc-threshold", type=int, nargs=3, default=None, metavar=("G0", "G1", "G2"),
                     help="steps: gc.set_threshold for the run (Python's default 700 10 10)")
     ap.add_argument("--gc-unfreeze", action="store_true",
