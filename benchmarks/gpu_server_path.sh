@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs of issues 41-44, one step per device call (each fits its 10-minute limit):
 #
-#   bash benchmarks/gpu_server_path.sh tests        # the gpu+e2e tests through tritonserver
+#   bash benchmarks/gpu_server_path.sh tests        # sampling kernel tests, gpu+e2e tests (tritonserver)
 #   bash benchmarks/gpu_server_path.sh bf16         # bench_server_path.py, V2-Lite shape: peak + sweep
 #   bash benchmarks/gpu_server_path.sh fp8          # the FP8 weights + FP8 cache peak, merged in
 #   bash benchmarks/gpu_server_path.sh structured   # bench_structured.py (JSON schema vs free)
@@ -49,6 +49,9 @@ case "$step" in
     tail -40 "$out/stub_import.log"
     grep -q "stub imports: ok" "$out/stub_import.log" || exit 3
     python3 -m mla_tools.prepare --models deepseek-v2-tiny
+    # the sampling kernel against torch on CUDA (-m "": its gpu-marked cases too)
+    PYTHONPATH=. python3 -m pytest -q -p no:cacheprovider -m "" tests/kernels/test_sampling.py \
+      2>&1 | tee "$out/kernel_tests.log" | tail -5
     # the cut V2-Lite shape takes DeepSeek-V3's tokenizer
     MLA_KEEP_SERVER_LOGS=1 MLA_TEST_TOKENIZER_DIR="$MLA_DEEPSEEK_TOKENIZER_DIR" python3 -m pytest -q -p no:cacheprovider \
       -m "gpu and e2e" tests/serving/test_gpu_e2e.py 2>&1 | tee "$out/gpu_e2e.log"
