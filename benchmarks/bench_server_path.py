@@ -6,7 +6,10 @@ at each `--concurrency` (closed loop), tok/s, TTFT and ITL p50 / p99 (a request'
 first token) / (tokens - 1), as genai-perf's). The engine and the own client run in child
 processes (`--worker`); the engine exits before the server starts (one GPU holds one engine).
 The in-process peak also prints its steps by kind with the time they waited for the GPU
-(`bench_suite.StepLog`, as bench_profile's steps section): a wait near 0 means host-bound.
+(`bench_suite.StepLog`, as bench_profile's steps section): a wait near 0 means host-bound. For
+the server side it prints the engine process's loop times (`engine.LoopTimes`) and, per run,
+the clients' mean TTFT against the adapter's (from the stub's registration of a request; the
+difference is the way in to the stub and the first token's way out).
 The second command below adds an FP8 peak (no sweep) to the first one's JSON file.
 
     PYTHONPATH=. python3 benchmarks/bench_server_path.py --model deepseek-v2-lite --tokenizer-dir T
@@ -148,12 +151,36 @@ def trace_result(trace: Trace, asked: dict[str, int]) -> dict[str, Any]:
             "span_s": (last - first) if last is not None else 0.0}
 
 
+def stub_ttft(metrics_url: str) -> tuple[float, float]:
+    """(sum s, count) of the adapter's `vllm:time_to_first_token_seconds` for MODEL_NAME: per
+    request the engine's first token − the request's registration in the stub (so a client's
+    TTFT minus this is the way in to the stub and the first token's way out)."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=30) as f:
+        text = f.read().decode()
+    got = {}
+    for name, labels, value in re.findall(
+            r"^vllm:time_to_first_token_seconds_(sum|count)\{([^}]*)\}\s+(\S+)$", text, re.M):
+        if f'model="{MODEL_NAME}"' in labels:
+            got[name] = float(value)
+    return got.get("sum", 0.0), got.get("count", 0.0)
+
+
+def stub_ttft_mean_ms(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """Mean of the `stub_ttft` observations between two readings (ms); None without any."""
+    count = after[1] - before[1]
+    return 1e3 * (after[0] - before[0]) / count if count > 0 else None
+
+
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """Output tok/s and TTFT / ITL / end-to-end p50 and p99 (ms) of a `trace_result`."""
+    """Output tok/s, TTFT mean and TTFT / ITL / end-to-end p50 and p99 (ms) of a
+    `trace_result`."""
     import numpy as np
 
     out = {"tok_s": result["output_tokens"] / result["span_s"] if result["span_s"] else 0.0}
     per = np.array(result["per_request"], dtype=float).reshape(-1, 3)
+    out["ttft_mean_ms"] = float(per[:, 0].mean() * 1e3) if len(per) else float("nan")
     for i, name in enumerate(("ttft", "itl", "e2e")):
         for q in (50, 99):
             out[f"{name}_p{q}_ms"] = float(np.percentile(per[:, i], q) * 1e3) if len(per) else \
@@ -223,10 +250,11 @@ def own_client_worker(spec: dict[str, Any]) -> dict[str, Any]:
     results = []
     for run in (Run(**r) for r in spec["runs"]):
         jobs = run_jobs(requests, run)
-        server_cpu = server.cpu_s()
+        server_cpu, ttft0 = server.cpu_s(), stub_ttft(spec["metrics_url"])
         stats, procs = client_procs_load(spec, jobs, run.concurrency)
         results.append({**load_result(stats, jobs), "server_cpu_s": server.cpu_s() - server_cpu,
-                        "client_procs": procs})
+                        "client_procs": procs, "stub_ttft_mean_ms": stub_ttft_mean_ms(
+                            ttft0, stub_ttft(spec["metrics_url"]))})
         print(f"  own client {run.label}: {stats.tokens_per_s:,.0f} tok/s ({procs} "
               f"process{'es' * (procs > 1)})", flush=True)
     return {"results": results}
@@ -494,6 +522,14 @@ def report(args, sides: dict[str, dict[str, dict]], show: bool
                          f"{extra:+.2f} ms",
                          "yes" if extra <= TARGETS["ttft_c1_extra_ms"] else "NO"])
     emit("Targets (issue 41)", ["client", "target", "measured", "met"], rows)
+    emit("Where the server's TTFT goes (means, ms): at the client; in the stub (registration to "
+         "the engine's first token, the adapter's TTFT metric); the rest is the request's way "
+         "in to the stub and the first token's way out",
+         ["run", "side", "client TTFT", "stub TTFT", "way in + out"],
+         [[label, side, r["ttft_mean_ms"], r["stub_ttft_mean_ms"],
+           r["ttft_mean_ms"] - r["stub_ttft_mean_ms"]]
+          for side, runs in sides.items() for label, r in runs.items()
+          if r.get("stub_ttft_mean_ms") is not None])
     return peak, sweep
 
 
@@ -718,6 +754,7 @@ def main(argv: list[str]) -> int:
             own = [r for r in group if not r.measured or "own_client" in args.clients]
             got = run_worker("own_client", {
                 **spec, "url": server.grpc_url, "model": MODEL_NAME, "procs": args.client_procs,
+                "metrics_url": server.metrics_url,
                 "server_pid": server.proc.pid, "timeout_s": args.run_timeout,
                 "runs": [dataclasses.asdict(r) for r in own]}, workdir, args.run_timeout)
             for run, result in zip(own, got["results"]):
@@ -726,8 +763,11 @@ def main(argv: list[str]) -> int:
                     raw["own_client"][run.label] = result
             for run in group:
                 if run.measured and "perf_analyzer" in args.clients:
+                    ttft0 = stub_ttft(server.metrics_url)
                     result = perf_analyzer_run(binary, server.grpc_url, requests, run,
                                                workdir, tree, args.run_timeout)
+                    result["stub_ttft_mean_ms"] = stub_ttft_mean_ms(
+                        ttft0, stub_ttft(server.metrics_url))
                     check("perf_analyzer", run, result)
                     raw["perf_analyzer"][run.label] = result
                     log(f"  perf_analyzer {run.label}: "

@@ -37,7 +37,8 @@ def test_end_to_end_on_cpu(tmp_path):
                           capture_output=True, text=True, timeout=600)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
-    for title in ("### Peak", "### Concurrency sweep", "### Targets"):
+    for title in ("### Peak", "### Concurrency sweep", "### Targets",
+                  "### Where the server's TTFT"):
         assert title in proc.stdout, log
 
     doc = json.loads(out.read_text())
@@ -70,6 +71,8 @@ def test_end_to_end_on_cpu(tmp_path):
             assert r["ttft_p50_ms"] < r["e2e_p50_ms"] and r["ttft_p99_ms"] < r["e2e_p99_ms"]
             assert r["client_cpu_s"] > 0
             assert (r.get("server_cpu_s", 0) > 0) == (side != "in_process"), (side, label)
+            if side != "in_process":  # the adapter's TTFT (from the stub) within the client's
+                assert 0 < r["stub_ttft_mean_ms"] < r["ttft_mean_ms"], (side, label)
     # the own client's loads over two processes (one at concurrency 1)
     assert [sides["own_client"][label]["client_procs"] for label in ("peak", "c=1", "c=4")] \
         == [2, 1, 2]
