@@ -482,10 +482,12 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
                                    ignore_eos=True) for o in outs]
     if args.sync_debug:  # a warning (with its stack) for each op that waits for the device
         torch.cuda.set_sync_debug_mode("warn")
-    with GcPauses() as gcp, CompileLog(lambda: len(log_rows)) as compiles:
-        r = run_requests(eng, prompts, outs, steps.on_step, sampling)
-    if args.sync_debug:
-        torch.cuda.set_sync_debug_mode("default")
+    try:
+        with GcPauses() as gcp, CompileLog(lambda: len(log_rows)) as compiles:
+            r = run_requests(eng, prompts, outs, steps.on_step, sampling)
+    finally:
+        if args.sync_debug:
+            torch.cuda.set_sync_debug_mode("default")
     steps.close()
     stats = eng.stats()
     del eng

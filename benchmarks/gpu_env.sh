@@ -6,10 +6,11 @@
 # Unpacks the bundle to $MLA_GPU_DIR (default /tmp/mla_gpu) and makes the environment the
 # Python-backend stub needs: a venv of the machine's python3 whose own site-packages hold numpy
 # 1.26.4 and tritonclient, ahead of the machine's packages (torch, transformers, ...; added by a
-# .pth file, less those that need numpy 2: benchmarks/gpu_stub_site.py) and this repository (the stub does not read PYTHONPATH; it uses the site-packages
-# of the `python3` first on PATH). Then: that venv's bin first on PATH, MLA_TRITONSERVER_ROOT for
-# mla_tools.tritonserver, perf_analyzer on PATH (a wrapper that gives it libcudart.so.12
-# and libb64), MLA_DEEPSEEK_TOKENIZER_DIR for the V2-Lite-shaped models.
+# .pth file, less those that need numpy 2: benchmarks/gpu_stub_site.py) and this repository
+# (the stub does not read PYTHONPATH; it uses the site-packages of the `python3` first on
+# PATH). Then: that venv's bin first on PATH, MLA_TRITONSERVER_ROOT for mla_tools.tritonserver,
+# perf_analyzer on PATH (a wrapper that gives it libcudart.so.12 and libb64),
+# MLA_DEEPSEEK_TOKENIZER_DIR for the V2-Lite-shaped models.
 MLA_GPU_DIR="${MLA_GPU_DIR:-/tmp/mla_gpu}"
 if [[ ! -x "$MLA_GPU_DIR/venv/bin/python" ]]; then
   mkdir -p "$MLA_GPU_DIR"

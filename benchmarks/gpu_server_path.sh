@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs of issues 41-44, one step per device call (each fits its 10-minute limit):
 #
-#   bash benchmarks/gpu_server_path.sh tests        # sampling kernel tests, gpu+e2e tests (tritonserver)
-#   bash benchmarks/gpu_server_path.sh bf16         # bench_server_path.py, V2-Lite shape: peak + sweep
+#   bash benchmarks/gpu_server_path.sh tests        # sampling kernel tests, gpu+e2e tests
+#   bash benchmarks/gpu_server_path.sh bf16         # bench_server_path.py, V2-Lite: peak + sweep
 #   bash benchmarks/gpu_server_path.sh fp8          # the FP8 weights + FP8 cache peak, merged in
 #   bash benchmarks/gpu_server_path.sh structured   # bench_structured.py (JSON schema vs free)
 #   bash benchmarks/gpu_server_path.sh profile [DIR]  # bench_profile.py's peak (Engine.step alone)
@@ -88,11 +88,13 @@ case "$step" in
       # shellcheck disable=SC2086
       PYTHONPATH=. python3 benchmarks/bench_suite.py --model deepseek-v2-lite \
         --tokenizer-dir "$MLA_DEEPSEEK_TOKENIZER_DIR" --sections latency --latency-modes graphs \
-        --latency-bs 1 $quant "${@:2}" 2>&1 | grep -v '^\[transformers\]' | tee -a "$out/latency.log"
+        --latency-bs 1 $quant "${@:2}" 2>&1 | grep -v '^\[transformers\]' \
+        | tee -a "$out/latency.log"
     done
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_server_path.sh tests|bf16|fp8|structured|profile [DIR]|latency" >&2
+    echo "usage: bash benchmarks/gpu_server_path.sh" \
+      "tests|bf16|fp8|structured|profile [DIR]|latency" >&2
     exit 2
     ;;
 esac

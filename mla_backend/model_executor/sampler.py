@@ -137,14 +137,10 @@ def min_tokens_bans(reqs: Sequence[Req], eos_token_ids: set[int], vocab: int
     return bans
 
 
-def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: set[int]) -> None:
-    """In place on logits [bs, V]: -inf for EOS and stop_token_ids of every request that has
-    produced fewer than `min_new_tokens` tokens (`min_tokens_bans`). One indexed write per
-    group, not one per row: a write indexed by a host list uploads its index and waits."""
-    _ban(logits, min_tokens_bans(reqs, eos_token_ids, logits.shape[1]))
-
-
 def _ban(logits: torch.Tensor, bans: list[tuple[list[int], list[int]]]) -> None:
+    """In place on logits [bs, V]: -inf at each group's (rows, banned ids) of
+    `min_tokens_bans`. One indexed write per group, its indices uploaded without waiting (a
+    write indexed by a host list, one per row, would upload its index and wait each time)."""
     for rows, banned in bans:
         logits[_on(rows, logits.device).unsqueeze(1), _on(banned, logits.device)] = \
             float("-inf")

@@ -130,7 +130,6 @@ def test_the_engine_loop_counts_its_steps(client):
     after = client.stats()
     assert after["loop_steps"] - before["loop_steps"] == 10, (before, after)
     assert after["loop_step_ms"] > before["loop_step_ms"]
-    assert after["loop_send_ms"] >= before["loop_send_ms"]
     time.sleep(0.3)
     client.check_invariant()
     assert client.stats()["loop_steps"] == after["loop_steps"]

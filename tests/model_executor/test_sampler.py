@@ -10,7 +10,6 @@ import torch
 
 from mla_backend.model_executor.sampler import (
     Sampler,
-    apply_min_tokens,
     apply_penalties,
     apply_temperature_and_filters,
     process_logits,
@@ -217,8 +216,8 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
         req(output=[5, 5, 5], min_new_tokens=3, stop_token_ids=(7,), temperature=0.0),
         req(output=[], min_new_tokens=1, ignore_eos=True, temperature=0.0),
     ]
-    masked = logits.clone()
-    apply_min_tokens(masked, reqs, {EOS})
+    masked = process_logits(logits, reqs, {EOS})
+    assert masked is not logits
     assert masked[0, EOS] == float("-inf") and masked[0, 7] == float("-inf")
     torch.testing.assert_close(masked[1], logits[1])
     assert masked[2, EOS] == float("-inf") and masked[2, 7] == 8.0
