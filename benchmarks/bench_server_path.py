@@ -584,6 +584,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--intra-op-threads", type=int, default=None,
                     help="torch threads of both engines (default: on a CPU one fewer than the "
                          "cores, as the adapter's auto; on a GPU torch's default)")
+    ap.add_argument("--server-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config.pbtxt parameter of the served model only (an adapter "
+                         "setting, e.g. GIL_SWITCH_INTERVAL_MS=0.5); repeatable")
     ap.add_argument("--max-running", type=int, default=1024)
     ap.add_argument("--graph-max-bs", type=int, default=1024)
     ap.add_argument("--prefill-min-free-rows", type=int, default=64)
@@ -622,6 +625,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not args.num_requests and not args.concurrency:
         ap.error("nothing to run: give --num-requests > 0 or --concurrency levels")
+    bad = [p for p in args.server_param if "=" not in p]
+    if bad:
+        ap.error(f"--server-param wants KEY=VALUE, got {bad[0]!r}")
     if args.json is None and args.device == "cuda":
         args.json = str(DEFAULT_JSON_GPU)
     if args.intra_op_threads is None and args.device == "cpu":
@@ -729,10 +735,15 @@ def main(argv: list[str]) -> int:
                                       "runs": [dataclasses.asdict(r) for r in runs]},
                          workdir, args.startup_timeout + args.run_timeout * len(runs))
         head["hardware"] = got["hardware"]
+        extra = dict(p.split("=", 1) for p in args.server_param)  # the server's alone
         if not settings["max_total_tokens"]:  # the server's pool: the size this engine derived
             settings["max_total_tokens"] = str(got["kv_tokens"])
-            write_repository(workdir / "repository", settings, args.device)
             log(f"KV pool of both engines: {got['kv_tokens']:,} tokens")
+            write_repository(workdir / "repository", {**settings, **extra}, args.device)
+        elif extra:
+            write_repository(workdir / "repository", {**settings, **extra}, args.device)
+        if extra:
+            log(f"the server's own parameters: {extra}")
         for run, result in zip(runs, got["results"]):
             check(IN_PROCESS, run, result)
             if run.measured:

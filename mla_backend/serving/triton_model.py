@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -78,6 +79,27 @@ def _intra_op_threads(parameters: dict[str, Any]) -> int | None:
     if value.lower() in ("", "auto"):
         return None
     return _positive_int(parameters, "INTRA_OP_THREAD_COUNT", 1)
+
+
+def _switch_interval_ms(parameters: dict[str, Any]) -> float | None:
+    """GIL_SWITCH_INTERVAL_MS: the stub's `sys.setswitchinterval`, in ms ("" → None: Python's
+    own, 5 ms). A thread that blocked (an IPC round trip, a wait for the next request) waits up
+    to this long for the GIL while another thread of the stub computes.
+
+    Raises:
+        pb_utils.TritonModelException: not a number in (0, 100].
+    """
+    value = str(parameters.get("GIL_SWITCH_INTERVAL_MS", {}).get("string_value", "")).strip()
+    if value == "":
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not 0.0 < ms <= 100.0:
+        raise pb_utils.TritonModelException("parameter GIL_SWITCH_INTERVAL_MS: expected a number "
+                                            f"of ms in (0, 100], got {value!r}")
+    return ms
 
 
 def _flag(parameters: dict[str, Any], key: str, default: bool) -> bool:
@@ -140,6 +162,9 @@ class TritonPythonModel:
             # KIND_GPU: one engine per GPU, on the device Triton assigned to this instance.
             config = config.replace(device=f"cuda:{args.get('model_instance_device_id', '0')}")
         threads = _intra_op_threads(params)
+        switch_ms = _switch_interval_ms(params)
+        if switch_ms is not None:
+            sys.setswitchinterval(switch_ms / 1e3)
         t0 = time.monotonic()
         try:
             self.client: EngineClient = make_client(config, in_process=in_process,
@@ -170,7 +195,8 @@ class TritonPythonModel:
             f"{client.device} in {seconds:.1f}s; context {client.context_len} tokens, KV pool "
             f"{client.max_total_tokens} tokens, radix cache "
             f"{'on' if config.cache.enable_radix_cache else 'off'}, torch intra-op threads "
-            f"{client.torch_threads}; {client.where}"
+            f"{client.torch_threads}, GIL switch interval "
+            f"{sys.getswitchinterval() * 1e3:g} ms; {client.where}"
             + ("" if workers is None else f"; tensor-parallel worker pids {workers}"))
 
     # ------------------------------------------------------------------ execute

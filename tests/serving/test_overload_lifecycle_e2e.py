@@ -3,15 +3,16 @@
 One server per module (explicit model control) over a temp repository of deepseek-v2-tiny copies
 (`model_repository/deepseek-v2-tiny/{config.pbtxt,1/model.py}`, absolute `model_path`):
 
-- `dsv2-overload`: a 256-slot KV pool, 8 request slots, context 256. 12 prompts x 64 greedy tokens
+- `dsv2-overload`: a 256-slot KV pool, 8 request slots, context 256, GIL_SWITCH_INTERVAL_MS 0.5
+  (its stub's `sys.setswitchinterval`, named in its load log line). 12 prompts x 64 greedy tokens
   (about 4x the pool) sent at once must all finish through queueing and retraction, with the text
   of an unloaded run (an in-process `Engine` with the same settings, one request at a time).
 - `dsv2-two`: `instance_group` count 2 (two engines, two stub processes).
 - `dsv2-noweights`, `dsv2-badint`, `dsv2-tp3`, `dsv2-badinterval`, `dsv2-badthreads`,
-  `dsv2-badsenders`: not loaded at start; loading them through the repository API must fail with
-  a message naming the missing path / the bad key / the impossible head split (8 heads on 3
-  ranks) / the adapter parameter STREAM_INTERVAL "0" / INTRA_OP_THREAD_COUNT "many" /
-  RESPONSE_SENDER_THREADS "0".
+  `dsv2-badsenders`, `dsv2-badswitch`: not loaded at start; loading them through the repository
+  API must fail with a message naming the missing path / the bad key / the impossible head split
+  (8 heads on 3 ranks) / the adapter parameter STREAM_INTERVAL "0" / INTRA_OP_THREAD_COUNT
+  "many" / RESPONSE_SENDER_THREADS "0" / GIL_SWITCH_INTERVAL_MS "0".
 - `dsv2-tp2`: `tensor_parallel_size` 2 — the instance spawns one CPU worker rank (gloo); loaded
   through the API it streams the same greedy text as the TP 1 engine, and unloads cleanly.
 The last test stops the server: every instance logs `pool invariant ok` at unload.
@@ -42,6 +43,7 @@ SRC = REPO / "model_repository" / "deepseek-v2-tiny"
 OVER, TWO = "dsv2-overload", "dsv2-two"
 NOWEIGHTS, BADINT, TP3, TP2 = "dsv2-noweights", "dsv2-badint", "dsv2-tp3", "dsv2-tp2"
 BADINTERVAL, BADTHREADS, BADSENDERS = "dsv2-badinterval", "dsv2-badthreads", "dsv2-badsenders"
+BADSWITCH = "dsv2-badswitch"
 MISSING = "/nonexistent/mla-backend-weights-xyz"
 SETTINGS = {
     OVER: {"context_length": "256", "max_total_tokens": "256", "max_running_requests": "8",
@@ -62,13 +64,14 @@ TIMEOUT = 300.0
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("lifecycle_repository")
-    write_model(root, OVER, SETTINGS[OVER])
+    write_model(root, OVER, SETTINGS[OVER], extra_params={"GIL_SWITCH_INTERVAL_MS": "0.5"})
     write_model(root, TWO, SETTINGS[TWO], instances=2)
     for name, params in BAD.items():
         write_model(root, name, {**SETTINGS[TWO], **params})
     write_model(root, BADINTERVAL, SETTINGS[TWO], extra_params={"STREAM_INTERVAL": "0"})
     write_model(root, BADTHREADS, SETTINGS[TWO], extra_params={"INTRA_OP_THREAD_COUNT": "many"})
     write_model(root, BADSENDERS, SETTINGS[TWO], extra_params={"RESPONSE_SENDER_THREADS": "0"})
+    write_model(root, BADSWITCH, SETTINGS[TWO], extra_params={"GIL_SWITCH_INTERVAL_MS": "0"})
     write_model(root, TP2, {**SETTINGS[TWO], "tensor_parallel_size": "2"})
     with TritonServer(root, model_control_mode="explicit", load_models=[OVER, TWO],
                       wait_models=[OVER, TWO], startup_timeout=300) as srv:
@@ -119,6 +122,8 @@ def test_overload_completes_with_unloaded_outputs_and_retracts(server):
     demand = sum(len(engine.tokenizer(p).input_ids) + OVER_TOKENS for p in PROMPTS)
     assert demand >= 3.5 * int(SETTINGS[OVER]["max_total_tokens"])  # really overloaded
     assert _retractions(server, OVER) == 0
+    log = server.log_path.read_text(errors="replace")
+    assert re.search(rf"\[mla_backend\] {OVER}: loaded .* GIL switch interval 0\.5 ms;", log)
 
     by_rid, errors = _run_all(server, OVER, PROMPTS, JOB)
     assert errors == []
@@ -136,11 +141,12 @@ def test_overload_completes_with_unloaded_outputs_and_retracts(server):
 
 
 def test_bad_models_fail_to_load_naming_the_cause(server):
-    """Six failing loads at once (each spawns a stub); each error names its cause."""
+    """Seven failing loads at once (each spawns a stub); each error names its cause."""
     needles = {NOWEIGHTS: MISSING, BADINT: "max_total_tokens",
                TP3: "tensor parallel size 3 does not divide num_attention_heads=8",
                BADINTERVAL: "STREAM_INTERVAL", BADTHREADS: "INTRA_OP_THREAD_COUNT",
-               BADSENDERS: "parameter RESPONSE_SENDER_THREADS: expected an integer >= 1"}
+               BADSENDERS: "parameter RESPONSE_SENDER_THREADS: expected an integer >= 1",
+               BADSWITCH: "parameter GIL_SWITCH_INTERVAL_MS: expected a number of ms in (0, 100]"}
 
     def load(model: str) -> requests.Response:
         return requests.post(f"{server.http_url}/v2/repository/models/{model}/load", json={},
