@@ -587,6 +587,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--server-param", action="append", default=[], metavar="KEY=VALUE",
                     help="a config.pbtxt parameter of the served model only (an adapter "
                          "setting, e.g. GIL_SWITCH_INTERVAL_MS=0.5); repeatable")
+    ap.add_argument("--no-in-process", action="store_true",
+                    help="the server's side only (its engine derives its own KV pool unless "
+                         "--max-total-tokens): e.g. one setting against another with "
+                         "--server-param, each run a server of its own on the same machine")
     ap.add_argument("--max-running", type=int, default=1024)
     ap.add_argument("--graph-max-bs", type=int, default=1024)
     ap.add_argument("--prefill-min-free-rows", type=int, default=64)
@@ -625,6 +629,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not args.num_requests and not args.concurrency:
         ap.error("nothing to run: give --num-requests > 0 or --concurrency levels")
+    if args.no_in_process and not args.clients:
+        ap.error("--no-in-process leaves nothing to run without --clients")
     bad = [p for p in args.server_param if "=" not in p]
     if bad:
         ap.error(f"--server-param wants KEY=VALUE, got {bad[0]!r}")
@@ -730,24 +736,24 @@ def main(argv: list[str]) -> int:
             f"{pbtxt_parameters(config)}")
         spec = {"requests": str(requests_path)}
 
-        log("in-process engine (a child process)")
-        got = run_worker(IN_PROCESS, {**spec, "config": str(config),
-                                      "runs": [dataclasses.asdict(r) for r in runs]},
-                         workdir, args.startup_timeout + args.run_timeout * len(runs))
-        head["hardware"] = got["hardware"]
         extra = dict(p.split("=", 1) for p in args.server_param)  # the server's alone
-        if not settings["max_total_tokens"]:  # the server's pool: the size this engine derived
-            settings["max_total_tokens"] = str(got["kv_tokens"])
-            log(f"KV pool of both engines: {got['kv_tokens']:,} tokens")
-            write_repository(workdir / "repository", {**settings, **extra}, args.device)
-        elif extra:
-            write_repository(workdir / "repository", {**settings, **extra}, args.device)
+        if not args.no_in_process:
+            log("in-process engine (a child process)")
+            got = run_worker(IN_PROCESS, {**spec, "config": str(config),
+                                          "runs": [dataclasses.asdict(r) for r in runs]},
+                             workdir, args.startup_timeout + args.run_timeout * len(runs))
+            head["hardware"] = got["hardware"]
+            if not settings["max_total_tokens"]:  # the server's pool: what this engine derived
+                settings["max_total_tokens"] = str(got["kv_tokens"])
+                log(f"KV pool of both engines: {got['kv_tokens']:,} tokens")
+                extra = {"max_total_tokens": settings["max_total_tokens"], **extra}
+            for run, result in zip(runs, got["results"]):
+                check(IN_PROCESS, run, result)
+                if run.measured:
+                    raw[IN_PROCESS][run.label] = result
         if extra:
-            log(f"the server's own parameters: {extra}")
-        for run, result in zip(runs, got["results"]):
-            check(IN_PROCESS, run, result)
-            if run.measured:
-                raw[IN_PROCESS][run.label] = result
+            write_repository(workdir / "repository", {**settings, **extra}, args.device)
+            log(f"the server's parameters beyond the engine settings above: {extra}")
         write_outputs(args, raw, head, settings, final=False)
         if not args.clients:
             runs = []
@@ -785,6 +791,8 @@ def main(argv: list[str]) -> int:
                         f"{result['output_tokens'] / result['span_s']:,.0f} tok/s")
             server.check_alive()
             write_outputs(args, raw, head, settings, final=False)
+    if args.no_in_process:
+        head["hardware"] = hardware()  # (not before: torch would take GPU memory from the server)
     if loop:
         log(f"server's engine process, whole run: {loop['steps']:,} steps; per step "
             f"{loop['step_ms_per_step']:.2f} ms in Engine.step, {loop['send_ms_per_step']:.2f} "
