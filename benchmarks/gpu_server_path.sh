@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_server_path.sh structured   # bench_structured.py (JSON schema vs free)
 #   bash benchmarks/gpu_server_path.sh profile [DIR]  # bench_profile.py's peak (Engine.step alone)
 #   bash benchmarks/gpu_server_path.sh latency      # bs-1 decode, bf16 and FP8 weights
+#   bash benchmarks/gpu_server_path.sh stubcalls    # bench_stub_calls.py (the stub's calls)
 #
 # Arguments after the step go to the benchmark (e.g. bf16 --num-requests 3000; profile
 # --quantization fp8 --kv-cache-dtype fp8_e4m3). `profile DIR` runs DIR's own bench_profile.py
@@ -30,7 +31,7 @@ json_name=h200_server_path.json  # written after each phase into $out; (fp8) mer
 export PYTHONUNBUFFERED=1
 step="${1:-}"
 case "$step" in
-  tests|bf16|fp8|structured) source benchmarks/gpu_env.sh || exit 1 ;;
+  tests|bf16|fp8|structured|stubcalls) source benchmarks/gpu_env.sh || exit 1 ;;
   profile|latency)
     if [[ -z "${MLA_DEEPSEEK_TOKENIZER_DIR:-}" ]]; then
       if [[ -f .tok/tokenizer.json ]]; then
@@ -74,6 +75,10 @@ case "$step" in
       --tokenizer-dir "$MLA_DEEPSEEK_TOKENIZER_DIR" --out "$out/structured.json" "${@:2}" \
       2>&1 | tee "$out/structured.log"
     ;;
+  stubcalls)
+    python3 benchmarks/bench_stub_calls.py --json "$out/stub_calls.json" "${@:2}" \
+      2>&1 | tee "$out/stub_calls.log"
+    ;;
   profile)
     tree=.
     if [[ -n "${2:-}" && "${2:0:1}" != "-" ]]; then tree="$2"; set -- "$1" "${@:3}"; fi
@@ -94,7 +99,7 @@ case "$step" in
     ;;
   *)
     echo "usage: bash benchmarks/gpu_server_path.sh" \
-      "tests|bf16|fp8|structured|profile [DIR]|latency" >&2
+      "tests|bf16|fp8|structured|stubcalls|profile [DIR]|latency" >&2
     exit 2
     ;;
 esac

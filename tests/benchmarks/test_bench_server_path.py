@@ -135,3 +135,27 @@ def test_json_merge(tmp_path):
     replaced = bsp.write_json(path, "fp8", fp8_head, fp8, sweep[:1], merge=False)
     assert replaced["bf16"] == dict.fromkeys(PEAK_KEYS) and replaced["sweep"] == sweep[:1]
     assert replaced["command"] == "fp8 run"
+
+
+@pytest.mark.e2e
+def test_server_side_only_with_a_server_parameter(tmp_path):
+    """--no-in-process with --server-param: only the own client's peak runs, against a server
+    whose model has the parameter (its load line names the GIL switch interval); the JSON has
+    no in-process figure."""
+    out, details, work = tmp_path / "out.json", tmp_path / "details.json", tmp_path / "work"
+    argv = ["--model", "deepseek-v2-tiny", "--device", "cpu", "--num-requests", "6",
+            "--concurrency", "--clients", "own_client", "--no-in-process", "--server-param",
+            "GIL_SWITCH_INTERVAL_MS=0.25", "--max-output", "4", "--max-prompt", "32",
+            "--json", str(out), "--details", str(details), "--workdir", str(work)]
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_server_path.py"), *argv],
+                          capture_output=True, text=True, timeout=600)
+    log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    doc = json.loads(out.read_text())
+    assert doc["bf16"] == {"in_process_tok_s": None, "server_tok_s": None, "ratio": None}
+    assert "CPU cores" in doc["hardware"]
+    sides = json.loads(details.read_text())["sides"]
+    assert list(sides) == ["own_client"]
+    outs = [min(o, 4) for _, o in bsp.load_length_pairs(bsp.DEFAULT_PATH, 6, seed=0)]
+    assert sides["own_client"]["peak"]["output_tokens"] == sum(outs)
+    assert "GIL switch interval 0.25 ms;" in (work / "server.log").read_text(errors="replace")
