@@ -193,7 +193,8 @@ def engine_load(engine, jobs: list[Job], concurrency: int,
 
     Args:
         record_times: fill `stats.times` (the outputs of one `engine.step()` share the time it
-            returned; tokens: len(new_token_ids)).
+            returned; tokens: len(new_token_ids)). An unfinished output without text counts
+            as the server counts it: no response, its tokens go with the request's next one.
         on_step: called after each step with its seconds (the step and the processing of its
             outputs), as `bench_suite.run_requests`' (e.g. `bench_suite.StepLog.on_step`).
     """
@@ -206,6 +207,7 @@ def engine_load(engine, jobs: list[Job], concurrency: int,
     todo = deque(enumerate(jobs))
     live: dict[str, float] = {}
     index: dict[str, int] = {}  # rid → job index (record_times only)
+    held: dict[str, int] = {}  # rid → tokens made but not yet "sent" (no text yet)
     tag = f"bench-{time.monotonic_ns()}"
     cpu0, t0 = time.process_time(), time.perf_counter()
 
@@ -237,10 +239,16 @@ def engine_load(engine, jobs: list[Job], concurrency: int,
         for out in outs:
             if out.rid not in live:
                 continue
-            stats.responses += 1
             stats.output_tokens += len(out.new_token_ids)
-            if times is not None and out.new_token_ids:
-                times[index[out.rid]].responses.append((now_ns, len(out.new_token_ids)))
+            if not out.finished and not out.new_text:
+                # as the adapter (`protocol.should_hold`): no text yet, no response; the tokens
+                # go out with the next one
+                held[out.rid] = held.get(out.rid, 0) + len(out.new_token_ids)
+                continue
+            stats.responses += 1
+            tokens = len(out.new_token_ids) + held.pop(out.rid, 0)
+            if times is not None and tokens:
+                times[index[out.rid]].responses.append((now_ns, tokens))
             if not out.finished:
                 continue
             stats.latency_s.append(time.perf_counter() - live.pop(out.rid))
