@@ -432,6 +432,9 @@ def engine_settings(args, folder: str, dummy: bool) -> dict[str, str]:
             "prefill_min_free_rows": str(args.prefill_min_free_rows),
             "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
             "overlap_schedule": args.overlap_schedule, "STREAM_INTERVAL": "1",
+            # the adapter's default (the model folder's copy sets "true"): per-token metric IPC
+            # costs peak throughput; --server-param REPORT_CUSTOM_METRICS=true measures it
+            "REPORT_CUSTOM_METRICS": "false",
             "INTRA_OP_THREAD_COUNT": str(args.intra_op_threads or "auto")}
 
 

@@ -142,7 +142,7 @@ class TritonPythonModel:
         params = model_config.get("parameters", {})
         config = EngineConfig.from_parameters(params, base_dir=model_dir,
                                               ignore=ADAPTER_PARAMETERS)
-        report_metrics = _flag(params, "REPORT_CUSTOM_METRICS", True)
+        report_metrics = _flag(params, "REPORT_CUSTOM_METRICS", False)
         log_requests = _flag(params, "LOG_REQUESTS", False)
         stream_interval = _positive_int(params, "STREAM_INTERVAL", 1)
         self._unload_on_fatal = _flag(params, "UNLOAD_ON_FATAL_ERROR", False)

@@ -32,7 +32,7 @@ def test_end_to_end_on_cpu(tmp_path):
     argv = ["--model", "deepseek-v2-tiny", "--device", "cpu", "--num-requests", "10",
             "--concurrency", "1", "4", "--sweep-min-requests", "3", "--max-output", "6",
             "--max-prompt", "48", "--client-procs", "2", "--json", str(out),
-            "--details", str(details)]
+            "--details", str(details), "--server-param", "REPORT_CUSTOM_METRICS=true"]
     proc = subprocess.run([sys.executable, str(BENCH / "bench_server_path.py"), *argv],
                           capture_output=True, text=True, timeout=600)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
