@@ -333,7 +333,12 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     bitmask = bitmask.to(logits.device, non_blocking=True).contiguous()
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
     if width > vocab:
-        logits[rows if rows is not None else slice(None), vocab:] = float("-inf")
+        if rows is None:
+            logits[:, vocab:].fill_(float("-inf"))
+        else:  # the row index uploaded without waiting, the value a device tensor: no sync
+            index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+            logits[index, vocab:] = torch.full((), float("-inf"), dtype=logits.dtype,
+                                               device=logits.device)
 
 
 def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor,
