@@ -739,24 +739,25 @@ def main(argv: list[str]) -> int:
             f"{pbtxt_parameters(config)}")
         spec = {"requests": str(requests_path)}
 
-        extra = dict(p.split("=", 1) for p in args.server_param)  # the server's alone
+        pool_given = bool(settings["max_total_tokens"])
         if not args.no_in_process:
             log("in-process engine (a child process)")
             got = run_worker(IN_PROCESS, {**spec, "config": str(config),
                                           "runs": [dataclasses.asdict(r) for r in runs]},
                              workdir, args.startup_timeout + args.run_timeout * len(runs))
             head["hardware"] = got["hardware"]
-            if not settings["max_total_tokens"]:  # the server's pool: what this engine derived
+            if not pool_given:  # the server's pool: the size this engine derived
                 settings["max_total_tokens"] = str(got["kv_tokens"])
                 log(f"KV pool of both engines: {got['kv_tokens']:,} tokens")
-                extra = {"max_total_tokens": settings["max_total_tokens"], **extra}
             for run, result in zip(runs, got["results"]):
                 check(IN_PROCESS, run, result)
                 if run.measured:
                     raw[IN_PROCESS][run.label] = result
+        extra = dict(p.split("=", 1) for p in args.server_param)  # the server's alone
         if extra:
+            log(f"the server's own parameters: {extra}")
+        if extra or settings["max_total_tokens"] and not pool_given:
             write_repository(workdir / "repository", {**settings, **extra}, args.device)
-            log(f"the server's parameters beyond the engine settings above: {extra}")
         write_outputs(args, raw, head, settings, final=False)
         if not args.clients:
             runs = []

@@ -7,7 +7,8 @@ packing the list with `array.array` and wrapping its buffer (`torch.frombuffer`,
 ~3.5x faster in a one-off timing on the CPU machine (not kept as a benchmark; its share shows
 in `benchmarks/bench_host_step.py`'s "forward batch" column). Used by
 `ModelRunner.make_forward_batch`, `ReqToTokenPool.write_positions`, `ForwardBatch` and the
-engine's step.
+engine's step. `neg_inf_like` is the device-side value of the masking writes of the sampler and
+the grammar masks, for the same reason.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ def int64_on(values: Iterable[int], device: torch.device | str) -> torch.Tensor:
         as `int64_tensor`.
     """
     return int64_tensor(values).to(device, non_blocking=True)
+
+
+def neg_inf_like(t: torch.Tensor) -> torch.Tensor:
+    """-inf as a 0-d tensor on `t`'s device and dtype: the value of an indexed write into `t`
+    (`t[rows, cols] = neg_inf_like(t)`). A Python float there becomes a CPU tensor that the
+    write copies to the device, waiting for the work queued there."""
+    return torch.full((), float("-inf"), dtype=t.dtype, device=t.device)
 
 
 def segment_aranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

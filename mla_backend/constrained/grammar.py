@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from mla_backend.host_tensors import int64_on, neg_inf_like
+
 from .spec import StructuredOutputSpec
 
 CompiledGrammar = xgr.CompiledGrammar
@@ -335,10 +337,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     if width > vocab:
         if rows is None:
             logits[:, vocab:].fill_(float("-inf"))
-        else:  # the row index uploaded without waiting, the value a device tensor: no sync
-            index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-            logits[index, vocab:] = torch.full((), float("-inf"), dtype=logits.dtype,
-                                               device=logits.device)
+        else:  # (no wait for the device: `host_tensors`)
+            logits[int64_on(rows, logits.device), vocab:] = neg_inf_like(logits)
 
 
 def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor,

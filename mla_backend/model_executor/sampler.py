@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from mla_backend.host_tensors import neg_inf_like
 from mla_backend.request import Req, SamplingParams
 
 # Temperatures below this are greedy (as vLLM's _SAMPLING_EPS).
@@ -137,20 +138,13 @@ def min_tokens_bans(reqs: Sequence[Req], eos_token_ids: set[int], vocab: int
     return bans
 
 
-def _neg_inf(like: torch.Tensor) -> torch.Tensor:
-    """-inf as a 0-d tensor on `like`'s device and dtype: the value of an indexed write. (A
-    Python float there becomes a CPU tensor that the write copies to the device, waiting for
-    the device's queued work.)"""
-    return torch.full((), float("-inf"), dtype=like.dtype, device=like.device)
-
-
 def _ban(logits: torch.Tensor, bans: list[tuple[list[int], list[int]]]) -> None:
     """In place on logits [bs, V]: -inf at each group's (rows, banned ids) of
     `min_tokens_bans`. One indexed write per group, its indices uploaded without waiting (a
     write indexed by a host list, one per row, would upload its index and wait each time)."""
     for rows, banned in bans:
         logits[_on(rows, logits.device).unsqueeze(1), _on(banned, logits.device)] = \
-            _neg_inf(logits)
+            neg_inf_like(logits)
 
 
 def _greedy_with_bans(view: torch.Tensor, bans: list[tuple[list[int], list[int]]],
@@ -166,7 +160,7 @@ def _greedy_with_bans(view: torch.Tensor, bans: list[tuple[list[int], list[int]]
     with torch.inference_mode():
         saved = [view[r.unsqueeze(1), c] for r, c in idx]  # copies [rows, banned]
         for r, c in idx:
-            view[r.unsqueeze(1), c] = _neg_inf(view)
+            view[r.unsqueeze(1), c] = neg_inf_like(view)
         next_ids, chosen_lp, lse_kept = greedy(view)
         lse = lse_kept.clone()
         for (r, c), old in zip(idx, saved):
