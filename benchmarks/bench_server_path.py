@@ -607,7 +607,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="sweep levels (none: no sweep)")
     ap.add_argument("--sweep-waves", type=int, default=2,
                     help="requests per level: max(--sweep-min-requests, waves x concurrency)")
-    ap.add_argument("--sweep-min-requests", type=int, default=8)
+    ap.add_argument("--sweep-min-requests", type=int, default=16)
     ap.add_argument("--max-output", type=int, default=None, help="cap on output lengths")
     ap.add_argument("--max-prompt", type=int, default=None, help="cap on prompt lengths")
     ap.add_argument("--lengths", default=str(DEFAULT_PATH))
