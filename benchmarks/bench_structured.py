@@ -9,8 +9,9 @@ requests are sent at once, twice: constrained by a JSON schema of `SCHEMA_FIELDS
 `max_tokens` 512: a request ends when its JSON is complete), then free (greedy, `ignore_eos`, each
 with as many tokens as its constrained twin gave), so both runs produce the same tokens per
 request. Prompts: random ids of ShareGPT prompt lengths. Prints output tok/s of both and their
-ratio (target: constrained ≥ 90% of free), and the schema's compile time cold (a new compiler)
-and cached (the same text again). `--device cpu --shape-overrides ...` smoke-tests the script.
+ratio (target: constrained ≥ 90% of free), each run's steps by kind with the time they waited
+for the GPU (`bench_suite.StepLog`), and the schema's compile time cold (a new compiler) and
+cached (the same text again). `--device cpu --shape-overrides ...` smoke-tests the script.
 """
 
 from __future__ import annotations
@@ -74,6 +75,16 @@ def compile_times(eng, repeats: int = 3) -> tuple[float, float]:
     return min(cold), min(cached)
 
 
+def _logged(eng, prompts, outs, sampling) -> tuple[dict, "bs.StepLog"]:
+    """`bs.run_requests` with its steps logged (`bs.StepLog`: per kind of step, the mean time
+    and the time it waited for the GPU; a wait near 0 means the host set the pace)."""
+    log = bs.StepLog(eng)
+    try:
+        return bs.run_requests(eng, prompts, outs, log.on_step, sampling=sampling), log
+    finally:
+        log.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=SHAPES, required=True)
@@ -120,8 +131,12 @@ def run(args: argparse.Namespace, model_dir: str) -> None:
             {"temperature": 0, "max_tokens": 512, "structured_outputs": {"json": SCHEMA}})] * b
         bs.run_requests(eng, prompts[:min(b, 64)], [8] * min(b, 64),
                         sampling=constrained[:min(b, 64)])  # the grammar path warmed up
-        con = bs.run_requests(eng, prompts[:b], [0] * b, sampling=constrained)
-        free = bs.run_requests(eng, prompts[:b], con["tokens"])
+        con, con_steps = _logged(eng, prompts[:b], [0] * b, constrained)
+        free, free_steps = _logged(eng, prompts[:b], con["tokens"], None)
+        graph_max = settings.get("cuda_graph_max_bs", 0)
+        for name, r, log in (("constrained", con, con_steps), ("free", free, free_steps)):
+            bs.table(f"Steps of the {name} run at batch {b} ({r['seconds']:.1f} s)",
+                     bs.StepLog.HEADER, log.table_rows(graph_max, r["seconds"]))
         if con["errors"] or free["errors"]:
             raise RuntimeError(f"errors: constrained {con['errors']}, free {free['errors']}")
         c_tps = con["output_tokens"] / con["seconds"]

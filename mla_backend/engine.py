@@ -19,6 +19,7 @@ raises `EngineFailedError` (the model must be reloaded).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import queue
 import threading
@@ -29,7 +30,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 
 from mla_backend.config import GC_THRESHOLDS, EngineConfig
-from mla_backend.constrained.manager import GrammarManager
+from mla_backend.constrained.manager import GrammarManager, PendingMasks
 from mla_backend.host_tensors import int64_on
 from mla_backend.mem_cache.chunk_cache import ChunkCache
 from mla_backend.mem_cache.radix_cache import RadixCache
@@ -88,7 +89,9 @@ class _Launched:
     tokens); `overlappable`: the next batch may be scheduled and launched before this one's
     tokens are read (a decode batch with no request whose sampling reads its output
     tokens). `deferred`: the logits of its sampling rows, when that waits for the grammars of
-    its constrained requests to take the previous batch's tokens (`_launch_deferred`)."""
+    its constrained requests to take the previous batch's tokens; `masks`: their bitmask, being
+    filled meanwhile (`_start_deferred`); `_ensure_sample` queues the sampling (`error`: why it
+    could not)."""
 
     batch: ScheduleBatch
     sample: LaunchedSample | None
@@ -96,6 +99,8 @@ class _Launched:
     row_of: dict[int, int]
     overlappable: bool
     deferred: torch.Tensor | None = None
+    masks: PendingMasks | None = None
+    error: BaseException | None = None
 
 
 def _reads_outputs(req: Req) -> bool:
@@ -288,6 +293,7 @@ class Engine:
         """Shut down and release what outlives the object: tensor-parallel worker processes and
         the process group (a no-op at TP 1). Call once the engine thread has stopped."""
         self.shutdown()
+        self.grammars.shutdown()
         self.runner.close()
 
     # ------------------------------------------------------------------ engine thread
@@ -338,14 +344,16 @@ class Engine:
         cur, error = None, None
         if batch is not None:
             try:
+                if prev is not None:  # its sampling before this batch's forward (which may
+                    self._ensure_sample(prev)  # overwrite the logits it reads)
                 cur = self._launch_batch(batch, prev)
             except Exception as e:  # noqa: BLE001 - failed below, after `prev`
                 error = e
         if prev is not None:
             self._complete(prev, outputs)
         if cur is not None and cur.deferred is not None and self.failed is None:
-            try:  # the grammars have taken prev's tokens: mask and sample `cur` now
-                self._launch_deferred(cur)
+            try:  # the grammars have taken prev's tokens: fill `cur`'s masks (sampled later)
+                self._start_deferred(cur)
             except Exception as e:  # noqa: BLE001 - fails the batch below
                 error = e
         if batch is not None and error is None and self.failed is None:
@@ -399,11 +407,32 @@ class Engine:
         return _Launched(batch, sample, rows, {id(r): j for j, r in enumerate(reqs)},
                          overlappable, deferred)
 
-    def _launch_deferred(self, launched: "_Launched") -> None:
-        """Queue the sampling `_launch_batch` deferred, with the grammar masks now filled."""
+    def _start_deferred(self, launched: "_Launched") -> None:
+        """The grammars have taken the previous batch's tokens: start filling the masks of
+        `launched`'s constrained rows (on the fill thread for a large batch, while this thread
+        emits outputs and schedules the next step); `_ensure_sample` queues its sampling."""
+        reqs = [launched.batch.reqs[i] for i in launched.rows]
+        launched.masks = self.grammars.start_masks(reqs)
+        if launched.masks is None:  # no row needs one after all (they ended)
+            self._ensure_sample(launched)
+
+    def _ensure_sample(self, launched: "_Launched") -> None:
+        """Queue the sampling `_launch_batch` deferred, with the masks `_start_deferred`
+        started (waiting for their fill); nothing when it is queued already. Raises what the
+        fill or the sampler raised (each call, once it has)."""
+        if launched.error is not None:
+            raise launched.error
+        if launched.deferred is None:
+            return
         reqs = [launched.batch.reqs[i] for i in launched.rows]
         logits, launched.deferred = launched.deferred, None
-        launched.sample = self.sampler.launch(logits, reqs, self.grammars.masks(reqs))
+        masks, launched.masks = launched.masks, None
+        try:
+            restrict = None if masks is None else masks.restrict()
+            launched.sample = self.sampler.launch(logits, reqs, restrict)
+        except Exception as e:
+            launched.error = e
+            raise
 
     def _complete(self, launched: "_Launched", outputs: list[RequestOutput]) -> None:
         """Wait for a launched batch's tokens, record them (`_commit_tokens`; serially also
@@ -449,6 +478,7 @@ class Engine:
         finished = [False] * len(batch.reqs)
         for i in launched.rows:
             batch.reqs[i].num_inflight_tokens -= 1
+        self._ensure_sample(launched)
         if launched.sample is None:
             return finished
         out = self.sampler.resolve(launched.sample)
@@ -598,6 +628,9 @@ class Engine:
         assert self.failed is not None
         if self._inflight is not None:  # its results are not read: discarded
             launched, self._inflight = self._inflight, None
+            if launched.masks is not None:  # (its fill must end before the states go)
+                with contextlib.suppress(Exception):
+                    launched.masks.wait()
             for i in launched.rows:
                 launched.batch.reqs[i].num_inflight_tokens -= 1
             self.scheduler.process_batch_result(launched.batch, [True] * len(launched.batch.reqs),

@@ -4,8 +4,11 @@ Owns the grammar compiler (`grammar.GrammarCompiler`, made for the first constra
 xgrammar is imported only then, so an engine without it serves everything else) and the requests
 waiting for their grammar. The engine hands it each constrained `Req` (`submit`), takes back those
 whose grammar is ready (`take_ready`: `req.grammar` set to a `GrammarState`, or the compile
-error), and asks it for the sampler's mask of a batch's rows (`masks`). Engine thread only, apart
-from the compile threads of the compiler.
+error), and asks it for the sampler's mask of a batch's rows (`masks`, or `start_masks`, whose
+bitmask of a large batch is filled on a thread of its own while the engine thread goes on with
+other host work; no grammar state of the batch may be touched until `PendingMasks.restrict`
+returns). Engine thread only, apart from the compile threads of the compiler and that fill
+thread.
 """
 
 from __future__ import annotations
@@ -19,6 +22,44 @@ from mla_backend.host_tensors import int64_on
 from mla_backend.request import Req
 
 _WAIT_S = 0.01  # `wait` with nothing else to run: how long it blocks for a compile (s)
+# `start_masks` fills on the fill thread from this many constrained rows on (fewer: at once, on
+# the caller's thread; the hand-off costs more than such a fill)
+BACKGROUND_MIN_ROWS = 64
+
+
+class PendingMasks:
+    """The bitmask of a batch's constrained rows, being filled (`GrammarManager.start_masks`).
+    `restrict()` waits for the fill and returns the sampler's `restrict`; it raises what the
+    fill raised (e.g. RuntimeError: a terminated grammar state)."""
+
+    def __init__(self, rows: list[int], bitmask: torch.Tensor, vocab_size: int,
+                 fill: concurrent.futures.Future | None) -> None:
+        self.rows = rows  # the constrained rows among the batch's sampling rows
+        self.bitmask = bitmask  # CPU int32 [len(rows), words]
+        self.vocab_size = vocab_size
+        self._fill = fill  # None: already filled
+
+    def wait(self) -> None:
+        """Wait for the fill (its error, if any, is raised)."""
+        if self._fill is not None:
+            self._fill.result()
+
+    def restrict(self) -> Callable[[torch.Tensor], None]:
+        from mla_backend.constrained.grammar import apply_bitmask
+
+        self.wait()
+        rows, bitmask, vocab = self.rows, self.bitmask, self.vocab_size
+
+        def restrict(logits: torch.Tensor) -> None:
+            if len(rows) == logits.shape[0]:  # every row constrained: in place
+                apply_bitmask(logits, bitmask, vocab_size=vocab)
+                return
+            idx = int64_on(rows, logits.device)
+            picked = logits.index_select(0, idx)
+            apply_bitmask(picked, bitmask, vocab_size=vocab)
+            logits.index_copy_(0, idx, picked)
+
+        return restrict
 
 
 class GrammarManager:
@@ -37,6 +78,7 @@ class GrammarManager:
         self.stop_token_ids = sorted(t for t in stop_token_ids if 0 <= t < vocab_size)
         self._compiler: Any = None
         self._filler: Any = None
+        self._fill_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._waiting: dict[str, tuple[Req, concurrent.futures.Future]] = {}
 
     def __bool__(self) -> bool:
@@ -95,11 +137,19 @@ class GrammarManager:
 
     def masks(self, reqs: Sequence[Req]) -> Callable[[torch.Tensor], None] | None:
         """The sampler's `restrict` for the rows of constrained requests among `reqs` (a batch's
-        sampling rows, in order): their grammars' next-token bitmasks, filled now on the host
-        (`BitmaskFiller`: on several threads for a large batch), applied to those rows of the
-        logits. None when no row needs one (a request that has ended is left alone: its token
-        is dropped)."""
-        from mla_backend.constrained.grammar import allocate_bitmask, apply_bitmask
+        sampling rows, in order), filled now on this thread's call (`start_masks`, waited
+        for). None when no row needs one."""
+        pending = self.start_masks(reqs, background=False)
+        return None if pending is None else pending.restrict()
+
+    def start_masks(self, reqs: Sequence[Req], background: bool = True) -> PendingMasks | None:
+        """Start filling the next-token bitmasks of the constrained requests among `reqs` (a
+        batch's sampling rows, in order; a request that has ended is left alone: its token is
+        dropped) on the host (`BitmaskFiller`: on several threads for a large batch). With
+        `background` and at least BACKGROUND_MIN_ROWS rows the fill runs on the fill thread
+        and this returns at once; until `restrict()` of the result returns, the caller must not
+        touch those requests' grammar states. None when no row needs a mask."""
+        from mla_backend.constrained.grammar import allocate_bitmask
 
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None
                 and r.finished_reason is None and not r.grammar.is_terminated()]
@@ -107,16 +157,24 @@ class GrammarManager:
             return None
         bitmask = allocate_bitmask(len(rows), self.vocab_size, pin_memory=self.pin_memory,
                                    all_allowed=False)  # the filler writes every row
-        self._filler.fill([reqs[i].grammar for i in rows], bitmask)
-        vocab = self.vocab_size
+        states = [reqs[i].grammar for i in rows]
+        fill = None
+        if background and len(rows) >= BACKGROUND_MIN_ROWS:
+            if self._fill_thread is None:
+                self._fill_thread = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="grammar-fill")
+            fill = self._fill_thread.submit(self._filler.fill, states, bitmask)
+        else:
+            self._filler.fill(states, bitmask)
+        return PendingMasks(rows, bitmask, self.vocab_size, fill)
 
-        def restrict(logits: torch.Tensor) -> None:
-            idx = int64_on(rows, logits.device)
-            picked = logits.index_select(0, idx)
-            apply_bitmask(picked, bitmask, vocab_size=vocab)
-            logits.index_copy_(0, idx, picked)
+    def shutdown(self) -> None:
+        """Stop the fill thread (after its current fill) and the compile threads."""
+        if self._fill_thread is not None:
+            self._fill_thread.shutdown(wait=True)
+            self._fill_thread = None
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False)
 
-        return restrict
 
-
-__all__ = ["GrammarManager"]
+__all__ = ["BACKGROUND_MIN_ROWS", "GrammarManager", "PendingMasks"]

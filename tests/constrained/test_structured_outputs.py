@@ -2,13 +2,15 @@
 tiny random DeepSeek-V2 with SmolLM2's tokenizer, CPU): every output of a JSON-schema request
 validates (jsonschema) and every regex output matches (Python's `re`), greedy and sampled, mixed in
 one batch with unconstrained requests whose outputs stay as they are alone; the overlap schedule
-gives the serial outputs; `choice` gives one of the choices; a bad regex fails its request alone
+gives the serial outputs, also with every mask filled on the fill thread, whose failure fails its
+batch alone; `choice` gives one of the choices; a bad regex fails its request alone
 with INVALID_ARGUMENT's flag; the pools balance after each run."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import jsonschema
@@ -17,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mla_backend.config import EngineConfig
+from mla_backend.constrained import grammar, manager
 from mla_backend.engine import Engine
 from mla_backend.request import FinishReason, SamplingParams
 
@@ -79,7 +82,13 @@ def test_constrained_outputs_follow_their_constraint_and_leave_others_alone(engi
     engine.check_invariant()
 
 
-def test_overlap_schedule_gives_the_serial_outputs(model_dir, engine):
+@pytest.mark.parametrize("background_from", [manager.BACKGROUND_MIN_ROWS, 1],
+                         ids=["fill-default", "fill-on-its-thread"])
+def test_overlap_schedule_gives_the_serial_outputs(model_dir, engine, monkeypatch,
+                                                   background_from):
+    # background_from 1: every batch's masks are filled on the fill thread while the engine
+    # thread goes on (`GrammarManager.start_masks`)
+    monkeypatch.setattr(manager, "BACKGROUND_MIN_ROWS", background_from)
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
                                                "n": {"type": "integer", "minimum": 0,
                                                      "maximum": 99}},
@@ -98,6 +107,40 @@ def test_overlap_schedule_gives_the_serial_outputs(model_dir, engine):
     assert [(r.token_ids, r.text) for r in got] == [(r.token_ids, r.text) for r in serial]
     jsonschema.validate(_loads(serial[0].text), schema)
     assert serial[3].text in ("yes", "no", "maybe")
+
+
+def test_a_failed_fill_on_the_fill_thread_fails_its_batch_alone(model_dir, monkeypatch):
+    # the fill thread's error reaches the batch whose masks it filled, as a launch error does;
+    # the engine serves the next requests and its pools balance
+    monkeypatch.setattr(manager, "BACKGROUND_MIN_ROWS", 1)
+    real_fill = grammar.BitmaskFiller.fill
+    calls = {"n": 0, "failed": 0}
+
+    def failing_fill(self, states, bitmask):
+        calls["n"] += 1
+        # the first fill of both requests' rows on the fill thread (a decode step's)
+        if (len(states) == 2 and not calls["failed"]
+                and threading.current_thread().name.startswith("grammar-fill")):
+            calls["failed"] += 1
+            raise RuntimeError("fill failed on purpose")
+        return real_fill(self, states, bitmask)
+
+    monkeypatch.setattr(grammar.BitmaskFiller, "fill", failing_fill)
+    eng = _engine(model_dir, overlap="true")
+    try:
+        sps = [_sp({"regex": "[a-z]{20,40}"}), _sp({"regex": "[0-9]{20,40}"})]
+        got = eng.generate(PROMPTS[:2], sps)
+        assert all(r.finish_reason == FinishReason.ABORT for r in got), got
+        assert all("fill failed on purpose" in (r.error or "") for r in got), got
+        eng.check_invariant()
+        again = eng.generate(PROMPTS[:2], sps)
+        assert [r.error for r in again] == [None, None]
+        assert re.fullmatch("[a-z]{20,40}", again[0].text)
+        assert re.fullmatch("[0-9]{20,40}", again[1].text)
+        eng.check_invariant()
+    finally:
+        eng.close()
+    assert calls["failed"] == 1 and calls["n"] > 3
 
 
 def test_choice_gives_one_of_the_choices(engine):
