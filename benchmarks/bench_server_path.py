@@ -261,11 +261,12 @@ def own_client_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def client_procs_load(spec: dict[str, Any], jobs: list, concurrency: int) -> tuple[Any, int]:
-    """One closed-loop load of `jobs` split over P = min(spec["procs"], concurrency) client
-    processes (a Python gRPC client's GIL caps what one process receives): job i goes to
-    process i mod P, the concurrency is shared out, all start together (a barrier), and their
-    results merge into one `LoadStats` under the jobs' own indices (perf_counter_ns is
-    CLOCK_MONOTONIC: one clock for every process; CPU: the sum). Returns (stats, P)."""
+    """One closed-loop load of `jobs` shared by P = min(spec["procs"], concurrency) client
+    processes (a Python gRPC client's GIL caps what one process receives): the concurrency is
+    shared out, all start together (a barrier), and whichever process frees a slot sends the
+    next job of the list (one shared counter), as one client's closed loop would; their results
+    merge into one `LoadStats` under the jobs' own indices (perf_counter_ns is CLOCK_MONOTONIC:
+    one clock for every process; CPU: the sum). Returns (stats, P)."""
     from serving_client import LoadStats, stream_load
 
     procs = max(1, min(int(spec.get("procs", 1)), concurrency, len(jobs)))
@@ -273,17 +274,17 @@ def client_procs_load(spec: dict[str, Any], jobs: list, concurrency: int) -> tup
         return stream_load(spec["url"], spec["model"], jobs, concurrency,
                            timeout_s=spec["timeout_s"], record_times=True), 1
     ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(procs), ctx.Queue()
+    barrier, results, counter = ctx.Barrier(procs), ctx.Queue(), ctx.Value("i", 0)
     children = [ctx.Process(target=_client_part, daemon=True, args=(
-        k, spec["url"], spec["model"], jobs[k::procs],
-        concurrency // procs + (k < concurrency % procs), spec["timeout_s"], barrier, results))
-        for k in range(procs)]
+        k, spec["url"], spec["model"], jobs,
+        concurrency // procs + (k < concurrency % procs), spec["timeout_s"], barrier, results,
+        counter)) for k in range(procs)]
     for child in children:
         child.start()
     stats = LoadStats()
     for _ in children:
-        k, part = results.get(timeout=spec["timeout_s"] + 120)
-        stats.times.update({i * procs + k: t for i, t in part.times.items()})
+        _, part = results.get(timeout=spec["timeout_s"] + 120)
+        stats.times.update(part.times)
         for name in ("requests", "output_tokens", "short", "responses", "cpu_s"):
             setattr(stats, name, getattr(stats, name) + getattr(part, name))
         stats.errors += part.errors
@@ -295,12 +296,21 @@ def client_procs_load(spec: dict[str, Any], jobs: list, concurrency: int) -> tup
 
 
 def _client_part(k: int, url: str, model: str, jobs: list, concurrency: int, timeout_s: float,
-                 barrier: Any, results: Any) -> None:
-    """Client process k of `client_procs_load`: its jobs, then (k, LoadStats) on `results`."""
+                 barrier: Any, results: Any, counter: Any) -> None:
+    """Client process k of `client_procs_load`: the jobs it takes from the shared `counter`,
+    then (k, LoadStats) on `results`."""
     from serving_client import stream_load
 
+    def take() -> int | None:
+        with counter.get_lock():
+            i = counter.value
+            if i >= len(jobs):
+                return None
+            counter.value = i + 1
+        return i
+
     results.put((k, stream_load(url, model, jobs, concurrency, timeout_s=timeout_s,
-                                record_times=True, before_start=barrier.wait)))
+                                record_times=True, before_start=barrier.wait, take=take)))
 
 
 WORKERS = {IN_PROCESS: in_process_worker, "own_client": own_client_worker}

@@ -95,7 +95,8 @@ def _inputs(job: Job) -> list:
 def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
                 timeout_s: float = 300.0, progress_every: int = 0,
                 on_progress=None, record_times: bool = False,
-                before_start: Callable[[], Any] | None = None) -> LoadStats:
+                before_start: Callable[[], Any] | None = None,
+                take: Callable[[], int | None] | None = None) -> LoadStats:
     """Run `jobs` through one gRPC stream with `concurrency` requests in flight.
 
     Args:
@@ -106,6 +107,9 @@ def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
             thread as it arrives; without it the callback stamps nothing).
         before_start: called once the stream is open, before the first request (and the
             clock) starts: e.g. a barrier shared with other client processes.
+        take: the index of the next job to send, None when none is left; called each time a
+            slot frees (default: the jobs in order). Client processes that share one counter
+            share one closed loop (`bench_server_path.client_procs_load`).
     Returns:
         LoadStats (tokens from the server's `num_output_tokens`).
     """
@@ -121,14 +125,24 @@ def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
         client.start_stream(callback=lambda result, error: responses.put((result, error, 0)))
     stats = LoadStats()
     times = stats.times if record_times else None
-    todo = deque(enumerate(jobs))
+    if take is None:
+        order = iter(range(len(jobs)))
+
+        def take() -> int | None:
+            return next(order, None)
     if before_start is not None:
         before_start()
     live: dict[str, tuple[float, int, int]] = {}  # rid → (start, tokens so far, max_tokens)
     cpu0, t0 = time.process_time(), time.perf_counter()
+    exhausted = False
 
     def send_next() -> None:
-        i, job = todo.popleft()
+        nonlocal exhausted
+        i = take()
+        if i is None:
+            exhausted = True
+            return
+        job = jobs[i]
         rid = str(i)
         live[rid] = (time.perf_counter(), 0, int(job.sampling.get("max_tokens", 16)))
         inputs = _inputs(job)
@@ -138,7 +152,7 @@ def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
                                   enable_empty_final_response=True)
 
     try:
-        while todo and len(live) < concurrency:
+        while not exhausted and len(live) < concurrency:
             send_next()
         while live:
             try:
@@ -173,7 +187,7 @@ def stream_load(url: str, model: str, jobs: list[Job], concurrency: int,
                 stats.output_tokens += tokens
                 stats.short += tokens < max_tokens
                 stats.latency_s.append(time.perf_counter() - start)
-            if todo:
+            if not exhausted:
                 send_next()
             if progress_every and on_progress and stats.requests % progress_every == 0:
                 on_progress(stats.requests, stats)
