@@ -35,7 +35,7 @@ from mla_backend.host_tensors import int64_on
 from mla_backend.mem_cache.chunk_cache import ChunkCache
 from mla_backend.mem_cache.radix_cache import RadixCache
 from mla_backend.model_executor.model_runner import ModelRunner
-from mla_backend.model_executor.sampler import LaunchedSample, Sampler
+from mla_backend.model_executor.sampler import LaunchedSample, Sampler, TokenMasks
 from mla_backend.model_executor.tp_workers import TpWorkerError
 from mla_backend.request import (
     EngineFailedError,
@@ -398,8 +398,8 @@ class Engine:
             if constrained and prev is not None:
                 deferred = logits  # the grammars still wait for prev's tokens
             else:
-                sample = self.sampler.launch(logits, reqs, self.grammars.masks(reqs)
-                                             if constrained else None)
+                sample = self._launch_sample(logits, reqs, self.grammars.start_masks(
+                    reqs, background=False) if constrained else None)
         for req in reqs:  # 2 while also in the batch still in flight (`prev`)
             req.num_inflight_tokens += 1
         overlappable = batch.is_decode() and not (
@@ -428,11 +428,18 @@ class Engine:
         logits, launched.deferred = launched.deferred, None
         masks, launched.masks = launched.masks, None
         try:
-            restrict = None if masks is None else masks.restrict()
-            launched.sample = self.sampler.launch(logits, reqs, restrict)
+            launched.sample = self._launch_sample(logits, reqs, masks)
         except Exception as e:
             launched.error = e
             raise
+
+    def _launch_sample(self, logits: torch.Tensor, reqs: list[Req],
+                       masks: PendingMasks | None) -> LaunchedSample:
+        """`Sampler.launch` with the grammar masks (waited for) of the constrained rows."""
+        if masks is None:
+            return self.sampler.launch(logits, reqs)
+        restrict = masks.restrict()
+        return self.sampler.launch(logits, reqs, restrict, TokenMasks(masks.rows, masks.bitmask))
 
     def _complete(self, launched: "_Launched", outputs: list[RequestOutput]) -> None:
         """Wait for a launched batch's tokens, record them (`_commit_tokens`; serially also

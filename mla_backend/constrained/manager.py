@@ -4,11 +4,10 @@ Owns the grammar compiler (`grammar.GrammarCompiler`, made for the first constra
 xgrammar is imported only then, so an engine without it serves everything else) and the requests
 waiting for their grammar. The engine hands it each constrained `Req` (`submit`), takes back those
 whose grammar is ready (`take_ready`: `req.grammar` set to a `GrammarState`, or the compile
-error), and asks it for the sampler's mask of a batch's rows (`masks`, or `start_masks`, whose
-bitmask of a large batch is filled on a thread of its own while the engine thread goes on with
-other host work; no grammar state of the batch may be touched until `PendingMasks.restrict`
-returns). Engine thread only, apart from the compile threads of the compiler and that fill
-thread.
+error), and asks it for the masks of a batch's rows (`start_masks`). The bitmask of a large
+batch is filled on a thread of its own while the engine thread goes on with other host work; no
+grammar state of the batch may be touched until `PendingMasks.restrict` returns. Engine thread
+only, apart from the compile threads of the compiler and that fill thread.
 """
 
 from __future__ import annotations
@@ -134,13 +133,6 @@ class GrammarManager:
                 continue
             ready.append((req, None))
         return ready
-
-    def masks(self, reqs: Sequence[Req]) -> Callable[[torch.Tensor], None] | None:
-        """The sampler's `restrict` for the rows of constrained requests among `reqs` (a batch's
-        sampling rows, in order), filled now on this thread's call (`start_masks`, waited
-        for). None when no row needs one."""
-        pending = self.start_masks(reqs, background=False)
-        return None if pending is None else pending.restrict()
 
     def start_masks(self, reqs: Sequence[Req], background: bool = True) -> PendingMasks | None:
         """Start filling the next-token bitmasks of the constrained requests among `reqs` (a

@@ -16,8 +16,9 @@ Gumbel-max: argmax(logits - log(E)), E ~ Exp(1); a seeded row draws E from its o
 its tokens do not depend on batch mates, position or size; unseeded rows share one generator.
 
 Logprobs: fp32 log_softmax of the raw logits. On CUDA, a batch of greedy rows with no
-processing but the min_new_tokens mask uses `mla_kernels.sampling.greedy_with_logprob` (same
-tokens; logprobs equal up to fp32 summation order).
+processing but the min_new_tokens mask and the caller's `TokenMasks` (grammar bitmasks) uses
+`mla_kernels.sampling.greedy_with_logprob` (same tokens; logprobs equal up to fp32 summation
+order).
 """
 
 from __future__ import annotations
@@ -44,6 +45,26 @@ class SampleOutput:
     next_token_ids: list[int]
     token_logprobs: list[float]
     top_logprobs: list[dict[int, float] | None]
+
+
+@dataclass
+class TokenMasks:
+    """Allowed tokens of some sampling rows, as bitmasks (the engine's grammar masks):
+    bitmask int32 [len(rows), ceil(vocab / 32)] on the CPU (pinned for a copy that does not
+    wait) or the logits' device, bit j of word i set = token 32 i + j allowed; its row j
+    belongs to sampling row rows[j]."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+    def on(self, device: torch.device, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bitmask, mask_rows [bs]: each row's bitmask row, -1 for none) on `device`, for
+        `greedy_with_logprob`."""
+        mask_rows = [-1] * bs
+        for j, r in enumerate(self.rows):
+            mask_rows[r] = j
+        return (self.bitmask.to(device, non_blocking=True).contiguous(),
+                _on(mask_rows, device, torch.int32))
 
 
 # logits dtypes the one-pass greedy kernel reads as they are
@@ -288,21 +309,27 @@ class Sampler:
     def warm_up(self, max_rows: int,
                 dtypes: Sequence[torch.dtype] = (torch.float32,)) -> int:
         """On CUDA, run the one-pass greedy kernel once per launch plan a batch of up to
-        `max_rows` rows can take (`mla_kernels.sampling.plan_batch_sizes`) and per logits
-        dtype in `dtypes` (each is a triton variant: fp32 from eager forwards, the model dtype
-        from CUDA graph replays), so that triton compiles them now rather than inside the
-        first requests' steps (each variant is a JIT compile of a fraction of a second on a
-        machine without triton's disk cache). Returns the number of plans run (0 off CUDA)."""
+        `max_rows` rows can take (`mla_kernels.sampling.plan_batch_sizes`), per logits dtype in
+        `dtypes` (fp32 from eager forwards, the model dtype from CUDA graph replays), without
+        and with token bitmasks (structured outputs' `TokenMasks`): each is a triton variant,
+        compiled now rather than inside the first requests' steps (a JIT compile of a fraction
+        of a second on a machine without triton's disk cache). Returns the number of variants
+        run (0 off CUDA)."""
         if self.device.type != "cuda" or max_rows < 1:
             return 0
         from mla_kernels.sampling import greedy_with_logprob, plan_batch_sizes
 
         sizes = plan_batch_sizes(max_rows, self.vocab_size)
+        words = -(-self.vocab_size // 32)
         for dtype in dict.fromkeys(dtypes):
             for bs in sizes:
-                greedy_with_logprob(torch.zeros(bs, self.vocab_size, device=self.device,
-                                                dtype=dtype))
-        return len(sizes) * len(dict.fromkeys(dtypes))
+                logits = torch.zeros(bs, self.vocab_size, device=self.device, dtype=dtype)
+                greedy_with_logprob(logits)
+                greedy_with_logprob(
+                    logits, bitmask=torch.full((bs, words), -1, dtype=torch.int32,
+                                               device=self.device),
+                    mask_rows=torch.arange(bs, dtype=torch.int32, device=self.device))
+        return 2 * len(sizes) * len(dict.fromkeys(dtypes))
 
     def _row_generator(self, req: Req) -> torch.Generator | None:
         seed = req.sampling_params.seed
@@ -339,7 +366,8 @@ class Sampler:
 
     @torch.no_grad()
     def launch(self, logits: torch.Tensor, reqs: Sequence[Req],
-               restrict: Callable[[torch.Tensor], None] | None = None) -> "LaunchedSample":
+               restrict: Callable[[torch.Tensor], None] | None = None,
+               token_masks: TokenMasks | None = None) -> "LaunchedSample":
         """Queue the sampling of one token per request on the logits' device without waiting
         for it (no host synchronisation on CUDA); `resolve` returns the tokens. The work is
         queued on the current stream, so more device work (the next forward, which may read
@@ -349,7 +377,9 @@ class Sampler:
         buffer, `CudaGraphRunner.replay`) may be overwritten by the next replay right after.
         restrict: masks the caller applies in place to the fp32 logits [bs, vocab_size] after
         the token restrictions (the engine's grammar bitmasks); logprobs stay those of the raw
-        logits.
+        logits. token_masks: the same masks as bitmasks, for the one-pass greedy kernel, which
+        then serves instead of `restrict` (a batch of greedy rows without other processing
+        but min_new_tokens).
 
         Raises:
             ValueError: logits not [len(reqs), V'] or V' < vocab_size.
@@ -361,7 +391,8 @@ class Sampler:
         view = logits[:, : self.vocab_size]
         params = [r.sampling_params for r in reqs]
         if (self.fused_greedy and view.stride(1) == 1 and view.dtype in _GREEDY_KERNEL_DTYPES
-                and not torch.compiler.is_compiling() and restrict is None
+                and not torch.compiler.is_compiling()
+                and (restrict is None or token_masks is not None)
                 and _greedy_unprocessed_but_min(reqs)):
             # all greedy on unprocessed logits: argmax, logsumexp and the chosen logprob in
             # one read of the logits (`mla_kernels.sampling`), the same values as below (16-bit
@@ -371,11 +402,17 @@ class Sampler:
             # (no float32 copy of the batch's logits).
             from mla_kernels.sampling import greedy_with_logprob
 
+            greedy = greedy_with_logprob
+            if token_masks is not None:  # the argmax over each row's allowed tokens
+                bitmask, mask_rows = token_masks.on(view.device, len(reqs))
+
+                def greedy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    return greedy_with_logprob(x, bitmask=bitmask, mask_rows=mask_rows)
             bans = min_tokens_bans(reqs, self.eos_token_ids, self.vocab_size)
             if bans:
-                next_ids, chosen_lp, lse = _greedy_with_bans(view, bans, greedy_with_logprob)
+                next_ids, chosen_lp, lse = _greedy_with_bans(view, bans, greedy)
             else:
-                next_ids, chosen_lp, lse = greedy_with_logprob(view)
+                next_ids, chosen_lp, lse = greedy(view)
             raw = view
         else:
             raw = view.float()

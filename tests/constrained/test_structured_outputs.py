@@ -109,6 +109,43 @@ def test_overlap_schedule_gives_the_serial_outputs(model_dir, engine, monkeypatc
     assert serial[3].text in ("yes", "no", "maybe")
 
 
+def test_the_one_pass_greedy_kernel_with_masks_gives_the_torch_paths_outputs(model_dir,
+                                                                             monkeypatch):
+    # greedy constrained rows sampled by `greedy_with_logprob` with the grammar bitmasks (the
+    # default on CUDA; here under triton's interpreter) against the torch path's masked logits,
+    # with the masks filled on the fill thread under the overlap schedule
+    import mla_kernels.sampling as sampling_mod
+
+    monkeypatch.setattr(manager, "BACKGROUND_MIN_ROWS", 1)
+    kernel, masked_calls = sampling_mod.greedy_with_logprob, []
+
+    def recorded(x, *args, **kw):
+        masked_calls.append("bitmask" in kw)
+        return kernel(x, *args, **kw)
+
+    monkeypatch.setattr(sampling_mod, "greedy_with_logprob", recorded)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "ok": {"type": "boolean"}},
+              "required": ["name", "ok"]}
+    sps = [_sp({"json": schema}), _sp(), _sp({"regex": "[a-z]{3,8}( [0-9]+)?"}),
+           _sp({"choice": ["yes", "no", "maybe"]})]
+    prompts = PROMPTS + [PROMPTS[0]]
+    outs = {}
+    for fused in (False, True):
+        eng = _engine(model_dir, overlap="true")
+        try:
+            eng.sampler.fused_greedy = fused
+            outs[fused] = eng.generate(prompts, sps)
+            eng.check_invariant()
+        finally:
+            eng.close()
+    assert [(r.token_ids, r.text) for r in outs[True]] == \
+        [(r.token_ids, r.text) for r in outs[False]]
+    assert masked_calls.count(True) > 10  # (the kernel ran only with fused_greedy on)
+    jsonschema.validate(_loads(outs[True][0].text), schema)
+    assert outs[True][3].text in ("yes", "no", "maybe")
+
+
 def test_a_failed_fill_on_the_fill_thread_fails_its_batch_alone(model_dir, monkeypatch):
     # the fill thread's error reaches the batch whose masks it filled, as a launch error does;
     # the engine serves the next requests and its pools balance

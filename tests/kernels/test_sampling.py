@@ -54,6 +54,81 @@ def test_ties_take_the_first_column_across_blocks(splits):
     _check(x.to(DEV), splits)
 
 
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [m, V] -> int32 [m, ceil(V / 32)] (bit j of word i = column 32 i + j)."""
+    m, v = allowed.shape
+    bits = torch.zeros(m, -(-v // 32) * 32, dtype=torch.int64)
+    bits[:, :v] = allowed.long()
+    words = (bits.view(m, -1, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _check_masked(x: torch.Tensor, allowed: torch.Tensor, mask_rows: list[int],
+                  splits: int | None) -> None:
+    """The bitmask kernel against torch in float64: the argmax of the row with the tokens its
+    mask row disallows set to -inf (mask row -1: the whole row), the logprob of that token and
+    the logsumexp from the raw row."""
+    ids, lp, lse = greedy_with_logprob(x.to(DEV), splits, bitmask=_pack(allowed).to(DEV),
+                                       mask_rows=torch.tensor(mask_rows, device=DEV))
+    xd = x.double()
+    masked = xd.clone()
+    for r, mr in enumerate(mask_rows):
+        if mr >= 0:
+            masked[r] = xd[r].masked_fill(~allowed[mr], float("-inf"))
+    rid = torch.argmax(masked, dim=-1)
+    rlse = torch.logsumexp(xd, dim=-1)
+    assert torch.equal(ids.cpu(), rid)
+    torch.testing.assert_close(lp.double().cpu(), xd.gather(1, rid.unsqueeze(1)).squeeze(1) - rlse,
+                               rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(lse.double().cpu(), rlse, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@SPLITS
+@pytest.mark.parametrize("bs,v", [(1, 7), (3, 1000), (4, 4096), (2, 10_000)])
+def test_bitmask_rows_take_the_argmax_of_their_allowed_tokens(bs, v, splits):
+    gen = torch.Generator().manual_seed(bs * v)
+    x = torch.randn(bs, v, generator=gen)
+    allowed = torch.rand(bs + 1, v, generator=gen) < 0.3
+    allowed[0, :] = False
+    allowed[0, v - 1] = True  # one token, the last column (the last word's high bit)
+    # rows: the single-token mask, an unmasked row, then masks given out of order
+    mask_rows = ([0, -1] + [bs - i for i in range(2, bs)])[:bs]
+    _check_masked(x, allowed, mask_rows, splits)
+
+
+@SPLITS
+def test_bitmask_edge_rows_follow_torch(splits):
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(2))
+    allowed = torch.ones(5, 300, dtype=torch.bool)
+    allowed[0, :] = False  # nothing allowed: torch's argmax of an all -inf row, 0
+    allowed[1, 31] = allowed[1, 32] = allowed[1, 63] = False  # word edges and bit 31
+    x[1, 31] = x[1, 32] = x[1, 63] = 100.0  # the disallowed maxima are skipped
+    x[2, 10] = float("nan")  # a disallowed NaN: not the argmax, the logsumexp is NaN
+    allowed[2, 10] = False
+    x[3, 7] = float("nan")  # an allowed NaN: the argmax (torch's first NaN)
+    x[4, :] = float("-inf")  # an unmasked row of -inf
+    _check_masked(x, allowed, [0, 1, 2, 3, -1], splits)
+    ids, _, lse = greedy_with_logprob(x.to(DEV), splits, bitmask=_pack(allowed).to(DEV),
+                                      mask_rows=torch.tensor([0, 1, 2, 3, -1], device=DEV))
+    assert ids.tolist()[:4] == [0, int(torch.argmax(x[1].masked_fill(~allowed[1], -1e9))),
+                                int(torch.argmax(x[2].masked_fill(~allowed[2], -1e9))), 7]
+    assert lse[2].isnan()
+
+
+def test_bitmask_bad_input():
+    x = torch.zeros(2, 70, device=DEV)
+    words = torch.zeros(2, 3, dtype=torch.int32, device=DEV)
+    rows = torch.tensor([0, 1], device=DEV)
+    with pytest.raises(ValueError, match="bitmask"):
+        greedy_with_logprob(x, bitmask=words)  # no mask_rows
+    with pytest.raises(ValueError, match="bitmask"):
+        greedy_with_logprob(x, bitmask=words[:, :2], mask_rows=rows)  # 64 bits < 70 columns
+    with pytest.raises(ValueError, match="bitmask"):
+        greedy_with_logprob(x, bitmask=words.float(), mask_rows=rows)
+    with pytest.raises(ValueError, match="bitmask"):
+        greedy_with_logprob(x, bitmask=words, mask_rows=rows[:1])
+
+
 @SPLITS
 def test_masked_nan_and_empty_rows_follow_torch(splits):
     x = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
@@ -152,10 +227,11 @@ def test_sampler_fused_branch_matches_the_torch_path(monkeypatch, bs):
             for i in range(bs)]
     calls = []
     monkeypatch.setattr(sampling_mod, "greedy_with_logprob",
-                        lambda x: calls.append(x.shape) or greedy_with_logprob(x))
+                        lambda x, **kw: calls.append(x.shape) or greedy_with_logprob(x, **kw))
     sampler = Sampler(set(), vocab, "cuda")
-    assert sampler.warm_up(512) == 6  # the launch plans of 1 .. 512 rows, compiled once
-    assert len(calls) == 6
+    # the launch plans of 1 .. 512 rows, without and with token bitmasks, compiled once
+    assert sampler.warm_up(512) == 12
+    assert len(calls) == 12
     calls.clear()
     fused = sampler.sample(logits, reqs)
     assert calls == [(bs, vocab)]  # the fused branch ran
@@ -192,10 +268,10 @@ def test_sampler_reads_16bit_logits_as_their_fp32_form(monkeypatch, dtype):
 
     calls = []
     monkeypatch.setattr(sampling_mod, "greedy_with_logprob",
-                        lambda x: calls.append(x.dtype) or greedy_with_logprob(x))
+                        lambda x, **kw: calls.append(x.dtype) or greedy_with_logprob(x, **kw))
     sampler = Sampler(set(), vocab, "cuda")
-    assert sampler.warm_up(64, (torch.float32, dtype)) == 2 * 3
-    assert calls.count(dtype) == 3
+    assert sampler.warm_up(64, (torch.float32, dtype)) == 2 * 3 * 2  # (without and with masks)
+    assert calls.count(dtype) == 3 * 2
     calls.clear()
     got, want = sampler.sample(low, reqs()), sampler.sample(low.float(), reqs())
     assert calls == [dtype, torch.float32]
@@ -294,3 +370,62 @@ def test_engine_with_the_fused_min_tokens_path_equals_the_torch_path():
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
     assert len(got[0].token_ids) == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked_rows", [[0, 1, 2, 3, 4], [1, 3], [4]], ids=["all", "some", "one"])
+def test_sampler_fused_branch_with_token_masks_equals_the_torch_path(monkeypatch, dtype,
+                                                                      masked_rows):
+    """Greedy rows with grammar bitmasks (`TokenMasks`, e.g. structured outputs) take the
+    one-pass kernel with the masks; the same tokens and logprobs (of the raw logits) as the torch
+    path with the caller's `restrict`, also with a row under min_new_tokens; the logits are left
+    as they were."""
+    import mla_kernels.sampling as sampling_mod
+    from mla_backend.constrained.grammar import apply_bitmask_reference
+    from mla_backend.model_executor.sampler import Sampler, TokenMasks
+    from mla_backend.request import Req, SamplingParams
+
+    calls = []
+
+    def recorded(x, *args, **kw):
+        calls.append(sorted(kw))
+        return greedy_with_logprob(x, *args, **kw)
+
+    monkeypatch.setattr(sampling_mod, "greedy_with_logprob", recorded)
+    vocab, eos, bs = 300, 7, 5
+    gen = torch.Generator().manual_seed(len(masked_rows))
+    logits = (torch.randn(bs, vocab + 5, generator=gen) * 4).to(dtype).to(DEV)
+    allowed = torch.rand(len(masked_rows), vocab, generator=gen) < 0.2
+    allowed[:, eos] = True
+    logits[:, eos] = logits.float().max() + 1  # EOS allowed and on top: banned in row 2
+    bitmask = _pack(allowed)
+    reqs = []
+    for i in range(bs):
+        r = Req(rid=str(i), origin_input_ids=[1, 2], sampling_params=SamplingParams(
+            temperature=0.0, max_new_tokens=8, min_new_tokens=3 if i == 2 else 0,
+            logprobs=2 if i % 2 else None))
+        reqs.append(r)
+
+    def restrict(x: torch.Tensor) -> None:
+        idx = torch.tensor(masked_rows, device=x.device)
+        picked = x.index_select(0, idx)
+        apply_bitmask_reference(picked, bitmask.to(x.device), vocab_size=vocab)
+        x.index_copy_(0, idx, picked)
+
+    before = logits.clone()
+    torch_path = Sampler({eos}, vocab, DEV)
+    torch_path.fused_greedy = False
+    fused_path = Sampler({eos}, vocab, DEV)
+    fused_path.fused_greedy = True
+    want = torch_path.resolve(torch_path.launch(logits, reqs, restrict))
+    got = fused_path.resolve(fused_path.launch(logits, reqs, restrict,
+                                               TokenMasks(masked_rows, bitmask)))
+    assert calls == [["bitmask", "mask_rows"]]  # the fused branch ran, with the masks
+    assert torch.equal(logits, before)
+    assert got.next_token_ids == want.next_token_ids
+    for j, r in enumerate(masked_rows):
+        assert allowed[j, got.next_token_ids[r]]
+    assert got.next_token_ids[2] != eos
+    torch.testing.assert_close(torch.tensor(got.token_logprobs), torch.tensor(want.token_logprobs),
+                               rtol=1e-5, atol=1e-5)
+    assert [g and list(g) for g in got.top_logprobs] == [w and list(w) for w in want.top_logprobs]
