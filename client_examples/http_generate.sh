@@ -3,7 +3,7 @@
 # Usage: client_examples/http_generate.sh [MODEL] [PROMPT] [MAX_TOKENS]   (HOST defaults to localhost:8000)
 set -euo pipefail
 MODEL=${1:-deepseek-v2-tiny}
-PROMPT=${2:-What is multi-head latent attention?}
+PROMPT=${2:-Fellow-Citizens of the Senate and House of Representatives:}
 MAX_TOKENS=${3:-32}
 HOST=${HOST:-localhost:8000}
 BODY=$(python3 -c 'import json,sys; print(json.dumps({"text_input": sys.argv[1], "max_tokens": int(sys.argv[2]), "temperature": 0, "return_finish_reason": True}))' "$PROMPT" "$MAX_TOKENS")
