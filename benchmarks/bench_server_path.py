@@ -276,14 +276,14 @@ def client_procs_load(spec: dict[str, Any], jobs: list, concurrency: int) -> tup
     ctx = mp.get_context("spawn")
     barrier, results, counter = ctx.Barrier(procs), ctx.Queue(), ctx.Value("i", 0)
     children = [ctx.Process(target=_client_part, daemon=True, args=(
-        k, spec["url"], spec["model"], jobs,
+        spec["url"], spec["model"], jobs,
         concurrency // procs + (k < concurrency % procs), spec["timeout_s"], barrier, results,
         counter)) for k in range(procs)]
     for child in children:
         child.start()
     stats = LoadStats()
     for _ in children:
-        _, part = results.get(timeout=spec["timeout_s"] + 120)
+        part = results.get(timeout=spec["timeout_s"] + 120)
         stats.times.update(part.times)
         for name in ("requests", "output_tokens", "short", "responses", "cpu_s"):
             setattr(stats, name, getattr(stats, name) + getattr(part, name))
@@ -295,10 +295,10 @@ def client_procs_load(spec: dict[str, Any], jobs: list, concurrency: int) -> tup
     return stats, procs
 
 
-def _client_part(k: int, url: str, model: str, jobs: list, concurrency: int, timeout_s: float,
+def _client_part(url: str, model: str, jobs: list, concurrency: int, timeout_s: float,
                  barrier: Any, results: Any, counter: Any) -> None:
-    """Client process k of `client_procs_load`: the jobs it takes from the shared `counter`,
-    then (k, LoadStats) on `results`."""
+    """A client process of `client_procs_load`: the jobs it takes from the shared `counter`,
+    then its LoadStats on `results`."""
     from serving_client import stream_load
 
     def take() -> int | None:
@@ -309,8 +309,8 @@ def _client_part(k: int, url: str, model: str, jobs: list, concurrency: int, tim
             counter.value = i + 1
         return i
 
-    results.put((k, stream_load(url, model, jobs, concurrency, timeout_s=timeout_s,
-                                record_times=True, before_start=barrier.wait, take=take)))
+    results.put(stream_load(url, model, jobs, concurrency, timeout_s=timeout_s,
+                            record_times=True, before_start=barrier.wait, take=take))
 
 
 WORKERS = {IN_PROCESS: in_process_worker, "own_client": own_client_worker}
