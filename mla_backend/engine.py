@@ -493,6 +493,7 @@ class Engine:
         reqs, eos, ctx = batch.reqs, self.eos_token_ids, self.context_len
         unflushed = self._unflushed
         tokens, logprobs, tops = out.next_token_ids, out.token_logprobs, out.top_logprobs
+        accepted = self._accept_grammar_tokens(reqs, launched.rows, tokens)
         for j, i in enumerate(launched.rows):
             req = reqs[i]
             if req.finished_reason is not None:  # aborted, or ended one step before (overlap)
@@ -516,7 +517,7 @@ class Engine:
             elif n_out >= sp.max_new_tokens or len(req.origin_input_ids) + n_out >= ctx:
                 req.finished_reason = FinishReason.LENGTH
             if req.grammar is not None:
-                if not req.grammar.accept_token(tok):
+                if not accepted[j]:
                     req.finished_reason = FinishReason.ABORT
                     self._grammar_errors.append((req, _NO_TOKEN_FITS))
                     finished[i] = True
@@ -526,6 +527,20 @@ class Engine:
             unflushed.append(_Token(req, tok, lp, tops[j]))
             finished[i] = req.finished_reason is not None
         return finished
+
+    def _accept_grammar_tokens(self, reqs: list[Req], rows: list[int],
+                               tokens: list[int]) -> dict[int, bool]:
+        """The grammars of the constrained live requests among `rows` take their sampled
+        tokens (tokens[j] for reqs[rows[j]]), in one call; {j: accepted}."""
+        if not self.grammars.active:
+            return {}
+        js = [j for j, i in enumerate(rows)
+              if reqs[i].grammar is not None and reqs[i].finished_reason is None]
+        if not js:
+            return {}
+        oks = self.grammars.accept_tokens([reqs[rows[j]].grammar for j in js],
+                                          [tokens[j] for j in js])
+        return dict(zip(js, oks))
 
     def _flush_tokens(self, outputs: list[RequestOutput]) -> None:
         """Record the committed tokens in their requests' output state and emit the increments

@@ -145,7 +145,8 @@ class GrammarState:
     compiled: from GrammarCompiler. stop_token_ids: override the compiler's stop ids for this
     request. token_bytes: token id -> bytes (GrammarCompiler.token_bytes), for
     `jump_forward_tokens`; read from the grammar when None (slow: prefer `new_state`).
-    Not thread-safe: one thread drives one state.
+    Not thread-safe: one thread drives one state. `is_terminated` reads a flag kept here (the
+    matcher is asked only after a stop token), so checking it costs no call into xgrammar.
     """
 
     def __init__(self, compiled: CompiledGrammar, *, stop_token_ids: Sequence[int] | None = None,
@@ -156,6 +157,10 @@ class GrammarState:
         self.vocab_size: int = compiled.tokenizer_info.vocab_size
         self._token_bytes = token_bytes
         self.num_tokens = 0  # tokens accepted (and not rolled back): the most `rollback` undoes
+        # only accepting one of these can terminate the matcher (it is made without
+        # terminate_without_stop_token)
+        self._stops = frozenset(self._matcher.stop_token_ids)
+        self._terminated = False
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -171,8 +176,27 @@ class GrammarState:
         """Advance by one token; False (state unchanged) when the grammar does not allow it.
         A stop token is allowed only after a complete match and terminates the state."""
         ok = self._matcher.accept_token(token_id)
-        self.num_tokens += ok
+        if ok:
+            self._accepted(token_id)
         return ok
+
+    def _accepted(self, token_id: int) -> None:
+        self.num_tokens += 1
+        if token_id in self._stops:
+            self._terminated = self._matcher.is_terminated()
+
+    @staticmethod
+    def accept_tokens(states: Sequence[GrammarState], token_ids: Sequence[int]) -> list[bool]:
+        """`states[i].accept_token(token_ids[i])` for every i, in one call into xgrammar
+        (`BatchGrammarMatcher.batch_accept_token`). Returns each accept's result."""
+        if not states:
+            return []
+        oks = xgr.BatchGrammarMatcher.batch_accept_token([s._matcher for s in states],
+                                                         list(token_ids))
+        for state, tid, ok in zip(states, token_ids, oks):
+            if ok:
+                state._accepted(tid)
+        return oks
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> bool:
         """Write the allowed next tokens into bitmask[row] (CPU int32, see allocate_bitmask).
@@ -180,13 +204,13 @@ class GrammarState:
         A row with no bit set is a dead end: the vocabulary cannot spell any continuation (e.g.
         a choice with a character whose bytes no token has); the request must end in an error.
         Raises RuntimeError after termination (nothing may follow a stop token)."""
-        if self._matcher.is_terminated():
+        if self._terminated:
             raise RuntimeError("grammar state is terminated (a stop token was accepted)")
         return self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def is_terminated(self) -> bool:
         """A stop token was accepted: the request is done."""
-        return self._matcher.is_terminated()
+        return self._terminated
 
     def is_completed(self) -> bool:
         """The output so far is a complete match (a stop token is allowed now)."""
@@ -204,13 +228,15 @@ class GrammarState:
         if num_tokens:
             self._matcher.rollback(num_tokens)
             self.num_tokens -= num_tokens
+            self._terminated = self._terminated and self._matcher.is_terminated()
 
     def fork(self) -> GrammarState:
         """An independent copy of this state (same grammar)."""
         out = GrammarState.__new__(GrammarState)
         out._compiled, out._matcher = self._compiled, self._matcher.fork()
         out.vocab_size, out._token_bytes = self.vocab_size, self._token_bytes
-        out.num_tokens = self.num_tokens
+        out.num_tokens, out._stops, out._terminated = (self.num_tokens, self._stops,
+                                                        self._terminated)
         return out
 
 
@@ -233,11 +259,11 @@ class BitmaskFiller:
         """Row j of `bitmask` (CPU int32, see `allocate_bitmask`) ← the allowed next tokens of
         states[j]. Raises RuntimeError when a state is terminated (nothing may follow a stop
         token)."""
-        matchers = []
-        for state in states:
-            if state._matcher.is_terminated():
-                raise RuntimeError("grammar state is terminated (a stop token was accepted)")
-            matchers.append(state._matcher)
+        # (no call into xgrammar per state: on a fill thread each such call would wait for
+        # the GIL that the engine thread holds)
+        if any(state._terminated for state in states):
+            raise RuntimeError("grammar state is terminated (a stop token was accepted)")
+        matchers = [state._matcher for state in states]
         batch = self._many if len(matchers) >= self.min_rows_threaded else self._one
         batch.batch_fill_next_token_bitmask(matchers, bitmask)
 

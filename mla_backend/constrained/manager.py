@@ -160,6 +160,14 @@ class GrammarManager:
             self._filler.fill(states, bitmask)
         return PendingMasks(rows, bitmask, self.vocab_size, fill)
 
+    def accept_tokens(self, states: Sequence[Any], token_ids: Sequence[int]) -> list[bool]:
+        """Each `GrammarState` in `states` takes its token (`GrammarState.accept_tokens`: one
+        call into xgrammar); returns whether each was allowed (a refused one leaves its state
+        unchanged)."""
+        from mla_backend.constrained.grammar import GrammarState
+
+        return GrammarState.accept_tokens(states, token_ids)
+
     def shutdown(self) -> None:
         """Stop the fill thread (after its current fill) and the compile threads."""
         if self._fill_thread is not None:

@@ -1,10 +1,11 @@
 """benchmarks/bench_structured.py on the CPU (a V2-Lite-shaped model cut small, SmolLM2's
 tokenizer): the results file holds both runs' speeds and the compile times, and each run's steps
-are reported by kind."""
+are reported by kind; both runs prefill every prompt (the cache is emptied before each)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,4 +34,10 @@ def test_constrained_and_free_runs_and_their_steps(tmp_path, tokenizer_dir):
     for name in ("constrained", "free"):
         assert f"### Steps of the {name} run at batch 8" in proc.stdout
     assert "| prefill / extend | 1 |" in proc.stdout
+    prefilled = {}  # run -> prompt tokens its prefill steps computed, at batch 8
+    for name in ("constrained", "free"):
+        section = proc.stdout.split(f"### Steps of the {name} run at batch 8")[1].split("###")[0]
+        prefilled[name] = int(re.search(r"\| prefill / extend \|.*\| ([\d,]+) \|\n", section)
+                              .group(1).replace(",", ""))
+    assert prefilled["constrained"] == prefilled["free"] > 8 * 4, prefilled
     assert "| decode bs 1-15 (eager) |" in proc.stdout

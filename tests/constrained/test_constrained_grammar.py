@@ -119,6 +119,48 @@ def test_rollback_restores_the_mask(compiler, tokenizer) -> None:
     assert torch.equal(_allowed(state), masks[-3])  # the fork is independent
 
 
+def test_accept_tokens_in_one_call_equals_one_by_one(compiler, tokenizer) -> None:
+    """`GrammarState.accept_tokens` (xgrammar's batch accept) gives each state what its own
+    `accept_token` gives: refusals leave the state, a stop token terminates only a complete
+    match, and `is_terminated` (a flag of ours) follows the matcher through rollback and fork."""
+    compiled = compiler.compile(_spec(json=PERSON))
+    eos = tokenizer.eos_token_id
+    ids = _ids(tokenizer, '{"name": "Bob", "age": 42, "ok": true}')
+    gen = torch.Generator().manual_seed(1)
+    one, many = [], []
+    for i in range(30):  # states at every position, then a random token (often refused)
+        pair = [compiler.new_state(compiled), compiler.new_state(compiled)]
+        for tid in ids[: i % (len(ids) + 1)]:
+            assert all(s.accept_token(tid) for s in pair)
+        one.append(pair[0])
+        many.append(pair[1])
+    for step in range(4):
+        tokens = [eos if (j + step) % 5 == 0 else
+                  int(torch.randint(0, compiler.vocab_size, (1,), generator=gen))
+                  if (j + step) % 3 == 0 else ids[min(s.num_tokens, len(ids) - 1)]
+                  for j, s in enumerate(one)]
+        live = [j for j, s in enumerate(one) if not s.is_terminated()]
+        expected = [one[j].accept_token(tokens[j]) for j in live]
+        got = GrammarState.accept_tokens([many[j] for j in live], [tokens[j] for j in live])
+        assert got == expected
+        assert True in got and False in got
+        for j in live:
+            a, b = one[j], many[j]
+            assert (a.num_tokens, a.is_terminated()) == (b.num_tokens, b.is_terminated())
+            assert b.is_terminated() == b._matcher.is_terminated()
+            if not b.is_terminated():
+                assert torch.equal(_allowed(a), _allowed(b))
+    ended = [s for s in many if s.is_terminated()]
+    assert ended and GrammarState.accept_tokens([], []) == []
+    state = ended[0]
+    fork = state.fork()
+    state.rollback(1)  # the stop token undone: the match is complete again, not terminated
+    assert not state.is_terminated() and state.is_completed() and fork.is_terminated()
+    assert _allowed(state).nonzero().flatten().tolist() == [eos]
+    with pytest.raises(RuntimeError, match="terminated"):
+        fork.fill_bitmask(allocate_bitmask(1, fork.vocab_size), 0)
+
+
 def test_special_tokens_and_padding_are_never_allowed(tokenizer) -> None:
     vocab = len(tokenizer) + 40  # an LM head padded past the tokenizer
     comp = GrammarCompiler(tokenizer, vocab, stop_token_ids=[tokenizer.eos_token_id])
