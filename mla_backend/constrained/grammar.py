@@ -261,7 +261,7 @@ class BitmaskFiller:
         token)."""
         # (no call into xgrammar per state: on a fill thread each such call would wait for
         # the GIL that the engine thread holds)
-        if any(state._terminated for state in states):
+        if any(state.is_terminated() for state in states):
             raise RuntimeError("grammar state is terminated (a stop token was accepted)")
         matchers = [state._matcher for state in states]
         batch = self._many if len(matchers) >= self.min_rows_threaded else self._one
