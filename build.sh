@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # mla_backend: set-up, serve, demo, test, docker.
 #
-#   ./build.sh setup    venv in .venv, Python deps, system libraries, model weights (idempotent;
-#                       cached by a stamp keyed on the dependency lists: a second run takes seconds)
+#   ./build.sh setup    venv in .venv (genai-perf in .venv-genai-perf), Python deps, system
+#                       libraries, model weights (idempotent; cached by stamps keyed on the
+#                       dependency lists: a second run takes seconds)
 #   ./build.sh serve    setup if needed, then tritonserver in the foreground over model_repository/
 #                       (ports 8000/8001/8002; env HTTP_PORT, GRPC_PORT, METRICS_PORT override)
 #   ./build.sh demo     start a server on free ports, stream one prompt to each model, stop it
@@ -92,6 +93,19 @@ pip_install() {
   echo "$key" >"$STAMP"
 }
 
+# genai-perf in a venv of its own (requirements-genai-perf.txt says why), with its own stamp.
+GENAI_VENV="$ROOT/.venv-genai-perf"
+genai_perf_setup() {
+  local key stamp="$GENAI_VENV/.mla_setup_stamp"
+  key="$({ "$PY" -c 'import sys; print(sys.version)'; cat requirements-genai-perf.txt; } |
+    sha256sum | cut -d' ' -f1)"
+  [[ -f "$stamp" && "$(cat "$stamp")" == "$key" ]] && return 0
+  log "pip install genai-perf into $GENAI_VENV"
+  [[ -x "$GENAI_VENV/bin/python" ]] || "$PY" -m venv "$GENAI_VENV"
+  "$GENAI_VENV/bin/python" -m pip install -q -r requirements-genai-perf.txt
+  echo "$key" >"$stamp"
+}
+
 cmd_setup() {
   # One set-up at a time per checkout (tests and serve may start together).
   exec 9>"/tmp/mla_backend-setup-$(echo "$ROOT" | sha256sum | cut -c1-12).lock"
@@ -109,6 +123,7 @@ cmd_setup() {
   if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$key" ]]; then
     pip_install "$key"
   fi
+  genai_perf_setup
   ensure_system_libs
   # Copies the Python-backend stub for the venv's Python and checks its libraries (clear error).
   "$PY" -m mla_tools.tritonserver info >/dev/null

@@ -11,6 +11,9 @@ the server side it prints the engine process's loop times (`engine.LoopTimes`) a
 the clients' mean TTFT against the adapter's (from the stub's registration of a request; the
 difference is the way in to the stub and the first token's way out).
 The second command below adds an FP8 peak (no sweep) to the first one's JSON file.
+`--clients ... genai_perf` adds genai-perf (`find_genai_perf`), which sends requests of its own:
+text prompts and output lengths drawn with the run's mean lengths (`genai_perf_argv`); its rows
+are genai-perf's own figures (`read_genai_perf`), outside the targets.
 
     PYTHONPATH=. python3 benchmarks/bench_server_path.py --model deepseek-v2-lite --tokenizer-dir T
     PYTHONPATH=. python3 benchmarks/bench_server_path.py --model deepseek-v2-lite \
@@ -46,7 +49,8 @@ sys.path[:0] = [str(REPO), str(HERE), str(REPO / "tests" / "serving")]  # as ser
 from serving_helpers import engine_config, pbtxt_parameters  # noqa: E402
 from sharegpt_lengths import DEFAULT_PATH, load_length_pairs  # noqa: E402
 
-CLIENTS = ("perf_analyzer", "own_client")
+CLIENTS = ("perf_analyzer", "own_client", "genai_perf")
+DEFAULT_CLIENTS = ("perf_analyzer", "own_client")
 IN_PROCESS = "in_process"
 MODEL_NAME = "bench"
 WARM_UP_REQUESTS = 256  # bench_suite.warm_up's count: the first prefills of the peak run
@@ -408,6 +412,102 @@ def find_perf_analyzer(given: str | None) -> str:
     raise SystemExit("perf_analyzer not found (--perf-analyzer PATH, or put it on PATH)")
 
 
+# ----------------------------------------------------------------------------------- genai-perf
+GENAI_PERF_METRICS = {"ttft": "time_to_first_token", "itl": "inter_token_latency",
+                      "e2e": "request_latency"}
+
+
+def genai_perf_argv(command: list[str], url: str, requests: list[list], run: Run,
+                    tokenizer: str, artifacts: Path, seed: int) -> list[str]:
+    """`genai-perf profile` for `run` (KServe gRPC streaming, vLLM-backend inputs). Its prompts
+    and output lengths are its own, drawn from normal distributions with the mean of the run's
+    requests and their standard deviation capped at a third of the mean (genai-perf sends the
+    empty prompt it draws below 1 token, which the server refuses), with min_tokens = max_tokens.
+    genai-perf 0.0.16 has no per-request output length for this backend: its payload input sends
+    `max_tokens` as a model input, which the vLLM contract does not have."""
+    import numpy as np
+
+    def mean_std(values: list[int]) -> tuple[str, str]:
+        mean = float(np.mean(values))
+        return str(round(mean)), str(round(min(float(np.std(values)), mean / 3)))
+
+    ins = mean_std([len(p) for p, _ in requests[:run.count]])
+    outs = mean_std([run.max_tokens or o for _, o in requests[:run.count]])
+    return [*command, "profile", "-m", MODEL_NAME, "--endpoint-type", "kserve",
+            "--backend", "vllm", "--streaming", "-u", url,
+            "--num-prompts", str(run.count), "--request-count", str(run.count),
+            "--concurrency", str(run.concurrency),
+            "--synthetic-input-tokens-mean", ins[0], "--synthetic-input-tokens-stddev", ins[1],
+            "--output-tokens-mean", outs[0], "--output-tokens-stddev", outs[1],
+            "--output-tokens-mean-deterministic",
+            "--tokenizer", tokenizer, "--random-seed", str(seed),
+            "--artifact-dir", str(artifacts)]
+
+
+def read_genai_perf(artifacts: Path) -> dict[str, Any]:
+    """genai-perf's own figures (its profile_export_genai_perf.json) as a summarized result:
+    requests, output tokens (genai-perf counts them by tokenizing each request's text) and
+    the tokens asked (its inputs.json), output tok/s and its duration (s), TTFT mean and TTFT /
+    ITL / end-to-end p50 and p99 (ms)."""
+    (summary,) = artifacts.glob("*/profile_export_genai_perf.json")
+    (inputs,) = artifacts.glob("*/inputs.json")
+    doc = json.loads(summary.read_text())
+    asked = [int(json.loads(d["sampling_parameters"][0])["max_tokens"])
+             for d in json.loads(inputs.read_text())["data"]]
+    requests = round(doc["request_count"]["avg"])
+    out = {"requests": requests, "expected_tokens": sum(asked),
+           "output_tokens": round(doc["output_sequence_length"]["avg"] * requests),
+           "tok_s": doc["output_token_throughput"]["avg"],
+           "ttft_mean_ms": doc["time_to_first_token"]["avg"]}
+    out["span_s"] = out["output_tokens"] / out["tok_s"]  # genai-perf's duration
+    for name, key in GENAI_PERF_METRICS.items():
+        for q in (50, 99):
+            out[f"{name}_p{q}_ms"] = doc[key][f"p{q}"]
+    return out
+
+
+def genai_perf_run(command: list[str], url: str, requests: list[list], run: Run, workdir: Path,
+                   server, tokenizer: str, seed: int, timeout_s: float) -> dict[str, Any]:
+    """One `genai_perf_argv` run (perf_analyzer found on PATH, as genai-perf expects), read by
+    `read_genai_perf`, with the CPU time of genai-perf and its perf_analyzer and the server's."""
+    from mla_tools.tritonserver import perf_analyzer_env
+
+    artifacts = workdir / f"genai_perf-{run.label.replace('=', '')}"
+    shutil.rmtree(artifacts, ignore_errors=True)
+    argv = genai_perf_argv(command, url, requests, run, tokenizer, artifacts, seed)
+    env = perf_analyzer_env()
+    env["PATH"] = os.pathsep.join([str(Path(find_perf_analyzer(None)).parent), env["PATH"]])
+    log = workdir / f"{artifacts.name}.log"
+    cpu0, server_cpu = resource.getrusage(resource.RUSAGE_CHILDREN), server.cpu_s()
+    with open(log, "w") as f:
+        f.write(shlex.join(argv) + "\n")
+        f.flush()
+        proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
+                              timeout=timeout_s)
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise RuntimeError(f"genai-perf exited with {proc.returncode}; log {log}:\n"
+                           + log.read_text()[-3000:])
+    result = read_genai_perf(artifacts)
+    errors = [] if result["requests"] == run.count else [
+        f"genai-perf measured {result['requests']} requests, not {run.count}"]
+    result.update(errors=errors, wrong_count=0, server_cpu_s=server.cpu_s() - server_cpu,
+                  client_cpu_s=(cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime))
+    return result
+
+
+def find_genai_perf(given: str | None) -> list[str]:
+    """The genai-perf command: --genai-perf (a command line, e.g. "python3 -m genai_perf.main"),
+    else genai-perf on PATH, else the one `./build.sh setup` installs in .venv-genai-perf."""
+    if given:
+        return shlex.split(given)
+    for candidate in (shutil.which("genai-perf"), str(REPO / ".venv-genai-perf" / "bin" /
+                                                      "genai-perf")):
+        if candidate and os.access(candidate, os.X_OK):
+            return [candidate]
+    raise SystemExit("genai-perf not found (--genai-perf COMMAND, or ./build.sh setup)")
+
+
 # ----------------------------------------------------------------------------- model and server
 def model_folder(args, workdir: Path) -> tuple[str, bool]:
     """(HF folder of the model, whether it is a shape with dummy weights)."""
@@ -519,7 +619,7 @@ def report(args, sides: dict[str, dict[str, dict]], show: bool
          ["concurrency", "side", "requests", "output tok/s", "/ in-process", "TTFT p50 ms",
           "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "e2e p50 ms"] + cpu_headers, rows)
     rows = []
-    for client in args.clients:
+    for client in (c for c in args.clients if c != "genai_perf"):  # (its own requests)
         runs = sides.get(client, {})
         if "peak" in runs and "peak" in base:
             ratio = runs["peak"]["tok_s"] / base["peak"]["tok_s"]
@@ -535,6 +635,13 @@ def report(args, sides: dict[str, dict[str, dict]], show: bool
                          f"{extra:+.2f} ms",
                          "yes" if extra <= TARGETS["ttft_c1_extra_ms"] else "NO"])
     emit("Targets (issue 41)", ["client", "target", "measured", "met"], rows)
+    emit("genai-perf's own requests: prompts and output lengths drawn with the same means and "
+         "standard deviations as the other sides' (min_tokens = max_tokens); output tokens as "
+         "genai-perf counts them (tokenizing each request's text) against the tokens asked",
+         ["run", "requests", "tokens asked", "tokens counted", "counted / asked"],
+         [[label, r["requests"], r["expected_tokens"], r["output_tokens"],
+           r["output_tokens"] / r["expected_tokens"]]
+          for label, r in sides.get("genai_perf", {}).items()])
     emit("Where the server's TTFT goes (means, ms): at the client; in the stub (registration to "
          "the engine's first token, the adapter's TTFT metric); the rest is the request's way "
          "in to the stub and the first token's way out",
@@ -624,9 +731,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--client-procs", type=int, default=1,
                     help="processes of the own client (each load's jobs shared out among them)")
-    ap.add_argument("--clients", nargs="*", default=list(CLIENTS), choices=CLIENTS,
+    ap.add_argument("--clients", nargs="*", default=list(DEFAULT_CLIENTS), choices=CLIENTS,
                     help="server-side load generators; the first one's peak is server_tok_s")
     ap.add_argument("--perf-analyzer", default=None, help="perf_analyzer binary")
+    ap.add_argument("--genai-perf", default=None,
+                    help='genai-perf command line (default: genai-perf on PATH, else '
+                         '.venv-genai-perf/bin/genai-perf), e.g. "python3 -m genai_perf.main"')
     ap.add_argument("--json", default=None,
                     help=f"results (issue schema); default {DEFAULT_JSON_GPU.relative_to(REPO)} "
                          "with --device cuda")
@@ -673,8 +783,8 @@ def write_outputs(args, raw: dict[str, dict[str, dict]], head: dict[str, str],
                   settings: dict[str, str], final: bool) -> None:
     """Summaries of the runs measured so far into --json / --details (rewritten after every
     phase, so that a run cut short keeps what it measured); `final` also prints the tables."""
-    sides = {side: {label: {**r, **summarize(r)} for label, r in runs.items()}
-             for side, runs in raw.items() if runs}
+    sides = {side: {label: {**r, **(summarize(r) if "per_request" in r else {})}
+                    for label, r in runs.items()} for side, runs in raw.items() if runs}
     peak, sweep = report(args, sides, show=final)
     dtype_key = "fp8" if (args.quantization, args.kv_cache_dtype) == ("fp8", "fp8_e4m3") \
         else "bf16"
@@ -685,7 +795,7 @@ def write_outputs(args, raw: dict[str, dict[str, dict]], head: dict[str, str],
     if args.details:
         for runs in sides.values():
             for r in runs.values():
-                r.pop("per_request")
+                r.pop("per_request", None)
         Path(args.details).write_text(json.dumps(
             {**head, "dtype_key": dtype_key, "args": vars(args), "engine_settings": settings,
              "sides": sides}, indent=1))
@@ -727,6 +837,7 @@ def main(argv: list[str]) -> int:
 
     runs = plan(args.num_requests, args.concurrency, args.sweep_waves, args.sweep_min_requests)
     binary = find_perf_analyzer(args.perf_analyzer) if "perf_analyzer" in args.clients else ""
+    genai = find_genai_perf(args.genai_perf) if "genai_perf" in args.clients else []
     head = {"date": time.strftime("%Y-%m-%d"), "commit": args.commit or git_commit(),
             "hardware": "", "command": "python3 benchmarks/bench_server_path.py "
             + shlex.join(argv)}
@@ -803,6 +914,15 @@ def main(argv: list[str]) -> int:
                     raw["perf_analyzer"][run.label] = result
                     log(f"  perf_analyzer {run.label}: "
                         f"{result['output_tokens'] / result['span_s']:,.0f} tok/s")
+                if run.measured and "genai_perf" in args.clients:
+                    ttft0 = stub_ttft(server.metrics_url)
+                    result = genai_perf_run(genai, server.grpc_url, requests, run, workdir, tree,
+                                            folder, args.seed, args.run_timeout)
+                    result["stub_ttft_mean_ms"] = stub_ttft_mean_ms(
+                        ttft0, stub_ttft(server.metrics_url))
+                    check("genai_perf", run, result)
+                    raw["genai_perf"][run.label] = result
+                    log(f"  genai-perf {run.label}: {result['tok_s']:,.0f} tok/s")
             server.check_alive()
             write_outputs(args, raw, head, settings, final=False)
     if args.no_in_process:

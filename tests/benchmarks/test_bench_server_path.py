@@ -1,6 +1,7 @@
 """benchmarks/bench_server_path.py on the CPU: the whole benchmark with deepseek-v2-tiny and tiny
-numbers (the in-process engine, tritonserver under perf_analyzer and our own client), its JSON
-file and its reading of perf_analyzer's profile export."""
+numbers (the in-process engine, tritonserver under perf_analyzer, our own client and genai-perf,
+which `./build.sh setup` installs in .venv-genai-perf), its JSON file and its reading of
+perf_analyzer's profile export."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import bench_server_path as bsp  # noqa: E402
 
-SIDES = ("in_process", "perf_analyzer", "own_client")
+SIDES = ("in_process", "perf_analyzer", "own_client", "genai_perf")
+SAME_REQUESTS = SIDES[:3]  # genai-perf draws its own (same output lengths here: all capped)
 SCHEMA = ["date", "commit", "hardware", "command", "bf16", "fp8", "sweep"]
 PEAK_KEYS = {"in_process_tok_s", "server_tok_s", "ratio"}
 ROW_KEYS = {"concurrency", "side", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
@@ -26,19 +28,20 @@ ROW_KEYS = {"concurrency", "side", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p
 def test_end_to_end_on_cpu(tmp_path):
     """10 requests at once, then concurrency 1 (3 requests) and 4 (8 requests), outputs capped
     at 6 tokens, the own client in two processes: every side of every run gets exactly the
-    tokens asked, and the JSON holds the issue's schema with one sweep row per (concurrency,
-    side)."""
+    tokens asked (genai-perf: asks for them, and counts them by tokenizing the text within
+    20%), and the JSON holds the issue's schema with one sweep row per (concurrency, side)."""
     out, details = tmp_path / "out.json", tmp_path / "details.json"
     argv = ["--model", "deepseek-v2-tiny", "--device", "cpu", "--num-requests", "10",
             "--concurrency", "1", "4", "--sweep-min-requests", "3", "--max-output", "6",
             "--max-prompt", "48", "--client-procs", "2", "--json", str(out),
-            "--details", str(details), "--server-param", "REPORT_CUSTOM_METRICS=true"]
+            "--details", str(details), "--server-param", "REPORT_CUSTOM_METRICS=true",
+            "--clients", "perf_analyzer", "own_client", "genai_perf"]
     proc = subprocess.run([sys.executable, str(BENCH / "bench_server_path.py"), *argv],
                           capture_output=True, text=True, timeout=600)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
     for title in ("### Peak", "### Concurrency sweep", "### Targets",
-                  "### Where the server's TTFT"):
+                  "### Where the server's TTFT", "### genai-perf's own requests"):
         assert title in proc.stdout, log
 
     doc = json.loads(out.read_text())
@@ -59,13 +62,18 @@ def test_end_to_end_on_cpu(tmp_path):
     # Tokens asked, computed here from the length pairs: the first `count` requests, capped.
     pairs = bsp.load_length_pairs(bsp.DEFAULT_PATH, 10, seed=0)
     outs = [min(o, 6) for _, o in pairs]
+    assert outs == [6] * 10  # so genai-perf's draws (mean 6, deviation 0) ask the same
     sides = json.loads(details.read_text())["sides"]
     assert sorted(sides) == sorted(SIDES)
     for side in SIDES:
         for label, count in (("peak", 10), ("c=1", 3), ("c=4", 8)):
             r = sides[side][label]
             assert r["requests"] == count, (side, label)
-            assert r["output_tokens"] == r["expected_tokens"] == sum(outs[:count]), (side, label)
+            assert r["expected_tokens"] == sum(outs[:count]), (side, label)
+            if side in SAME_REQUESTS:
+                assert r["output_tokens"] == r["expected_tokens"], (side, label)
+            else:
+                assert abs(r["output_tokens"] / r["expected_tokens"] - 1) <= 0.2, (side, label)
             assert r["wrong_count"] == 0 and r["errors"] == [], (side, label)
             assert r["span_s"] * 1e3 >= r["e2e_p99_ms"] > 0  # first send to last token
             assert r["ttft_p50_ms"] < r["e2e_p50_ms"] and r["ttft_p99_ms"] < r["e2e_p99_ms"]
@@ -159,3 +167,25 @@ def test_server_side_only_with_a_server_parameter(tmp_path):
     outs = [min(o, 4) for _, o in bsp.load_length_pairs(bsp.DEFAULT_PATH, 6, seed=0)]
     assert sides["own_client"]["peak"]["output_tokens"] == sum(outs)
     assert "GIL switch interval 0.25 ms;" in (work / "server.log").read_text(errors="replace")
+
+
+def test_genai_perf_argv_draws_like_the_run(tmp_path):
+    """genai-perf gets the mean prompt and output lengths of the run's requests and their
+    standard deviations, each capped at a third of the mean (its draws below 1 prompt token are
+    empty prompts), for exactly the run's requests and concurrency."""
+    requests = [[[7] * 10, 100], [[7] * 50, 300], [[7] * 30, 500], [[7] * 99, 1]]
+    run = bsp.Run("c=2", 3, 2)
+    argv = bsp.genai_perf_argv(["genai-perf"], "host:1", requests, run, "/tok", tmp_path, 5)
+    opt = {k: v for k, v in zip(argv, argv[1:]) if k.startswith("-")}
+    assert argv[:2] == ["genai-perf", "profile"] and "--streaming" in argv
+    assert (opt["--synthetic-input-tokens-mean"], opt["--synthetic-input-tokens-stddev"]) \
+        == ("30", "10")  # std 16.3 capped at 30 / 3
+    assert (opt["--output-tokens-mean"], opt["--output-tokens-stddev"]) == ("300", "100")
+    assert "--output-tokens-mean-deterministic" in argv  # min_tokens = max_tokens
+    assert (opt["--request-count"], opt["--num-prompts"], opt["--concurrency"]) == ("3", "3", "2")
+    assert (opt["--endpoint-type"], opt["--backend"], opt["-u"]) == ("kserve", "vllm", "host:1")
+    assert (opt["--tokenizer"], opt["--random-seed"]) == ("/tok", "5")
+    warm = bsp.Run("warm-up", 2, 2, max_tokens=8, measured=False)  # outputs replaced
+    argv = bsp.genai_perf_argv([], "h", requests, warm, "/t", tmp_path, 0)
+    opt = {k: v for k, v in zip(argv, argv[1:]) if k.startswith("-")}
+    assert (opt["--output-tokens-mean"], opt["--output-tokens-stddev"]) == ("8", "0")
