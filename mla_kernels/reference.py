@@ -135,6 +135,13 @@ def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor,
     return (x.float() @ weight.float().T) * x_scale.float() * w_scale.float().reshape(1, -1)
 
 
+def fp8_weight_only_gemv_ref(x: torch.Tensor, weight: torch.Tensor,
+                             w_scale: torch.Tensor) -> torch.Tensor:
+    """Twin of `gemv.gemv` with a float x and an FP8 weight: (x [T, K] @ weight [N, K]^T e4m3,
+    in fp32) * w_scale (N values, as [1, N]) -> [T, N] float32."""
+    return (x.float() @ weight.float().T) * w_scale.float().reshape(1, -1)
+
+
 def bmm_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Twin of `bmm_gemv.bmm_gemv`: x [T, H, K], w [H, K, N] -> [T, H, N] with out[t, h] =
     x[t, h] @ w[h], in fp32 (fp64 for fp64 inputs)."""

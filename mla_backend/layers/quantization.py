@@ -346,25 +346,37 @@ def fp8_per_token_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale_row: torch.Tens
         x_fp8: x already quantized so (`PerTokenFp8`, e.g. by the RMSNorm that wrote x:
             `RMSNorm.forward_fp8`); then x is not read again.
     Returns:
-        [M, N] in out_dtype, fp32 accumulation (`_fp8_rowwise_scaled_mm`: on CUDA the FP8
-        `gemv` at one row, else a rowwise-scaled `torch._scaled_mm` for bf16 output; other
-        output dtypes run the FP8 GEMM into float32 and scale after).
+        [M, N] in out_dtype, fp32 accumulation (`_fp8_rowwise_scaled_mm`: a rowwise-scaled
+        `torch._scaled_mm` for bf16 output; other output dtypes run the FP8 GEMM into float32
+        and scale after). On CUDA at up to FP8_GEMV_MAX_ROWS rows of a float x, outside
+        torch.compile, x is not quantized: the weight-only FP8 `gemv` (y = x @ w_t *
+        w_scale_row), one launch that reads the same weight bytes (x_fp8 is then unused).
     Raises:
         ValueError: x_fp8 not of x's shape (`fp8_quant.check_per_token_pair`).
     """
     from mla_kernels.fp8_quant import check_per_token_pair, quantize_per_token
 
+    out_dtype = out_dtype or x.dtype
+    if (x.is_cuda and x.shape[0] <= FP8_GEMV_MAX_ROWS and x.dtype in _KERNEL_DTYPES
+            and out_dtype in _KERNEL_DTYPES and w_t.stride(0) == 1 and x.stride(-1) == 1
+            and not torch.compiler.is_compiling()):
+        from mla_kernels.gemv import gemv
+
+        # a model weight: nothing writes it during a forward (PDL prefetch, mla_kernels/pdl.py)
+        return gemv(x, w_t.t(), w_scale=w_scale_row, out_dtype=out_dtype, static_weight=True)
     if x_fp8 is None:
         x_fp8 = quantize_per_token(x)
     else:
         check_per_token_pair(*x_fp8, *x.shape, "x_fp8")
     q, xs = x_fp8
-    return _fp8_rowwise_scaled_mm(q, xs, w_t, w_scale_row, out_dtype or x.dtype)
+    return _fp8_rowwise_scaled_mm(q, xs, w_t, w_scale_row, out_dtype)
 
 
-# Token rows up to which a CUDA dynamic FP8 linear runs as the triton FP8 `gemv` (a stream
-# of the fp8 weight, like the 16-bit linears' GEMV at GEMV_MAX_ROWS) instead of
-# `torch._scaled_mm`: faster for V2-Lite's bs-1 FP8 decode. Wider batches not measured.
+# Token rows up to which a CUDA dynamic FP8 linear runs as the triton `gemv` over the fp8
+# weight (a stream of the weight, like the 16-bit linears' GEMV at GEMV_MAX_ROWS) instead of
+# `torch._scaled_mm`: faster for V2-Lite's bs-1 FP8 decode. Wider batches not measured. From
+# `fp8_per_token_mm` the gemv is weight-only (x not quantized: no quantization launch for an x
+# that comes without x_fp8, e.g. o_proj's); `_fp8_rowwise_scaled_mm` runs it on quantized rows.
 FP8_GEMV_MAX_ROWS = 1
 
 # `torch._scaled_mm(use_fast_accum=)` for the dense FP8 linears: Hopper's FP8 MMA then keeps

@@ -68,8 +68,9 @@ BMM_GEMV_MAX_ROWS = 1
 # matmul (`fp8_per_tensor_bmm`: an amax pass over x, then the triton `bmm_fp8`). Above it, on
 # CUDA, they run as torch.bmm over the dequantized weights in the model dtype (`w_kc_dq`,
 # `w_vc_dq`: 2 x 2 MB per V2-Lite layer), written straight into the query / o_proj input: at
-# large batches the FP8 pair (amax pass plus GEMM) is slower than cuBLAS's bf16 bmm.
-# None: always FP8.
+# large batches the FP8 pair (amax pass plus GEMM) is slower than cuBLAS's bf16 bmm. At up to
+# BMM_GEMV_MAX_ROWS rows on CUDA they run as `bmm_gemv` over the dequantized weights (one
+# launch instead of the pair, for 1 MB more read per product). None: always FP8 (but that).
 FP8_BMM_MAX_ROWS: int | None = 64
 
 
@@ -343,15 +344,17 @@ class DeepseekV2Attention(nn.Module):
                      out: torch.Tensor, w_dq: torch.Tensor | None = None) -> None:
         """out [T, H, N] <- x [T, H, K] x w [H, K, N]. FP8 w (w has a scale): up to
         `FP8_BMM_MAX_ROWS` token rows (any rows off CUDA, or without `w_dq`)
-        `fp8_per_tensor_bmm` writing out (a strided view is fine) as [H, T, N]; above it on
-        CUDA the 16-bit product below over w_dq (w dequantized to the model dtype). 16-bit w:
-        at up to `BMM_GEMV_MAX_ROWS` token rows of a CUDA model the triton `bmm_gemv` writes
-        straight into out; else on CUDA torch.bmm writing out as [H, T, N], elsewhere (and
-        while torch.compile traces) torch.bmm and a copy."""
+        `fp8_per_tensor_bmm` writing out (a strided view is fine) as [H, T, N]; above it, and
+        at up to `BMM_GEMV_MAX_ROWS` rows, on CUDA the 16-bit product below over w_dq (w
+        dequantized to the model dtype). 16-bit w: at up to `BMM_GEMV_MAX_ROWS` token rows of a
+        CUDA model the triton `bmm_gemv` writes straight into out; else on CUDA torch.bmm
+        writing out as [H, T, N], elsewhere (and while torch.compile traces) torch.bmm and a
+        copy."""
         compiling = torch.compiler.is_compiling()
         if w_scale is not None:
-            if (w_dq is None or not x.is_cuda or compiling or FP8_BMM_MAX_ROWS is None
-                    or x.shape[0] <= FP8_BMM_MAX_ROWS):
+            gemv_rows = x.shape[0] <= BMM_GEMV_MAX_ROWS  # bmm_gemv over w_dq, below
+            if (w_dq is None or not x.is_cuda or compiling or not gemv_rows
+                    and (FP8_BMM_MAX_ROWS is None or x.shape[0] <= FP8_BMM_MAX_ROWS)):
                 fp8_per_tensor_bmm(x.transpose(0, 1), w, w_scale, out=out.transpose(0, 1))
                 return
             w = w_dq

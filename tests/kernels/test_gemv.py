@@ -195,6 +195,30 @@ def test_gemv_fp8_vs_twin(n, k, t, out_dtype):
     assert not torch.allclose(unscaled, want, **tol)
 
 
+@pytest.mark.parametrize("n,k,t,x_dtype", [  # both tile configs, ragged K, bf16 on CUDA
+    (37, 300, 2, torch.float32), (1024, 96, 1, torch.float32), (4100, 33, 1, torch.float32),
+    pytest.param(2048, 2048, 1, torch.bfloat16, marks=pytest.mark.gpu)])
+def test_gemv_fp8_weight_only_vs_twin(n, k, t, x_dtype):
+    """A float x with an FP8 weight (weight-only FP8: no activation quantization): the fp32
+    sums of x times the exact e4m3 weights, scaled per column, equal the twin within fp32
+    summation order (or one rounding to bf16), in x's dtype; the weight scales matter."""
+    from mla_kernels.reference import fp8_weight_only_gemv_ref
+
+    if x_dtype != torch.float32 and DEVICE != "cuda":
+        pytest.skip("16-bit x: CUDA only")
+    _, wq, _, ws = _fp8_operands(t, n, k, n + k + t)
+    x = _rand(t, k, seed=n + t, dtype=x_dtype)
+    out = gemv(x, wq, w_scale=ws)
+    assert out.shape == (t, n) and out.dtype == x_dtype
+    want = fp8_weight_only_gemv_ref(x.cpu(), wq.cpu(), ws.cpu())
+    tol = FP32 if x_dtype == torch.float32 else BF16
+    torch.testing.assert_close(out.float().cpu(), want, **tol)
+    assert not torch.allclose(fp8_weight_only_gemv_ref(x.cpu(), wq.cpu(), ws.cpu() * 2),
+                              want, **tol)
+    out32 = gemv(x, wq, w_scale=ws, out_dtype=torch.float32)
+    torch.testing.assert_close(out32.cpu(), want, **FP32 if x_dtype == torch.float32 else BF16)
+
+
 def test_gemv_fp8_errors():
     xq, wq, xs, ws = _fp8_operands(1, 8, 32, 0)
     with pytest.raises(ValueError, match="x_scale"):
@@ -207,6 +231,11 @@ def test_gemv_fp8_errors():
         gemv(xq.float(), wq.float(), x_scale=xs, w_scale=ws)  # scales without FP8
     with pytest.raises(ValueError, match="e4m3 weight"):
         gemv(xq, wq.float(), x_scale=xs, w_scale=ws)  # FP8 x, fp32 weight
+    x = xq.float()
+    with pytest.raises(ValueError, match="w_scale"):
+        gemv(x, wq)  # weight-only: the weight's scales are required
+    with pytest.raises(ValueError, match="no x_scale"):
+        gemv(x, wq, x_scale=xs, w_scale=ws)  # weight-only: x is not quantized
 
 
 @pytest.mark.gpu
@@ -230,6 +259,32 @@ def test_fp8_linear_one_row_runs_the_gemv_on_gpu(n, k, monkeypatch):
     two = Q._fp8_rowwise_scaled_mm(xq, xs, wq.t(), ws, torch.bfloat16)
     assert calls == [1]  # two rows: torch._scaled_mm
     torch.testing.assert_close(one.float(), two[:1].float(), **BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_linear_one_bf16_row_is_weight_only_on_gpu(monkeypatch):
+    """`fp8_per_token_mm` at one bf16 row (o_proj at batch size 1) launches only the weight-only
+    gemv (no quantization of x, even with an x_fp8 at hand) and gives the twin's values; at
+    two rows it quantizes x per token (torch._scaled_mm)."""
+    import mla_kernels.gemv as gemv_mod
+
+    from mla_backend.layers import quantization as Q
+    from mla_kernels.fp8_quant import quantize_per_token
+    from mla_kernels.reference import fp8_weight_only_gemv_ref
+
+    _, wq, _, ws = _fp8_operands(2, 2048, 2048, 7)
+    x = _rand(2, 2048, seed=8, dtype=torch.bfloat16)
+    calls = []
+    real = gemv_mod.gemv
+    monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **kw: calls.append(a[0].dtype) or
+                        real(*a, **kw))
+    one = Q.fp8_per_token_mm(x[:1], wq.t(), ws, x_fp8=quantize_per_token(x[:1]))
+    assert calls == [torch.bfloat16] and one.dtype == torch.bfloat16
+    want = fp8_weight_only_gemv_ref(x[:1].cpu(), wq.cpu(), ws.cpu())
+    torch.testing.assert_close(one.float().cpu(), want, **BF16)
+    Q.fp8_per_token_mm(x, wq.t(), ws)
+    assert calls == [torch.bfloat16]  # two rows: quantized, torch._scaled_mm
 
 
 def test_pdl_override_restores_the_switch():

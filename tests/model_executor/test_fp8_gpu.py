@@ -112,8 +112,9 @@ def test_online_fp8_weights_on_gpu(refs, name):
 def test_fp8_absorbed_products_at_large_batches_use_the_dequantized_weights(refs, monkeypatch):
     """Above `FP8_BMM_MAX_ROWS` token rows the absorbed products run as 16-bit torch.bmm over
     w_kc_dq / w_vc_dq. The harness's absorbed calls have at most 10 rows, so the limit 0 sends
-    every one there and None none: both stay within the online-FP8 tolerance of the bf16
-    model, close to each other, and not equal (the FP8 products quantize the activations)."""
+    every one there and None none but the one-row calls (bmm_gemv over the same weights): both
+    stay within the online-FP8 tolerance of the bf16 model, close to each other, and not equal
+    (the FP8 products quantize the activations)."""
     import mla_backend.models.deepseek_v2 as ds_mod
 
     path, ref = refs["deepseek"]
@@ -125,6 +126,32 @@ def test_fp8_absorbed_products_at_large_batches_use_the_dequantized_weights(refs
         assert rel <= TOL["weights"]["deepseek"][0] and top1 >= TOL["weights"]["deepseek"][1]
     rel, top1 = _compare(got[0], got[None], "dequantized vs FP8 absorbed products")
     assert 0 < rel <= 0.02 and top1 >= 0.9
+
+
+def test_fp8_absorbed_products_at_one_row_run_bmm_gemv_over_the_dequantized_weights(
+        refs, monkeypatch):
+    """At one token row (decode at batch size 1) an FP8 model's absorbed products are one
+    `bmm_gemv` launch each over w_kc_dq / w_vc_dq (no amax pass, no FP8 bmm), with the values of
+    the fp32 product over the same weights within one bf16 rounding."""
+    import mla_kernels.bmm_gemv as bmm_gemv_mod
+
+    r = _runner(refs["deepseek"][0], quantization="fp8")
+    a = r.model.model.layers[0].self_attn
+    used = []
+    real = bmm_gemv_mod.bmm_gemv
+    monkeypatch.setattr(bmm_gemv_mod, "bmm_gemv",
+                        lambda x, w, **kw: used.append(w) or real(x, w, **kw))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for w, scale, dq in ((a.w_kc, a.w_kc_scale, a.w_kc_dq), (a.w_vc, a.w_vc_scale, a.w_vc_dq)):
+        assert w.dtype == FP8 and dq.dtype == torch.bfloat16
+        h, k, n = dq.shape
+        x = torch.randn(1, h, k, device="cuda", generator=g).bfloat16()
+        out = torch.empty(1, h, n, device="cuda", dtype=torch.bfloat16)
+        a._absorb_into(x, w, scale, out, dq)
+        assert used and used[-1] is dq
+        want = torch.einsum("thk,hkn->thn", x.float(), dq.float())
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=1.6e-2)
+    assert len(used) == 2
 
 
 def test_block_fp8_v3_on_gpu_close_to_dequantized(tiny_deepseek_v3_fp8_factory):
