@@ -611,14 +611,19 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  block_shape: tuple[int, int] | None = None,
                  activation_quant: bool = True, shared_w13: torch.Tensor | None = None,
                  shared_w2: torch.Tensor | None = None,
-                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 shared_w13_scale: torch.Tensor | None = None,
+                 shared_w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The GEMV path of `fused_experts` (no sort): two kernel launches and one [T*(k+S), I]
-    buffer (with FP8 weights also the quantization of x, unless x_fp8, and of that buffer).
+    buffer (with FP8 weights also the quantization of x, unless x_fp8, and of that buffer,
+    unless activation_quant is off: per-tensor FP8 then reads both unquantized).
 
     Shapes as in `fused_experts`, already checked there (any strides; topk_weights any float
     dtype, read as fp32; out [T, H] of x's dtype is written whole). T*k >= 1, H >= 1. FP8
     arguments as in `fused_experts` (block_shape resolved; None = per tensor). shared_w13 /
-    shared_w2: S shared experts as extra slots of weight 1 (unquantized only; checked there).
+    shared_w2: S shared experts as extra slots of weight 1 (of x's dtype, or with per-tensor
+    FP8 routed weights FP8 with the column scales shared_w13_scale / shared_w2_scale; checked
+    there).
     Raises:
         ValueError: a tile size that is not a power of two.
     """
@@ -638,7 +643,10 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         block_k, down_block_k = _pow2_divisor(group_k, block_k), _pow2_divisor(group_k,
                                                                               down_block_k)
     group = group_k if quant == 2 else None
-    a1, x_scale = _quantize(x, fp8, group, activation_quant, x_fp8)
+    # per-tensor FP8 without activation quantization: the kernels skip the activation scales
+    a_scaled = not (quant == 1 and not activation_quant)
+    a1, x_scale = (x, w13_scale) if not a_scaled else _quantize(x, fp8, group,
+                                                                activation_quant, x_fp8)
     n_shared = 0 if shared_w13 is None else shared_w13.shape[0] // (2 * inter)
     slots = top_k + n_shared
     h_act = torch.empty((t * slots, inter), dtype=x.dtype, device=x.device)  # [T*(k+S), I]
@@ -646,8 +654,10 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     pdl = use_pdl(x)
     sw13 = w13 if shared_w13 is None else shared_w13  # a dummy pointer when there are none
     sw2 = w2 if shared_w2 is None else shared_w2
+    sws13 = shared_w13_scale if shared_w13_scale is not None else s13[0]  # (dummy likewise)
+    sws2 = shared_w2_scale if shared_w2_scale is not None else s13[0]
     _gemv_gate_up_kernel[(t * slots, triton.cdiv(inter, config.block_n))](
-        a1, w13, h_act, topk_ids, xs[0], s13[0], sw13,
+        a1, w13, h_act, topk_ids, xs[0], s13[0], sw13, sws13,
         h, inter, inter * w13.stride(1), group_n, group_k,
         (triton.cdiv(inter, group_n) * s13[2]) if quant == 2 else 0,
         n_shared * inter * sw13.stride(-2),
@@ -655,19 +665,21 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         h_act.stride(0), h_act.stride(1), topk_ids.stride(0), topk_ids.stride(1),
         *xs[1:], *s13[1:], sw13.stride(-2), sw13.stride(-1),
         TOP_K=top_k, N_SHARED=n_shared, BLOCK_N=config.block_n, BLOCK_K=block_k, QUANT=quant,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+        A_SCALED=a_scaled, num_warps=config.num_warps, num_stages=config.num_stages,
+        **launch_options(pdl),
     )
-    a2, a2_scale = _quantize(h_act, fp8, group, activation_quant)
+    a2, a2_scale = (h_act, w2_scale) if not a_scaled else _quantize(h_act, fp8, group,
+                                                                    activation_quant)
     s2, as2 = _scale_args(w2_scale, a2_scale, quant, out)
     _gemv_down_kernel[(t, triton.cdiv(h, config.down_block_n))](
-        a2, w2, out, topk_weights, topk_ids, as2[0], s2[0], sw2,
+        a2, w2, out, topk_weights, topk_ids, as2[0], s2[0], sw2, sws2,
         h, inter, group_n, group_k,
         a2.stride(0), a2.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         out.stride(0), out.stride(1), topk_weights.stride(0), topk_weights.stride(1),
         topk_ids.stride(0), topk_ids.stride(1), *as2[1:], *s2[1:], sw2.stride(-2),
         sw2.stride(-1),
         TOP_K=top_k, N_SHARED=n_shared, K_PAD=triton.next_power_of_2(slots),
-        BLOCK_N=config.down_block_n, BLOCK_K=down_block_k, QUANT=quant,
+        BLOCK_N=config.down_block_n, BLOCK_K=down_block_k, QUANT=quant, A_SCALED=a_scaled,
         num_warps=config.down_num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return out
@@ -675,12 +687,18 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 def _check_shared(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None,
-                  fp8: bool) -> int:
+                  per_tensor_fp8: bool, shared_w13_scale: torch.Tensor | None = None,
+                  shared_w2_scale: torch.Tensor | None = None) -> int:
     """S, the number of shared experts of width I in shared_w13 / shared_w2 (0 when None).
+    per_tensor_fp8: the routed weights are per-tensor FP8 (then the shared ones are FP8 with
+    column scales); else they must be unquantized.
     Raises:
-        ValueError: only one given, shapes not [2*S*I, H] / [H, S*I], a dtype other than x's,
-            or FP8 routed weights."""
+        ValueError: only one given, shapes not [2*S*I, H] / [H, S*I], a dtype other than x's
+            (FP8 with per-tensor FP8 routed weights), block-FP8 routed weights, scales missing,
+            misshapen or given for 16-bit shared weights."""
     if shared_w13 is None and shared_w2 is None:
+        if shared_w13_scale is not None or shared_w2_scale is not None:
+            raise ValueError("fused_experts: shared-expert scales without shared experts")
         return 0
     if shared_w13 is None or shared_w2 is None:
         raise ValueError("fused_experts: give both shared_w13 and shared_w2, or neither")
@@ -690,10 +708,21 @@ def _check_shared(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             or n2 == 0 or shared_w13.shape[1] != h or tuple(shared_w2.shape) != (h, n2 // 2)):
         raise ValueError(f"fused_experts: shared_w13 {tuple(shared_w13.shape)} / shared_w2 "
                          f"{tuple(shared_w2.shape)} must be [2*S*{inter}, {h}] / [{h}, S*{inter}]")
-    if fp8 or shared_w13.dtype != x.dtype or shared_w2.dtype != x.dtype:
-        raise ValueError(f"fused_experts: shared experts need unquantized weights of x's dtype "
-                         f"{x.dtype}, got {shared_w13.dtype} / {shared_w2.dtype} (routed "
-                         f"{w13.dtype})")
+    want = FP8_DTYPE if per_tensor_fp8 else x.dtype
+    if (w13.dtype == FP8_DTYPE and not per_tensor_fp8) or shared_w13.dtype != want \
+            or shared_w2.dtype != want:
+        raise ValueError(f"fused_experts: shared experts need weights of x's dtype {x.dtype} "
+                         f"(float8_e4m3fn with per-tensor FP8 routed weights), got "
+                         f"{shared_w13.dtype} / {shared_w2.dtype} (routed {w13.dtype})")
+    scales = (shared_w13_scale, shared_w2_scale)
+    if per_tensor_fp8:
+        if any(sc is None or sc.dtype != torch.float32 or not sc.is_contiguous()
+               for sc in scales) or shared_w13_scale.numel() != n2 \
+                or shared_w2_scale.numel() != h:
+            raise ValueError(f"fused_experts: FP8 shared experts need contiguous float32 "
+                             f"column scales [{n2}] and [{h}]")
+    elif any(sc is not None for sc in scales):
+        raise ValueError("fused_experts: shared-expert scales for unquantized shared weights")
     return n2 // (2 * inter)
 
 
@@ -812,7 +841,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   activation_quant: bool = True, shared_w13: torch.Tensor | None = None,
                   shared_w2: torch.Tensor | None = None,
                   x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  down_config: MoEConfig | None = None) -> torch.Tensor:
+                  down_config: MoEConfig | None = None,
+                  shared_w13_scale: torch.Tensor | None = None,
+                  shared_w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), SiLU-gated experts:
     expert_e(v) = w2[e] @ (silu(w13[e, :I] @ v) * (w13[e, I:] @ v)), plus, when shared_w13 /
     shared_w2 are given, the shared experts' SiLU-gated MLP of x[t] (DeepSeek's
@@ -862,8 +893,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             exactly into S experts of width I (SiLU-and-mul is per intermediate unit and the
             down product sums over units), run as S extra slots of weight 1 whose [H] results
             join the routed slots' fp32 sum before the one rounding. GEMV path only (the caller
-            picks when it pays: each token row reads the shared weights once), unquantized
-            weights only.
+            picks when it pays: each token row reads the shared weights once). In x's dtype, or,
+            with per-tensor FP8 routed weights, float8_e4m3fn with shared_w13_scale [2*S*I] and
+            shared_w2_scale [H] (float32, one per output column: `Fp8LinearMethod`'s
+            weight_scale_row), the activations quantized as the routed slots' are.
         x_fp8: optional x already quantized per token, (q float8_e4m3fn [T, H], scale
             float32 [T, 1]) = `fp8_quant.quantize_per_token(x)` (e.g. written by the RMSNorm
             that made x): per-tensor FP8 weights then skip quantizing x; ignored otherwise
@@ -908,7 +941,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"fused_experts: out must be [{t}, {h}] {x.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
     top_k = topk_ids.shape[1]
-    n_shared = _check_shared(x, w13, w2, shared_w13, shared_w2, fp8)
+    n_shared = _check_shared(x, w13, w2, shared_w13, shared_w2, fp8 and block_shape is None,
+                             shared_w13_scale, shared_w2_scale)
     num_rows = t * top_k
     if add is not None and (tuple(add.shape) != (t, h) or add.dtype != x.dtype):
         raise ValueError(f"fused_experts: add must be [{t}, {h}] {x.dtype}, got "
@@ -919,7 +953,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         gemv_experts(x, w13, w2, topk_weights, topk_ids, out,
                      gemv_config or get_default_gemv_config(top_k + n_shared, x.device),
                      w13_scale, w2_scale, block_shape, activation_quant,
-                     shared_w13, shared_w2, x_fp8)
+                     shared_w13, shared_w2, x_fp8, shared_w13_scale, shared_w2_scale)
         return out if add is None else out.add_(add)
     if n_shared:
         raise ValueError("fused_experts: shared experts are folded on the GEMV path only "

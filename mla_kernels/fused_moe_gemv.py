@@ -11,8 +11,9 @@ once. Rows are grid axis 0, so rows of one expert share weight tiles through L2.
 
 QUANT (constexpr) picks the weight format, as in `fused_moe._grouped_gemm_kernel`:
 0 = weights in the activations' float dtype; 1 = float8_e4m3fn weights with one scale per
-expert (WScale[e]) and one activation scale per row (row stride 0: one for all), applied after
-the reduction;
+expert (WScale[e]) and one activation scale per row (row stride 0: one for all; none when
+A_SCALED is off: unquantized activations), applied after the reduction; shared-expert slots
+there take FP8 weights with one scale per output column (SWS13 [2*S*I], SWS2 [H]);
 2 = float8_e4m3fn weights with block scales WScale[e, n // group_n, k // group_k] and
 per-(row, K group) activation scales, applied per BLOCK_K step (BLOCK_K divides group_k).
 FP8 tiles are upcast to fp32 (a GEMV has no tl.dot); activations arrive already quantized
@@ -29,13 +30,13 @@ from .pdl import pdl_enter
 
 @triton.jit
 def _gemv_gate_up_kernel(
-    X, W13, Inter, TopkIds, XScale, WScale, SW13,
+    X, W13, Inter, TopkIds, XScale, WScale, SW13, SWS13,
     H, I, up_offset, group_n, group_k, up_scale_offset, shared_up_offset,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ir, stride_in,
     stride_idt, stride_idk, stride_xst, stride_xsk, stride_wse, stride_wsn, stride_wsk,
     stride_swn, stride_swh,
     TOP_K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT: tl.constexpr, USE_PDL: tl.constexpr,
+    QUANT: tl.constexpr, USE_PDL: tl.constexpr, A_SCALED: tl.constexpr = True,
 ):
     pdl_enter(USE_PDL)
     # inter[row, n-block] = silu(x[t] . gate rows) * (x[t] . up rows), e = topk_ids[t, j]; the
@@ -82,9 +83,22 @@ def _gemv_gate_up_kernel(
         g_ptrs += w_step
         u_ptrs += w_step
     if QUANT == 1:
-        s = tl.load(XScale + t * stride_xst) * tl.load(WScale + e * stride_wse)
-        acc_g = acc_g * s
-        acc_u = acc_u * s
+        if A_SCALED:
+            s = tl.load(XScale + t * stride_xst) * tl.load(WScale + e * stride_wse)
+        else:
+            s = tl.load(WScale + e * stride_wse)
+        sg = s + tl.zeros([BLOCK_N], dtype=tl.float32)  # routed: the expert's scale
+        su = sg
+        if N_SHARED > 0:
+            if j >= TOP_K:  # a shared slot: its gate and up columns' scales
+                c = (j - TOP_K) * I + offs_n
+                sg = tl.load(SWS13 + c, mask=mask_n, other=0.0)
+                su = tl.load(SWS13 + N_SHARED * I + c, mask=mask_n, other=0.0)
+                if A_SCALED:
+                    sg = tl.load(XScale + t * stride_xst) * sg
+                    su = tl.load(XScale + t * stride_xst) * su
+        acc_g = acc_g * sg
+        acc_u = acc_u * su
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     i_ptrs = Inter + row.to(tl.int64) * stride_ir + offs_n.to(tl.int64) * stride_in
     tl.store(i_ptrs, act.to(Inter.dtype.element_ty), mask=mask_n)
@@ -92,13 +106,14 @@ def _gemv_gate_up_kernel(
 
 @triton.jit
 def _gemv_down_kernel(
-    Inter, W2, Out, TopkWeights, TopkIds, AScale, WScale, SW2,
+    Inter, W2, Out, TopkWeights, TopkIds, AScale, WScale, SW2, SWS2,
     H, I, group_n, group_k,
     stride_ir, stride_in, stride_we, stride_wn, stride_wi, stride_ot, stride_on,
     stride_twt, stride_twk, stride_idt, stride_idk, stride_asr, stride_ask,
     stride_wse, stride_wsn, stride_wsk, stride_s2n, stride_s2i,
     TOP_K: tl.constexpr, N_SHARED: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, QUANT: tl.constexpr, USE_PDL: tl.constexpr,
+    A_SCALED: tl.constexpr = True,
 ):
     pdl_enter(USE_PDL)
     # out[t, n-block] = sum_j topk_weights[t, j] * inter[t*k + j] . w2[e_j, n-block rows]; the
@@ -148,8 +163,18 @@ def _gemv_down_kernel(
         w_ptrs += w_step[:, None, None]
     if QUANT == 1:
         ws = tl.load(WScale + e * stride_wse, mask=routed, other=0.0)  # [K_PAD]
-        a_s = tl.load(AScale + rows * stride_asr, mask=mask_s, other=0.0)  # [K_PAD]
-        acc = acc * (ws * a_s)[:, None]
+        if N_SHARED > 0:  # shared slots: the shared down weight's column scales
+            ws2 = tl.load(SWS2 + offs_n, mask=mask_n, other=0.0)  # [BLOCK_N]
+            scale = tl.where(routed[:, None], ws[:, None], ws2[None, :])  # [K_PAD, BLOCK_N]
+            if A_SCALED:
+                a_s = tl.load(AScale + rows * stride_asr, mask=mask_s, other=0.0)
+                scale = scale * a_s[:, None]
+            acc = acc * scale
+        elif A_SCALED:
+            a_s = tl.load(AScale + rows * stride_asr, mask=mask_s, other=0.0)  # [K_PAD]
+            acc = acc * (ws * a_s)[:, None]
+        else:
+            acc = acc * ws[:, None]
     y = tl.sum(acc * rw[:, None], axis=0)  # [BLOCK_N]
     o_ptrs = Out + t * stride_ot + offs_n.to(tl.int64) * stride_on
     tl.store(o_ptrs, y.to(Out.dtype.element_ty), mask=mask_n)

@@ -22,6 +22,7 @@ whole blocks falls back to the model dtype, `fp8_fallback_reason`) or `Fp8MoEMet
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ from mla_backend.layers.quantization import (
     FP8_E4M3,
     BlockFP8Config,
     Fp8Config,
+    Fp8LinearMethod,
     PerTokenFp8,
     QuantConfig,
     UnquantizedLinearMethod,
@@ -442,28 +444,51 @@ class DeepseekV2MoE(nn.Module):
         # and shared outputs are partial sums; one all-reduce (a no-op at TP 1).
         return tensor_model_parallel_all_reduce(out)
 
-    def _foldable_shared(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(gate_up weight [2*S*I, H], down weight [H, S*I]) of the shared experts when they run
-        inside the routed experts' GEMV launches (`fused_experts(shared_w13=, shared_w2=)`):
-        at most `SHARED_FOLD_MAX_ROWS` token rows, unquantized 16/32-bit weights of x's dtype
-        without bias on both sides, the shared width a multiple of the routed I, and not while
-        torch.compile traces (inductor then compiles the shared MLP itself). Else None."""
+    def _foldable_shared(self, x: torch.Tensor) -> SharedFold | None:
+        """(gate_up weight [2*S*I, H], down weight [H, S*I], and for FP8 their column scales
+        [2*S*I] and [H], else None, None) of the shared experts when they run inside the routed
+        experts' GEMV launches (`fused_experts(shared_w13=, ...)`): at most
+        `SHARED_FOLD_MAX_ROWS` token rows, without bias, the shared width a multiple of the
+        routed I, not while torch.compile traces (inductor then compiles the shared MLP
+        itself), and either unquantized routed and shared weights of x's dtype, or per-tensor
+        FP8 routed experts (`Fp8MoEMethod`) with dynamic per-tensor FP8 shared linears
+        (`Fp8LinearMethod`, no static input scale; their weights then run weight-only, as the
+        routed ones do at one row: `StackedExperts.forward`). Else None."""
         se = self.shared_experts
         ex = self.experts
-        if (se is None or x.shape[0] > SHARED_FOLD_MAX_ROWS or torch.compiler.is_compiling()
-                or type(ex.quant_method) is not UnquantizedMoEMethod
-                or ex.w13_weight.dtype != x.dtype):
+        if se is None or x.shape[0] > SHARED_FOLD_MAX_ROWS or torch.compiler.is_compiling():
             return None
         gu, down = se.gate_up_proj, se.down_proj
+        if type(ex.quant_method) is UnquantizedMoEMethod and ex.w13_weight.dtype == x.dtype:
+            fp8, want = False, (UnquantizedLinearMethod, x.dtype)
+        elif type(ex.quant_method) is Fp8MoEMethod and ex.w13_weight.dtype == FP8_E4M3:
+            fp8, want = True, (Fp8LinearMethod, FP8_E4M3)
+        else:
+            return None
         for lin in (gu, down):
-            if (type(lin.quant_method) is not UnquantizedLinearMethod or lin.bias is not None
-                    or lin.weight.dtype != x.dtype):
+            if (type(lin.quant_method) is not want[0] or lin.bias is not None
+                    or lin.weight.dtype != want[1] or hasattr(lin, "input_scale")
+                    or fp8 and getattr(lin, "weight_scale_row", None) is None):
                 return None
         inter = ex.intermediate_size
         width = down.weight.shape[1]
         if inter == 0 or width % inter or tuple(gu.weight.shape) != (2 * width, x.shape[1]):
             return None
-        return gu.weight, down.weight
+        if not fp8:
+            return SharedFold(gu.weight, down.weight, None, None)
+        return SharedFold(gu.weight, down.weight, gu.weight_scale_row.view(-1),
+                          down.weight_scale_row.view(-1))
+
+
+class SharedFold(NamedTuple):
+    """Shared experts folded into the routed experts' GEMV launches (`_foldable_shared`):
+    gate_up [2*S*I, H] and down [H, S*I] weights; with FP8 weights their float32 column
+    scales [2*S*I] and [H] (`Fp8LinearMethod`'s weight_scale_row), else None."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
 
 
 # Token rows up to which the shared experts run inside the routed experts' GEMV launches
@@ -627,8 +652,11 @@ class StackedExperts(nn.Module):
             fused: the triton `fused_experts` (no host sync: the form CUDA graphs capture; kept
                 while torch.compile traces, as an opaque call), else the loop `experts_forward`
                 (reads per-expert counts to the host). Both do the same (FP8) math.
-            shared: optional shared-expert weights (gate_up [2*S*I, H], down [H, S*I]) added
-                inside the fused GEMV launches (fused only; `fused_experts(shared_w13=...)`).
+            shared: optional shared experts (`SharedFold`) added inside the fused GEMV
+                launches (fused only; `fused_experts(shared_w13=...)`). With FP8 shared
+                weights the launches are weight-only (`activation_quant=False`: x and the
+                intermediate unquantized, no quantization launch), as at one row they read the
+                same weight bytes.
             x_fp8: optional x quantized per token (`fused_experts(x_fp8=)`: used with
                 per-tensor FP8 weights). The loop quantizes x itself, to the same values.
             add: optional [T, H] in x's dtype (the shared experts' output) added to the routed
@@ -640,7 +668,11 @@ class StackedExperts(nn.Module):
         args = self.quant_method.kernel_args(self)
         if fused:
             if shared is not None:
-                args = dict(args, shared_w13=shared[0], shared_w2=shared[1], path="gemv")
+                args = dict(args, shared_w13=shared.w13, shared_w2=shared.w2, path="gemv")
+                if shared.w13_scale is not None:
+                    args.update(shared_w13_scale=shared.w13_scale,
+                                shared_w2_scale=shared.w2_scale, activation_quant=False)
+                    x_fp8 = None
             if x_fp8 is not None and type(self.quant_method) is Fp8MoEMethod:
                 args = dict(args, x_fp8=x_fp8)
             if add is not None:

@@ -212,6 +212,77 @@ def test_fp8_scales_matter(block):
         assert (bad - ref).abs().max() > 100 * FP32["atol"] * max(1.0, ref.abs().max())
 
 
+def _fp8_shared(n_shared: int, seed: int):
+    """S FP8 shared experts as `Fp8LinearMethod` holds them after load: gate_up [2*S*I, H] and
+    down [H, S*I] e4m3, each with one float32 scale per output column (per-tensor scales of
+    the gate and up parts repeated, which differ), and their dequantized float weights."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(2 * n_shared * I, H, generator=g) / H ** 0.5
+    gate_up[n_shared * I:] *= 3  # the up part's scale differs from the gate part's
+    down = torch.randn(H, n_shared * I, generator=g) / (n_shared * I) ** 0.5
+
+    def quant(w: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        qs, ss = [], []
+        for part in w.chunk(parts):
+            sc = part.abs().amax() / 448.0
+            qs.append((part / sc).clamp(-448, 448).to(FP8))
+            ss.append(sc.expand(part.shape[0]))
+        return torch.cat(qs), torch.cat(ss).float().contiguous()
+
+    (q13, s13), (q2, s2) = quant(gate_up, 2), quant(down, 1)
+    dq13, dq2 = q13.float() * s13[:, None], q2.float() * s2[:, None]
+    return [v.to(DEV) for v in (q13, q2, s13, s2, dq13, dq2)]
+
+
+@pytest.mark.parametrize("t,k,n_shared", [(1, 2, 2), (1, 1, 1), (3, 2, 1)])
+@pytest.mark.parametrize("activation_quant", [False, True], ids=["weight_only", "w8a8"])
+def test_fp8_gemv_folds_fp8_shared_experts(t, k, n_shared, activation_quant):
+    """Per-tensor FP8 routed experts with FP8 shared experts (column scales) folded into the
+    GEMV launches == the routed experts' twin + the shared experts' twin: S experts of width I
+    and weight 1 over the dequantized shared weights, their activations quantized per row as
+    the kernel's slots are (or not: weight-only); the shared column scales matter."""
+    x, q13, q2, topw, ids, s13, s2 = problem(t, 8, k, None, seed=20 + t + k)
+    sq13, sq2, ss13, ss2, sdq13, sdq2 = _fp8_shared(n_shared, seed=t + n_shared)
+    kw = dict(w13_scale=s13, w2_scale=s2, path="gemv", activation_quant=activation_quant,
+              shared_w13=sq13, shared_w2=sq2, shared_w2_scale=ss2)
+    out = fused_experts(x, q13, q2, topw, ids, shared_w13_scale=ss13, **kw)
+    routed = fused_experts_fp8_ref(x, q13, q2, topw, ids, s13, s2,
+                                   activation_quant=activation_quant)
+    si = n_shared * I  # shared expert s: gate rows s*I.., up rows S*I + s*I.., down columns s*I..
+    w13_s = torch.stack([torch.cat([sdq13[j * I:(j + 1) * I], sdq13[si + j * I:si + (j + 1) * I]])
+                         for j in range(n_shared)])
+    w2_s = torch.stack([sdq2[:, j * I:(j + 1) * I] for j in range(n_shared)])
+    ones = torch.ones(n_shared, device=DEV)
+    shared = fused_experts_fp8_ref(
+        x, w13_s, w2_s, torch.ones(t, n_shared, device=DEV),
+        torch.arange(n_shared, device=DEV).expand(t, n_shared), ones, ones,
+        activation_quant=activation_quant)
+    torch.testing.assert_close(out, routed + shared, **FP32)
+    assert shared.abs().max() > 0.05  # the shared part is not negligible
+    bad = fused_experts(x, q13, q2, topw, ids, shared_w13_scale=ss13.flip(0).contiguous(), **kw)
+    assert (bad - out).abs().max() > 100 * FP32["atol"]
+
+
+def test_fp8_shared_expert_argument_errors():
+    x, q13, q2, topw, ids, s13, s2 = problem(1, 8, 2, None)
+    sq13, sq2, ss13, ss2, sdq13, sdq2 = _fp8_shared(1, seed=0)
+    kw = dict(w13_scale=s13, w2_scale=s2, path="gemv")
+    with pytest.raises(ValueError, match="column scales"):
+        fused_experts(x, q13, q2, topw, ids, shared_w13=sq13, shared_w2=sq2, **kw)
+    with pytest.raises(ValueError, match="column scales"):
+        fused_experts(x, q13, q2, topw, ids, shared_w13=sq13, shared_w2=sq2,
+                      shared_w13_scale=ss13[:-1], shared_w2_scale=ss2, **kw)
+    with pytest.raises(ValueError, match="float8_e4m3fn with per-tensor FP8"):
+        fused_experts(x, q13, q2, topw, ids, shared_w13=sdq13, shared_w2=sdq2, **kw)
+    with pytest.raises(ValueError, match="scales for unquantized shared"):
+        fused_experts(x, sdq13[None].expand(8, -1, -1)[:, :2 * I].contiguous(),
+                      sdq2[None].expand(8, -1, -1).contiguous(), topw, ids, path="gemv",
+                      shared_w13=sdq13, shared_w2=sdq2, shared_w13_scale=ss13,
+                      shared_w2_scale=ss2)
+    with pytest.raises(ValueError, match="without shared experts"):
+        fused_experts(x, q13, q2, topw, ids, shared_w13_scale=ss13, **kw)
+
+
 def test_fp8_argument_errors():
     x, q13, q2, topw, ids, s13, s2 = problem(3, 4, 2, BLOCK)
     with pytest.raises(ValueError, match="need w13_scale"):

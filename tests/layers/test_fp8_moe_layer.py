@@ -184,3 +184,44 @@ def test_experts_forward_fp8_equals_dequantized_without_activation_quant():
                           layer.w13_weight_scale_inv, layer.w2_weight_scale_inv, (128, 128),
                           activation_quant=False)
     torch.testing.assert_close(got, experts_forward(x, w13, w2, weights, ids), **FP32)
+
+
+def test_moe_folds_fp8_shared_experts_at_one_row_weight_only(monkeypatch):
+    """Online FP8 routed and shared experts: at one token row the fused layer runs the shared
+    experts inside the routed GEMV launches, weight-only (activations unquantized), so it
+    equals the unquantized loop layer over the dequantized weights within FP32; at two rows
+    the shared MLP runs on its own with quantized activations (close, not equal)."""
+    inter, n_shared = 40, 2
+    fp8 = DeepseekV2MoE(H, inter, E, 2, n_shared_experts=n_shared, fused_moe=True,
+                        quant_config=Fp8Config(), experts_quant_config=Fp8Config())
+    plain = DeepseekV2MoE(H, inter, E, 2, n_shared_experts=n_shared, fused_moe=False)
+    g = torch.Generator().manual_seed(9)
+    se, pse = fp8.shared_experts, plain.shared_experts
+    with torch.no_grad():
+        fp8.gate.weight.copy_(torch.randn(E, H, generator=g))
+        fp8.experts.w13_weight.copy_(torch.randn(E, 2 * inter, H, generator=g) * 0.1)
+        fp8.experts.w2_weight.copy_(torch.randn(E, H, inter, generator=g) * 0.1)
+        for lin in (se.gate_up_proj, se.down_proj):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.1)
+            lin.quant_method.process_weights_after_loading(lin)
+        fp8.experts.quant_method.process_weights_after_loading(fp8.experts)
+        ex, pex = fp8.experts, plain.experts
+        plain.gate.weight.copy_(fp8.gate.weight)
+        pex.w13_weight.copy_(ex.w13_weight.float() * ex.w13_weight_scale[:, None, None])
+        pex.w2_weight.copy_(ex.w2_weight.float() * ex.w2_weight_scale[:, None, None])
+        for lin, plin in ((se.gate_up_proj, pse.gate_up_proj), (se.down_proj, pse.down_proj)):
+            assert lin.weight.dtype == torch.float8_e4m3fn
+            plin.weight.copy_(lin.quant_method.dequantized_weight(lin))
+    calls = []
+    real = moe._fused_experts_opaque
+    monkeypatch.setattr(moe, "_fused_experts_opaque",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    x = torch.randn(2, H, generator=g)
+    with torch.no_grad():
+        one = fp8(x[:1])
+        assert "shared_w13_scale" in calls[-1] and calls[-1]["activation_quant"] is False
+        torch.testing.assert_close(one, plain(x[:1]), **FP32)
+        two, ref = fp8(x), plain(x)
+        assert "shared_w13" not in calls[-1]
+    rel = float((two - ref).norm() / ref.norm())
+    assert 1e-4 < rel <= 0.1, rel
