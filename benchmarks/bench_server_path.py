@@ -466,17 +466,19 @@ def read_genai_perf(artifacts: Path) -> dict[str, Any]:
     return out
 
 
-def genai_perf_run(command: list[str], url: str, requests: list[list], run: Run, workdir: Path,
-                   server, tokenizer: str, seed: int, timeout_s: float) -> dict[str, Any]:
-    """One `genai_perf_argv` run (perf_analyzer found on PATH, as genai-perf expects), read by
-    `read_genai_perf`, with the CPU time of genai-perf and its perf_analyzer and the server's."""
+def genai_perf_run(command: list[str], perf_analyzer: str, url: str, requests: list[list],
+                   run: Run, workdir: Path, server, tokenizer: str, seed: int,
+                   timeout_s: float) -> dict[str, Any]:
+    """One `genai_perf_argv` run (the `perf_analyzer` binary's folder first on PATH, where
+    genai-perf looks for it), read by `read_genai_perf`, with the CPU time of genai-perf and its
+    perf_analyzer and the server's."""
     from mla_tools.tritonserver import perf_analyzer_env
 
     artifacts = workdir / f"genai_perf-{run.label.replace('=', '')}"
     shutil.rmtree(artifacts, ignore_errors=True)
     argv = genai_perf_argv(command, url, requests, run, tokenizer, artifacts, seed)
     env = perf_analyzer_env()
-    env["PATH"] = os.pathsep.join([str(Path(find_perf_analyzer(None)).parent), env["PATH"]])
+    env["PATH"] = os.pathsep.join([str(Path(perf_analyzer).parent), env["PATH"]])
     log = workdir / f"{artifacts.name}.log"
     cpu0, server_cpu = resource.getrusage(resource.RUSAGE_CHILDREN), server.cpu_s()
     with open(log, "w") as f:
@@ -836,7 +838,8 @@ def main(argv: list[str]) -> int:
     from mla_tools.tritonserver import TritonServer
 
     runs = plan(args.num_requests, args.concurrency, args.sweep_waves, args.sweep_min_requests)
-    binary = find_perf_analyzer(args.perf_analyzer) if "perf_analyzer" in args.clients else ""
+    binary = (find_perf_analyzer(args.perf_analyzer)
+              if {"perf_analyzer", "genai_perf"} & set(args.clients) else "")
     genai = find_genai_perf(args.genai_perf) if "genai_perf" in args.clients else []
     head = {"date": time.strftime("%Y-%m-%d"), "commit": args.commit or git_commit(),
             "hardware": "", "command": "python3 benchmarks/bench_server_path.py "
@@ -916,8 +919,8 @@ def main(argv: list[str]) -> int:
                         f"{result['output_tokens'] / result['span_s']:,.0f} tok/s")
                 if run.measured and "genai_perf" in args.clients:
                     ttft0 = stub_ttft(server.metrics_url)
-                    result = genai_perf_run(genai, server.grpc_url, requests, run, workdir, tree,
-                                            folder, args.seed, args.run_timeout)
+                    result = genai_perf_run(genai, binary, server.grpc_url, requests, run,
+                                            workdir, tree, folder, args.seed, args.run_timeout)
                     result["stub_ttft_mean_ms"] = stub_ttft_mean_ms(
                         ttft0, stub_ttft(server.metrics_url))
                     check("genai_perf", run, result)
