@@ -493,7 +493,8 @@ def genai_perf_run(command: list[str], perf_analyzer: str, url: str, requests: l
     result = read_genai_perf(artifacts)
     errors = [] if result["requests"] == run.count else [
         f"genai-perf measured {result['requests']} requests, not {run.count}"]
-    result.update(errors=errors, wrong_count=0, server_cpu_s=server.cpu_s() - server_cpu,
+    # wrong_count None: genai-perf reports no per-request token counts to check
+    result.update(errors=errors, wrong_count=None, server_cpu_s=server.cpu_s() - server_cpu,
                   client_cpu_s=(cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime))
     return result
 
@@ -565,7 +566,8 @@ def write_repository(root: Path, settings: dict[str, str], device: str) -> Path:
 
 # ------------------------------------------------------------------------------------- reports
 def check(side: str, run: Run, result: dict[str, Any]) -> None:
-    """Stop on errors or on a request that got another token count than it asked for."""
+    """Stop on errors or on a request that got another token count than it asked for (where
+    the side can tell: genai-perf's wrong_count is None)."""
     if result["errors"] or result["wrong_count"] or result["requests"] != run.count:
         raise SystemExit(f"{side} {run.label}: {result['requests']} requests, "
                          f"{result['wrong_count']} with a wrong token count, errors: "

@@ -11,12 +11,10 @@ weight), so it is meant for one row: at two it already loses to cuBLAS on large 
 
 Layout: x [T, K] and W [N, K] (the `nn.Linear` weight), last dims contiguous, any row stride;
 out [T, N] in x's dtype, or fp32 for a 16-bit x with an fp32 W (DeepSeek's fp32 router over
-bf16 hidden states, without casting x first). FP8 (e4m3 x and W, per-row x scales and
-per-column W scales: the dynamic FP8 linear, `layers.quantization.fp8_per_token_mm`): the
-same loop over half the bytes, the scales applied to the fp32 sums; its twin is
-`reference.fp8_gemv_ref`. Weight-only FP8 (a float x, an e4m3 W with per-column scales): the
-same without an activation scale, so one token row needs no quantization launch; twin
-`reference.fp8_weight_only_gemv_ref`.
+bf16 hidden states, without casting x first). Weight-only FP8 (a float x, an e4m3 W with
+per-column scales: the dynamic FP8 linear at one token row, `layers.quantization.fp8_per_token_mm`):
+the same loop over half the weight bytes, the scales applied to the fp32 sums, and no
+quantization of x; its twin is `reference.fp8_weight_only_gemv_ref`.
 """
 
 from __future__ import annotations
@@ -25,15 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_quant import check_per_token_pair
 from .pdl import launch_options, pdl_trigger, pdl_wait, use_pdl
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, Out, XS, WS, N, K, stride_xt, stride_wn, stride_ot,
+def _gemv_kernel(X, W, B, Out, WS, N, K, stride_xt, stride_wn, stride_ot,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-                 SCALED: tl.constexpr = False, X_SCALED: tl.constexpr = True):
+                 SCALED: tl.constexpr = False):
     pid_n = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     pdl_trigger(USE_PDL)
@@ -64,11 +61,8 @@ def _gemv_kernel(X, W, B, Out, XS, WS, N, K, stride_xt, stride_wn, stride_ot,
         x = tl.load(x_ptrs + k0, mask=mask_k, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y += tl.sum(acc, axis=1)
-    if SCALED:  # FP8: the row's activation scale (unless weight-only), each column's weight's
-        if X_SCALED:
-            y = y * tl.load(XS + t) * tl.load(WS + offs_n, mask=mask_n, other=0.0)
-        else:
-            y = y * tl.load(WS + offs_n, mask=mask_n, other=0.0)
+    if SCALED:  # FP8 weight: each output column's weight scale
+        y = y * tl.load(WS + offs_n, mask=mask_n, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(Out + t * stride_ot + offs_n, y.to(Out.dtype.element_ty), mask=mask_n)
@@ -97,25 +91,21 @@ def gemv_config(n: int, k: int, prefetch: bool = False) -> dict:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None, config: dict | None = None,
-         static_weight: bool = False, x_scale: torch.Tensor | None = None,
-         w_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-         ) -> torch.Tensor:
+         static_weight: bool = False, w_scale: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """out = x @ weight.T (+ bias), math in fp32, one rounding to the output dtype.
 
-    FP8 (W8A8, the dynamic FP8 linear at one token row): x and weight float8_e4m3fn with
-    x_scale [T, 1] and w_scale [1, N] (or [N]) float32: out[t, n] = (sum_k x[t, k] w[n, k]) *
-    x_scale[t] * w_scale[n] (every fp8 product exact in fp32), half the weight bytes of bf16.
-    Weight-only FP8: a float x (fp32 / bf16 / fp16) and a float8_e4m3fn weight with w_scale,
-    no x_scale: out[t, n] = (sum_k x[t, k] w[n, k]) * w_scale[n], in x's dtype by default.
+    Weight-only FP8 (the dynamic FP8 linear at one token row): a float x (fp32 / bf16 / fp16)
+    and a float8_e4m3fn weight with w_scale [1, N] (or [N]) float32: out[t, n] =
+    (sum_k x[t, k] w[n, k]) * w_scale[n], half the weight bytes of bf16.
 
     Args:
-        x: [T, K] float or float8_e4m3fn (T small: every row re-reads the weight), last dim
-            contiguous.
-        weight: [N, K] of x's dtype, fp32 (then the output is fp32), or float8_e4m3fn with a
-            float x (weight-only FP8); last dim contiguous (any row stride).
-        x_scale, w_scale: the FP8 scales: both with FP8 x and weight, w_scale alone with an FP8
-            weight and a float x, neither otherwise.
-        out_dtype: FP8 only: the output dtype (default bfloat16 for FP8 x, else x's dtype).
+        x: [T, K] float (T small: every row re-reads the weight), last dim contiguous.
+        weight: [N, K] of x's dtype, fp32 (then the output is fp32), or float8_e4m3fn
+            (weight-only FP8); last dim contiguous (any row stride).
+        w_scale: the FP8 weight's column scales (required with an FP8 weight, refused
+            otherwise).
+        out_dtype: FP8 weight only: the output dtype (default x's dtype).
         bias: optional [N].
         out: optional [T, N] destination of the output dtype, last dim contiguous.
         config: launch settings (`gemv_config`'s keys) instead of `gemv_config(N, K, ...)`.
@@ -134,26 +124,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          "and [N, K]")
     t, k = x.shape
     n = weight.shape[0]
-    fp8 = x.dtype == torch.float8_e4m3fn
-    weight_only = weight.dtype == torch.float8_e4m3fn and not fp8
-    if x.dtype != weight.dtype and weight.dtype != torch.float32 and not weight_only:
-        raise ValueError(f"x is {x.dtype}, weight {weight.dtype} (x's dtype, fp32, or "
-                         "float8_e4m3fn with a float x)")
-    if fp8 or weight_only:
-        if fp8 and x_scale is None:
-            raise ValueError(f"FP8 gemv needs a float32 x_scale [{t}, 1]")
-        if weight_only and x_scale is not None:
-            raise ValueError("weight-only FP8 gemv (a float x) takes no x_scale")
-        if fp8:
-            check_per_token_pair(x, x_scale, t, k, "FP8 gemv (x, x_scale)")
-        if (weight.dtype != torch.float8_e4m3fn or w_scale is None
-                or w_scale.dtype != torch.float32 or w_scale.numel() != n
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if x.dtype == torch.float8_e4m3fn or (x.dtype != weight.dtype
+                                          and weight.dtype != torch.float32 and not fp8):
+        raise ValueError(f"x is {x.dtype}, weight {weight.dtype} (a float x; a weight of x's "
+                         "dtype, fp32 or float8_e4m3fn)")
+    if fp8:
+        if (w_scale is None or w_scale.dtype != torch.float32 or w_scale.numel() != n
                 or not w_scale.is_contiguous()):
-            raise ValueError(f"FP8 gemv needs an e4m3 weight and a contiguous float32 w_scale "
-                             f"[1, {n}]")
-        out_dtype = out_dtype or (torch.bfloat16 if fp8 else x.dtype)
-    elif x_scale is not None or w_scale is not None or out_dtype is not None:
-        raise ValueError("x_scale, w_scale and out_dtype are for FP8 x and weight only")
+            raise ValueError(f"an FP8 weight needs a contiguous float32 w_scale [1, {n}]")
+        out_dtype = out_dtype or x.dtype
+    elif w_scale is not None or out_dtype is not None:
+        raise ValueError("w_scale and out_dtype are for an FP8 weight only")
     else:
         out_dtype = weight.dtype if weight.dtype == torch.float32 else x.dtype
     if (t and k and x.stride(1) != 1) or (n and k and weight.stride(1) != 1):
@@ -170,13 +152,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     cfg = dict(config or gemv_config(n, k, prefetch=pdl))
     prefetch_k = cfg.get("PREFETCH_K", 0)  # also without PDL when a config asks (tests)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), t)
-    _gemv_kernel[grid](x, weight, bias if bias is not None else weight, out,
-                       x_scale if fp8 else w_scale, w_scale,
+    _gemv_kernel[grid](x, weight, bias if bias is not None else weight, out, w_scale,
                        n, k, x.stride(0), weight.stride(0), out.stride(0),
                        HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],
                        BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["NUM_STAGES"],
-                       PREFETCH_K=prefetch_k, SCALED=fp8 or weight_only, X_SCALED=fp8,
-                       num_warps=cfg["num_warps"],
+                       PREFETCH_K=prefetch_k, SCALED=fp8, num_warps=cfg["num_warps"],
                        **launch_options(pdl))
     return out
 

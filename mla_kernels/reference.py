@@ -128,13 +128,6 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return out if bias is None else out + _upcast(bias)
 
 
-def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor,
-                 w_scale: torch.Tensor) -> torch.Tensor:
-    """Twin of `gemv.gemv` on FP8 operands: (x [T, K] e4m3 @ weight [N, K]^T e4m3 in fp32) *
-    x_scale [T, 1] * w_scale (N values, as [1, N]) -> [T, N] float32."""
-    return (x.float() @ weight.float().T) * x_scale.float() * w_scale.float().reshape(1, -1)
-
-
 def fp8_weight_only_gemv_ref(x: torch.Tensor, weight: torch.Tensor,
                              w_scale: torch.Tensor) -> torch.Tensor:
     """Twin of `gemv.gemv` with a float x and an FP8 weight: (x [T, K] @ weight [N, K]^T e4m3,

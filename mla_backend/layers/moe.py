@@ -459,16 +459,16 @@ class DeepseekV2MoE(nn.Module):
         if se is None or x.shape[0] > SHARED_FOLD_MAX_ROWS or torch.compiler.is_compiling():
             return None
         gu, down = se.gate_up_proj, se.down_proj
-        if type(ex.quant_method) is UnquantizedMoEMethod and ex.w13_weight.dtype == x.dtype:
-            fp8, want = False, (UnquantizedLinearMethod, x.dtype)
-        elif type(ex.quant_method) is Fp8MoEMethod and ex.w13_weight.dtype == FP8_E4M3:
-            fp8, want = True, (Fp8LinearMethod, FP8_E4M3)
-        else:
+        # after load: FP8 weights are float8_e4m3fn (Fp8LinearMethod then has weight_scale_row)
+        fp8 = type(ex.quant_method) is Fp8MoEMethod
+        method, dtype = ((Fp8LinearMethod, FP8_E4M3) if fp8
+                         else (UnquantizedLinearMethod, x.dtype))
+        if (type(ex.quant_method) is not UnquantizedMoEMethod and not fp8
+                or ex.w13_weight.dtype != dtype):
             return None
         for lin in (gu, down):
-            if (type(lin.quant_method) is not want[0] or lin.bias is not None
-                    or lin.weight.dtype != want[1] or hasattr(lin, "input_scale")
-                    or fp8 and getattr(lin, "weight_scale_row", None) is None):
+            if (type(lin.quant_method) is not method or lin.bias is not None
+                    or lin.weight.dtype != dtype or hasattr(lin, "input_scale")):
                 return None
         inter = ex.intermediate_size
         width = down.weight.shape[1]

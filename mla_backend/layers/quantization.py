@@ -372,11 +372,10 @@ def fp8_per_token_mm(x: torch.Tensor, w_t: torch.Tensor, w_scale_row: torch.Tens
     return _fp8_rowwise_scaled_mm(q, xs, w_t, w_scale_row, out_dtype)
 
 
-# Token rows up to which a CUDA dynamic FP8 linear runs as the triton `gemv` over the fp8
-# weight (a stream of the weight, like the 16-bit linears' GEMV at GEMV_MAX_ROWS) instead of
-# `torch._scaled_mm`: faster for V2-Lite's bs-1 FP8 decode. Wider batches not measured. From
-# `fp8_per_token_mm` the gemv is weight-only (x not quantized: no quantization launch for an x
-# that comes without x_fp8, e.g. o_proj's); `_fp8_rowwise_scaled_mm` runs it on quantized rows.
+# Token rows up to which a CUDA dynamic FP8 linear (`fp8_per_token_mm`) runs as the triton
+# weight-only `gemv` over the fp8 weight (a stream of the weight, like the 16-bit linears' GEMV
+# at GEMV_MAX_ROWS; x not quantized) instead of quantizing x and `torch._scaled_mm`. Wider
+# batches not measured.
 FP8_GEMV_MAX_ROWS = 1
 
 # `torch._scaled_mm(use_fast_accum=)` for the dense FP8 linears: Hopper's FP8 MMA then keeps
@@ -393,16 +392,8 @@ FP8_FAST_ACCUM = False
 def _fp8_rowwise_scaled_mm(q: torch.Tensor, q_scale: torch.Tensor, w_t: torch.Tensor,
                            w_scale_row: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """q [M, K] float8_e4m3fn @ w_t [K, N] float8_e4m3fn (column-major) * q_scale [M, 1] *
-    w_scale_row [1, N] -> [M, N] out_dtype (fp32 accumulation). On CUDA at up to
-    FP8_GEMV_MAX_ROWS rows the triton `gemv` (outside torch.compile), else `torch._scaled_mm`."""
+    w_scale_row [1, N] -> [M, N] out_dtype (fp32 accumulation), `torch._scaled_mm` on CUDA."""
     k, n = w_t.shape
-    if (q.is_cuda and q.shape[0] <= FP8_GEMV_MAX_ROWS and w_t.stride(0) == 1
-            and out_dtype in _KERNEL_DTYPES and not torch.compiler.is_compiling()):
-        from mla_kernels.gemv import gemv
-
-        # a model weight: nothing writes it during a forward (PDL prefetch, mla_kernels/pdl.py)
-        return gemv(q, w_t.t(), x_scale=q_scale, w_scale=w_scale_row, out_dtype=out_dtype,
-                    static_weight=True)
     if q.is_cuda and not (k % 16 or n % 16):  # cuBLASLt / CUTLASS FP8 need K, N % 16 == 0
         if out_dtype == torch.bfloat16:  # rowwise scaling: bf16 output on every torch build
             return torch._scaled_mm(q, w_t, scale_a=q_scale, scale_b=w_scale_row,

@@ -70,7 +70,8 @@ BMM_GEMV_MAX_ROWS = 1
 # `w_vc_dq`: 2 x 2 MB per V2-Lite layer), written straight into the query / o_proj input: at
 # large batches the FP8 pair (amax pass plus GEMM) is slower than cuBLAS's bf16 bmm. At up to
 # BMM_GEMV_MAX_ROWS rows on CUDA they run as `bmm_gemv` over the dequantized weights (one
-# launch instead of the pair, for 1 MB more read per product). None: always FP8 (but that).
+# launch instead of the pair, for 1 MB more read per product). None: FP8 at every other row
+# count.
 FP8_BMM_MAX_ROWS: int | None = 64
 
 

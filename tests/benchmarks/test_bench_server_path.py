@@ -28,8 +28,9 @@ ROW_KEYS = {"concurrency", "side", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p
 def test_end_to_end_on_cpu(tmp_path):
     """10 requests at once, then concurrency 1 (3 requests) and 4 (8 requests), outputs capped
     at 6 tokens, the own client in two processes: every side of every run gets exactly the
-    tokens asked (genai-perf: asks for them, and counts them by tokenizing the text within
-    20%), and the JSON holds the issue's schema with one sweep row per (concurrency, side)."""
+    tokens asked (genai-perf: asks for them, and its count by tokenizing the text is within
+    10%: 59 of 60 measured), and the JSON holds the issue's schema with one sweep row per
+    (concurrency, side)."""
     out, details = tmp_path / "out.json", tmp_path / "details.json"
     argv = ["--model", "deepseek-v2-tiny", "--device", "cpu", "--num-requests", "10",
             "--concurrency", "1", "4", "--sweep-min-requests", "3", "--max-output", "6",
@@ -72,9 +73,11 @@ def test_end_to_end_on_cpu(tmp_path):
             assert r["expected_tokens"] == sum(outs[:count]), (side, label)
             if side in SAME_REQUESTS:
                 assert r["output_tokens"] == r["expected_tokens"], (side, label)
-            else:
-                assert abs(r["output_tokens"] / r["expected_tokens"] - 1) <= 0.2, (side, label)
-            assert r["wrong_count"] == 0 and r["errors"] == [], (side, label)
+                assert r["wrong_count"] == 0, (side, label)
+            else:  # no per-request counts from genai-perf
+                assert abs(r["output_tokens"] / r["expected_tokens"] - 1) <= 0.1, (side, label)
+                assert r["wrong_count"] is None, (side, label)
+            assert r["errors"] == [], (side, label)
             assert r["span_s"] * 1e3 >= r["e2e_p99_ms"] > 0  # first send to last token
             assert r["ttft_p50_ms"] < r["e2e_p50_ms"] and r["ttft_p99_ms"] < r["e2e_p99_ms"]
             assert r["client_cpu_s"] > 0

@@ -163,36 +163,14 @@ def test_linear_layer_dispatch_on_gpu():
         torch.testing.assert_close(layer(x).float().cpu(), want, **BF16)
 
 
-def _fp8_operands(t: int, n: int, k: int, seed: int):
-    """(x e4m3 [t, k], w e4m3 [n, k], x_scale [t, 1], w_scale [1, n]) on DEVICE: per-token
-    quantized activations, a per-tensor weight scale repeated per column (a fused matrix's
-    parts would differ: the last quarter of the columns gets another)."""
-    from mla_kernels.reference import quantize_fp8_per_token_ref
-
+def _fp8_weight(n: int, k: int, seed: int):
+    """(w e4m3 [n, k], w_scale [1, n]) on DEVICE: a per-tensor weight scale repeated per column
+    (a fused matrix's parts would differ: the last quarter of the columns gets another)."""
     g = torch.Generator().manual_seed(seed)
-    xq, xs = quantize_fp8_per_token_ref(torch.randn(t, k, generator=g) * 3)
     wq = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     ws = torch.full((1, n), 0.002)
     ws[:, 3 * n // 4:] = 0.0005
-    return tuple(v.to(DEVICE) for v in (xq, wq, xs, ws))
-
-
-@pytest.mark.parametrize("n,k,t,out_dtype", [  # both tile configs (N < / >= 4096), ragged K
-    (37, 300, 2, torch.float32), (1024, 96, 1, torch.bfloat16), (4100, 33, 1, torch.float32)])
-def test_gemv_fp8_vs_twin(n, k, t, out_dtype):
-    """FP8 x and weight with per-row x scales and per-column weight scales: the fp32 sums of
-    exact fp8 products, scaled, equal the twin within fp32 summation order (or one rounding to
-    bf16); the scales matter."""
-    from mla_kernels.reference import fp8_gemv_ref
-
-    xq, wq, xs, ws = _fp8_operands(t, n, k, n + k + t)
-    out = gemv(xq, wq, x_scale=xs, w_scale=ws, out_dtype=out_dtype)
-    assert out.shape == (t, n) and out.dtype == out_dtype
-    want = fp8_gemv_ref(xq.cpu(), wq.cpu(), xs.cpu(), ws.cpu())
-    tol = FP32 if out_dtype == torch.float32 else BF16
-    torch.testing.assert_close(out.float().cpu(), want, **tol)
-    unscaled = fp8_gemv_ref(xq.cpu(), wq.cpu(), torch.ones_like(xs.cpu()), ws.cpu())
-    assert not torch.allclose(unscaled, want, **tol)
+    return wq.to(DEVICE), ws.to(DEVICE)
 
 
 @pytest.mark.parametrize("n,k,t,x_dtype", [  # both tile configs, ragged K, bf16 on CUDA
@@ -206,7 +184,7 @@ def test_gemv_fp8_weight_only_vs_twin(n, k, t, x_dtype):
 
     if x_dtype != torch.float32 and DEVICE != "cuda":
         pytest.skip("16-bit x: CUDA only")
-    _, wq, _, ws = _fp8_operands(t, n, k, n + k + t)
+    wq, ws = _fp8_weight(n, k, n + k + t)
     x = _rand(t, k, seed=n + t, dtype=x_dtype)
     out = gemv(x, wq, w_scale=ws)
     assert out.shape == (t, n) and out.dtype == x_dtype
@@ -220,61 +198,34 @@ def test_gemv_fp8_weight_only_vs_twin(n, k, t, x_dtype):
 
 
 def test_gemv_fp8_errors():
-    xq, wq, xs, ws = _fp8_operands(1, 8, 32, 0)
-    with pytest.raises(ValueError, match="x_scale"):
-        gemv(xq, wq)  # no scales
+    wq, ws = _fp8_weight(8, 32, 0)
+    x = _rand(1, 32, seed=0)
     with pytest.raises(ValueError, match="w_scale"):
-        gemv(xq, wq, x_scale=xs, w_scale=ws[:, :4])
-    with pytest.raises(ValueError, match="x, x_scale"):
-        gemv(xq, wq, x_scale=xs.expand(1, 2), w_scale=ws)
-    with pytest.raises(ValueError, match="FP8"):
-        gemv(xq.float(), wq.float(), x_scale=xs, w_scale=ws)  # scales without FP8
-    with pytest.raises(ValueError, match="e4m3 weight"):
-        gemv(xq, wq.float(), x_scale=xs, w_scale=ws)  # FP8 x, fp32 weight
-    x = xq.float()
+        gemv(x, wq)  # the weight's scales are required
     with pytest.raises(ValueError, match="w_scale"):
-        gemv(x, wq)  # weight-only: the weight's scales are required
-    with pytest.raises(ValueError, match="no x_scale"):
-        gemv(x, wq, x_scale=xs, w_scale=ws)  # weight-only: x is not quantized
+        gemv(x, wq, w_scale=ws[:, :4])
+    with pytest.raises(ValueError, match="a float x"):
+        gemv(x.to(torch.float8_e4m3fn), wq, w_scale=ws)  # x is not quantized
+    with pytest.raises(ValueError, match="FP8 weight only"):
+        gemv(x, wq.float(), w_scale=ws)  # scales without an FP8 weight
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,k", [(3648, 2048), (2048, 2048), (5632, 2048), (2048, 2816),
                                  (2048, 10944)])
-def test_fp8_linear_one_row_runs_the_gemv_on_gpu(n, k, monkeypatch):
-    """A dynamic FP8 linear at one token row (decode at batch size 1) takes the FP8 gemv; its
-    rows equal those of the same inputs through `torch._scaled_mm` (two rows) within fp32
-    summation order and one bf16 rounding."""
-    import mla_kernels.gemv as gemv_mod
-
-    from mla_backend.layers import quantization as Q
-
-    xq, wq, xs, ws = _fp8_operands(2, n, k, n)
-    calls = []
-    real = gemv_mod.gemv
-    monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    one = Q._fp8_rowwise_scaled_mm(xq[:1], xs[:1], wq.t(), ws, torch.bfloat16)
-    assert calls == [1]
-    two = Q._fp8_rowwise_scaled_mm(xq, xs, wq.t(), ws, torch.bfloat16)
-    assert calls == [1]  # two rows: torch._scaled_mm
-    torch.testing.assert_close(one.float(), two[:1].float(), **BF16)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fp8_linear_one_bf16_row_is_weight_only_on_gpu(monkeypatch):
-    """`fp8_per_token_mm` at one bf16 row (o_proj at batch size 1) launches only the weight-only
-    gemv (no quantization of x, even with an x_fp8 at hand) and gives the twin's values; at
-    two rows it quantizes x per token (torch._scaled_mm)."""
+def test_fp8_linear_one_bf16_row_is_weight_only_on_gpu(n, k, monkeypatch):
+    """`fp8_per_token_mm` at one bf16 row (decode at batch size 1; V2-Lite's FP8 linear shapes)
+    launches only the weight-only gemv (no quantization of x, even with an x_fp8 at hand) and
+    gives the twin's values; at two rows it quantizes x per token (torch._scaled_mm)."""
     import mla_kernels.gemv as gemv_mod
 
     from mla_backend.layers import quantization as Q
     from mla_kernels.fp8_quant import quantize_per_token
     from mla_kernels.reference import fp8_weight_only_gemv_ref
 
-    _, wq, _, ws = _fp8_operands(2, 2048, 2048, 7)
-    x = _rand(2, 2048, seed=8, dtype=torch.bfloat16)
+    wq, ws = _fp8_weight(n, k, n)
+    x = _rand(2, k, seed=8, dtype=torch.bfloat16)
     calls = []
     real = gemv_mod.gemv
     monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **kw: calls.append(a[0].dtype) or
