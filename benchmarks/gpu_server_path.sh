@@ -4,18 +4,19 @@
 #   bash benchmarks/gpu_server_path.sh tests        # sampling kernel tests, gpu+e2e tests
 #   bash benchmarks/gpu_server_path.sh bf16         # bench_server_path.py, V2-Lite: peak + sweep
 #   bash benchmarks/gpu_server_path.sh fp8          # the FP8 weights + FP8 cache peak, merged in
+#   bash benchmarks/gpu_server_path.sh llama        # the Llama-3.1-8B shape: peak + c=1 and 64
 #   bash benchmarks/gpu_server_path.sh structured   # bench_structured.py (JSON schema vs free)
 #   bash benchmarks/gpu_server_path.sh profile [DIR]  # bench_profile.py's peak (Engine.step alone)
-#   bash benchmarks/gpu_server_path.sh latency      # bs-1 decode, bf16 and FP8 weights
+#   bash benchmarks/gpu_server_path.sh latency [DIR]  # bs-1 decode, bf16 and FP8 weights
 #   bash benchmarks/gpu_server_path.sh stubcalls    # bench_stub_calls.py (the stub's calls)
 #
 # Arguments after the step go to the benchmark (e.g. bf16 --num-requests 3000; profile
-# --quantization fp8 --kv-cache-dtype fp8_e4m3). `profile DIR` runs DIR's own bench_profile.py
-# on DIR's code (an older checkout, e.g. `git archive <commit> | tar -x -C .old`), for a
-# before/after pair on one machine.
+# --quantization fp8 --kv-cache-dtype fp8_e4m3). `profile DIR` and `latency DIR` run DIR's own
+# benchmark on DIR's code (an older checkout, e.g. `git archive <commit> | tar -x -C .old`), for
+# a before/after pair on one machine.
 #
 # Run in the repository root with MLA_COMMIT set to the commit under test (the machine's copy
-# has no git history). tests, bf16, fp8 and structured need .gpu/ carried
+# has no git history). tests, bf16, fp8, llama and structured need .gpu/ carried
 # (benchmarks/gpu_bundle.sh makes it) and run in the stub's environment
 # (benchmarks/gpu_env.sh); profile and latency run on the machine's own python3 and need only
 # a DeepSeek-V3 tokenizer folder: $MLA_DEEPSEEK_TOKENIZER_DIR, else .tok/ (carried), else the
@@ -31,7 +32,7 @@ json_name=h200_server_path.json  # written after each phase into $out; (fp8) mer
 export PYTHONUNBUFFERED=1
 step="${1:-}"
 case "$step" in
-  tests|bf16|fp8|structured|stubcalls) source benchmarks/gpu_env.sh || exit 1 ;;
+  tests|bf16|fp8|llama|structured|stubcalls) source benchmarks/gpu_env.sh || exit 1 ;;
   profile|latency)
     if [[ -z "${MLA_DEEPSEEK_TOKENIZER_DIR:-}" ]]; then
       if [[ -f .tok/tokenizer.json ]]; then
@@ -70,6 +71,12 @@ case "$step" in
       --quantization fp8 --kv-cache-dtype fp8_e4m3 --concurrency --merge --client-procs 4 \
       --json "$out/$json_name" --details "$out/fp8_details.json" "${@:2}" 2>&1 | tee "$out/fp8.log"
     ;;
+  llama)
+    python3 benchmarks/bench_server_path.py --model llama-3.1-8b --commit "$commit" \
+      --num-requests 1000 --concurrency 1 64 --client-procs 4 \
+      --json "$out/llama_server_path.json" --details "$out/llama_details.json" "${@:2}" \
+      2>&1 | tee "$out/llama.log"
+    ;;
   structured)
     python3 benchmarks/bench_structured.py --model deepseek-v2-lite \
       --tokenizer-dir "$MLA_DEEPSEEK_TOKENIZER_DIR" --out "$out/structured.json" "${@:2}" \
@@ -89,17 +96,20 @@ case "$step" in
       2>&1 | grep -v '^\[transformers\]' | tee "$out/$name.log"
     ;;
   latency)
+    tree=.
+    if [[ -n "${2:-}" && "${2:0:1}" != "-" ]]; then tree="$2"; set -- "$1" "${@:3}"; fi
+    name="latency-$(basename "$(cd "$tree" && pwd)")"
     for quant in "" "--quantization fp8"; do
       # shellcheck disable=SC2086
-      PYTHONPATH=. python3 benchmarks/bench_suite.py --model deepseek-v2-lite \
+      (cd "$tree" && PYTHONPATH=. python3 benchmarks/bench_suite.py --model deepseek-v2-lite \
         --tokenizer-dir "$MLA_DEEPSEEK_TOKENIZER_DIR" --sections latency --latency-modes graphs \
-        --latency-bs 1 $quant "${@:2}" 2>&1 | grep -v '^\[transformers\]' \
-        | tee -a "$out/latency.log"
+        --latency-bs 1 $quant "${@:2}") 2>&1 | grep -v '^\[transformers\]' \
+        | tee -a "$out/$name.log"
     done
     ;;
   *)
     echo "usage: bash benchmarks/gpu_server_path.sh" \
-      "tests|bf16|fp8|structured|stubcalls|profile [DIR]|latency" >&2
+      "tests|bf16|fp8|llama|structured|stubcalls|profile [DIR]|latency [DIR]" >&2
     exit 2
     ;;
 esac
