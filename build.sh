@@ -150,7 +150,7 @@ cmd_serve() {
 [build.sh] starting tritonserver: HTTP :$http, gRPC :$grpc, metrics :$metrics (Ctrl-C stops it)
 [build.sh] models: $(models | tr '\n' ' ')
 [build.sh] stream a prompt over HTTP (server-sent events, one text delta per event):
-  curl -N -X POST localhost:$http/v2/models/$model/generate_stream \\
+  curl -sN -X POST localhost:$http/v2/models/$model/generate_stream \\
     -d '{"text_input": "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n", "stream": true, "max_tokens": 64, "temperature": 0}'
 EOF
   if [[ -f client_examples/grpc_stream.py ]]; then

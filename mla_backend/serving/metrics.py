@@ -3,7 +3,8 @@
 Owns the metric families, their buckets, the per-output token-gap arithmetic (`token_gaps`) and
 `MetricsRecorder`, which the response thread (`responder.Responder`) feeds: `on_*` only buffer,
 `flush()` sends (each call an IPC round trip); the responder flushes before it queues a round's
-final responses, else at least every 0.1 s. Not thread-safe: the response thread calls it all.
+final responses, else at least every 0.1 s. Not thread-safe (but `count_failure`): the response
+thread calls the rest.
 
 The families mean what vLLM's and Triton's vLLM backend's do (names, descriptions, buckets,
 labels `model` and `version`); times are `time.monotonic()` s, arrival the adapter's, token times
@@ -18,11 +19,16 @@ the engine's (`RequestOutput.first_token_time` / `last_token_time`):
   per finished request (n > 1: all completions, token gaps per completion);
 - ours: gauges `mla_backend:num_requests_running` / `_waiting` / `kv_cache_usage_ratio` (slots
   held by live requests / pool; evictable cache counts as free), counters
-  `mla_backend:prefix_cache_hit_tokens_total` and `mla_backend:num_retractions_total`.
+  `mla_backend:prefix_cache_hit_tokens_total`, `mla_backend:num_retractions_total` and
+  `mla_backend:request_failure_total` (requests answered with an error, label `reason`: the
+  error's code, `FAILURE_REASONS`; Triton's own `nv_inference_request_failure` stays 0 for them,
+  since the Python backend counts a request whose error is sent as a response as a success).
+  `count_failure` sends at once, from any thread, before the error response goes out.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -32,6 +38,8 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
 N_BUCKETS = [1.0, 2.0, 5.0, 10.0, 20.0]
+# `reason` label values of mla_backend:request_failure_total (the TritonError codes we send).
+FAILURE_REASONS = ("invalid_argument", "cancelled", "unavailable", "internal")
 
 
 def token_buckets(max_len: int) -> list[float]:
@@ -96,7 +104,8 @@ class FinishedRequest:
 class MetricsRecorder:
     """The model's metric families and their buffered updates.
 
-    Not thread-safe: call everything from one thread (the adapter's response thread).
+    Not thread-safe, except `count_failure`: call the rest from one thread (the adapter's
+    response thread).
     """
 
     def __init__(self, pb: Any, model: str, version: str, max_model_len: int):
@@ -119,6 +128,11 @@ class MetricsRecorder:
             if buckets is None:
                 return family.Metric(labels=labels)
             return family.Metric(labels=labels, buckets=buckets)
+
+        def by_reason(name: str, desc: str) -> dict[str, Any]:
+            family = MF(name=name, description=desc, kind=MF.COUNTER)
+            self._families.append(family)
+            return {r: family.Metric(labels={**labels, "reason": r}) for r in FAILURE_REASONS}
 
         C, G, H = MF.COUNTER, MF.GAUGE, MF.HISTOGRAM
         self.prompt_tokens = metric("vllm:prompt_tokens_total",
@@ -150,6 +164,9 @@ class MetricsRecorder:
                                  "Prompt tokens served from the radix prefix cache.", C)
         self.retractions = metric("mla_backend:num_retractions_total",
                                   "Running requests retracted to the queue (KV pool full).", C)
+        self.failures = by_reason("mla_backend:request_failure_total",
+                                  "Requests answered with an error, by the error's code.")
+        self._failure_lock = threading.Lock()
         self._prompt_pending = 0
         self._gen_pending = 0
         self._ttft: list[float] = []
@@ -184,6 +201,18 @@ class MetricsRecorder:
         self._stats = stats
 
     # ------------------------------------------------------------------ IPC
+    def count_failure(self, reason: str) -> None:
+        """Count one request answered with an error (one `increment`, sent now; any thread).
+
+        Args:
+            reason: one of `FAILURE_REASONS`.
+        Raises:
+            KeyError: an unknown reason.
+        """
+        metric = self.failures[reason]
+        with self._failure_lock:
+            metric.increment(1)
+
     def flush(self) -> None:
         """Send the buffered updates to the server (skips counters with nothing new and gauges
         whose value has not changed): one `increment` per counter, one `set` per changed gauge,
@@ -229,7 +258,8 @@ class MetricsRecorder:
         """Drop the metrics, then their families (the stub requires that order). Idempotent."""
         for name in ("prompt_tokens", "generation_tokens", "ttft", "tpot", "e2e",
                      "request_prompt", "request_generation", "request_n", "request_max_tokens",
-                     "running", "waiting", "kv_usage", "cache_hits", "retractions"):
+                     "running", "waiting", "kv_usage", "cache_hits", "retractions",
+                     "failures"):
             if hasattr(self, name):
                 delattr(self, name)
         self._families.clear()
@@ -240,5 +270,5 @@ class MetricsRecorder:
             self._gauges_sent[key] = value
 
 
-__all__ = ["E2E_BUCKETS", "FinishedRequest", "MetricsRecorder", "N_BUCKETS", "TPOT_BUCKETS",
-           "TTFT_BUCKETS", "token_buckets", "token_gaps"]
+__all__ = ["E2E_BUCKETS", "FAILURE_REASONS", "FinishedRequest", "MetricsRecorder", "N_BUCKETS",
+           "TPOT_BUCKETS", "TTFT_BUCKETS", "token_buckets", "token_gaps"]

@@ -14,7 +14,8 @@ Owns the table of accepted requests (`_Live`, registration to FINAL) and its thr
 Exactly one FINAL: a request is in `_live` until the response with its FINAL flag; whoever
 removes it (under `_lock`) queues that FINAL, and outputs for an id not in `_live` are dropped.
 When the engine fails for good (`EngineClient.failed`), `on_fatal` is called once and every live
-request ends with one UNAVAILABLE error carrying the message.
+request ends with one UNAVAILABLE error carrying the message. Every error response is counted
+(`MetricsRecorder.count_failure`, by its code) before it is queued or sent.
 """
 
 from __future__ import annotations
@@ -102,6 +103,13 @@ def error_response(message: str, code: int) -> Any:
                                       error=pb_utils.TritonError(message, code))
 
 
+def failure_reason(code: Any) -> str:
+    """The `reason` label (metrics.FAILURE_REASONS) of an error response's TritonError code."""
+    E = pb_utils.TritonError
+    return {E.INVALID_ARG: "invalid_argument", E.CANCELLED: "cancelled",
+            E.UNAVAILABLE: "unavailable"}.get(code, "internal")
+
+
 def send_error(sender: Any, message: str, code: int) -> None:
     """Send one error response flagged FINAL on the calling thread: only for requests never
     registered (rejected at the door) or after the sender threads have stopped."""
@@ -169,7 +177,7 @@ class Responder:
         return live
 
     def unregister(self, rid: str) -> None:
-        """Drop a request the engine refused (the caller answers it with `send_error`)."""
+        """Drop a request the engine refused (the caller answers it with `reject`)."""
         with self._lock:
             self._live.pop(rid, None)
 
@@ -244,8 +252,24 @@ class Responder:
         self._send_queues[live.shard].put((live.sender, response, flags))
 
     def _queue_error(self, live: _Live, message: str, code: int) -> None:
-        """Queue `live`'s error response flagged FINAL (the request's last)."""
+        """Count and queue `live`'s error response flagged FINAL (the request's last)."""
+        self._count_failure(code)
         self._queue_send(live, error_response(message, code), _FINAL)
+
+    def reject(self, sender: Any, message: str, code: int) -> None:
+        """Answer a request that was never registered (refused at the door) with one error
+        flagged FINAL, now, on the calling thread; counted first."""
+        self._count_failure(code)
+        send_error(sender, message, code)
+
+    def _count_failure(self, code: Any) -> None:
+        metrics = self.metrics
+        if metrics is None:
+            return
+        try:
+            metrics.count_failure(failure_reason(code))
+        except Exception as e:  # noqa: BLE001 - metrics must never stop the responses
+            self.logger.log_error(f"[mla_backend] updating metrics failed: {e!r}")
 
     def _sender_main(self, index: int) -> None:
         """Sender thread `index`: send what its queue holds, in order, until the stop marker
@@ -477,7 +501,8 @@ class Responder:
             self._live.clear()
         for live in leftovers:  # the engine never answered: end them here
             try:
-                send_error(live.sender, "the model was unloaded", pb_utils.TritonError.UNAVAILABLE)
+                self.reject(live.sender, "the model was unloaded",
+                            pb_utils.TritonError.UNAVAILABLE)
             except Exception:  # noqa: BLE001
                 pass
         if self.metrics is not None:

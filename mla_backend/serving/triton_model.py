@@ -41,7 +41,7 @@ from mla_backend.serving.protocol import (
     check_instance_layout,
     parse_request,
 )
-from mla_backend.serving.responder import Responder, send_error
+from mla_backend.serving.responder import Responder
 from mla_backend.serving.stub_check import (
     StubEnvironmentError,
     check_stub_arrays,
@@ -211,12 +211,12 @@ class TritonPythonModel:
 
     def _accept(self, request: Any) -> None:
         sender = request.get_response_sender()
+        reject = self.responder.reject  # one FINAL error now, counted in the failure metric
         number = next(self._ids)
         rid = f"{request.request_id() or 'req'}#{number}"
         fatal = self.responder.fatal
         if not self._accepting or fatal is not None:
-            send_error(sender, fatal or "the model is shutting down",
-                       pb_utils.TritonError.UNAVAILABLE)
+            reject(sender, fatal or "the model is shutting down", pb_utils.TritonError.UNAVAILABLE)
             return
         try:
             inputs = {}
@@ -226,10 +226,10 @@ class TritonPythonModel:
                     inputs[name] = tensor.as_numpy()
             parsed = parse_request(inputs, request.parameters(), rid)
         except ProtocolError as e:
-            send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            reject(sender, str(e), pb_utils.TritonError.INVALID_ARG)
             return
         except Exception as e:  # noqa: BLE001 - still answer the request, exactly once
-            send_error(sender, f"Error reading the request: {e!r}", pb_utils.TritonError.INTERNAL)
+            reject(sender, f"Error reading the request: {e!r}", pb_utils.TritonError.INTERNAL)
             return
         prefix = self._prompt_text(parsed.request) if parsed.options.echo else ""
         # registered first: the response may follow at once
@@ -240,12 +240,11 @@ class TritonPythonModel:
         except Exception as e:  # noqa: BLE001
             self.responder.unregister(rid)
             if isinstance(e, InvalidRequestError):
-                send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+                reject(sender, str(e), pb_utils.TritonError.INVALID_ARG)
             elif isinstance(e, EngineFailedError):
-                send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
+                reject(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
             else:
-                send_error(sender, f"Error adding the request: {e!r}",
-                           pb_utils.TritonError.INTERNAL)
+                reject(sender, f"Error adding the request: {e!r}", pb_utils.TritonError.INTERNAL)
             return
         live.accepted = True
 

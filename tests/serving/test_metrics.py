@@ -20,6 +20,7 @@ import pytest
 from mla_backend.request import FinishReason, RequestOutput, SamplingParams
 from mla_backend.serving.metrics import (
     E2E_BUCKETS,
+    FAILURE_REASONS,
     N_BUCKETS,
     TPOT_BUCKETS,
     TTFT_BUCKETS,
@@ -52,6 +53,11 @@ class FakePb(types.ModuleType):
                 pb.families[name] = {"description": description, "kind": kind}
 
             def Metric(self, labels, buckets=None):  # noqa: N802 - the stub's name
+                extra = {k: v for k, v in labels.items() if k not in ("model", "version")}
+                if extra:  # a labelled series of its own: "name{k=v}"
+                    pb.families[self.name].setdefault("series", []).append(labels)
+                    return FakeMetric(pb, self.name + "{" + ",".join(
+                        f"{k}={v}" for k, v in sorted(extra.items())) + "}")
                 pb.families[self.name].update(labels=labels, buckets=buckets)
                 return FakeMetric(pb, self.name)
 
@@ -195,6 +201,11 @@ def test_recorder_families_names_kinds_buckets():
     pb = FakePb()
     MetricsRecorder(pb, "m", "3", max_model_len=512)
     f = pb.families
+    failures = f.pop("mla_backend:request_failure_total")
+    assert failures["kind"] == "counter"
+    assert FAILURE_REASONS == ("invalid_argument", "cancelled", "unavailable", "internal")
+    assert failures["series"] == [{"model": "m", "version": "3", "reason": r}
+                                  for r in FAILURE_REASONS]
     assert all(v["labels"] == {"model": "m", "version": "3"} for v in f.values())
     assert f["vllm:prompt_tokens_total"]["kind"] == "counter"
     assert f["vllm:generation_tokens_total"]["kind"] == "counter"
@@ -257,6 +268,22 @@ def test_recorder_buffers_then_flushes_exact_values():
     rec.close()
     rec.close()  # idempotent
     assert not hasattr(rec, "tpot")
+
+
+def test_count_failure_increments_its_reason_at_once():
+    pb = FakePb()
+    rec = MetricsRecorder(pb, "m", "1", max_model_len=512)
+    rec.count_failure("invalid_argument")
+    rec.count_failure("invalid_argument")
+    rec.count_failure("cancelled")
+    name = "mla_backend:request_failure_total"
+    assert pb.events == [("increment", f"{name}{{reason=invalid_argument}}", 1),
+                         ("increment", f"{name}{{reason=invalid_argument}}", 1),
+                         ("increment", f"{name}{{reason=cancelled}}", 1)]
+    with pytest.raises(KeyError):
+        rec.count_failure("timeout")
+    rec.close()
+    assert not hasattr(rec, "failures")
 
 
 # ------------------------------------------------------------------------------ the responder
@@ -423,3 +450,55 @@ def test_error_output_is_not_accounted(fake_pb):
     assert pb.values("observe", E2E) == []  # an errored request is not a finished one
     assert pb.values("observe", TTFT) == pytest.approx([0.1])
     assert sum(pb.values("increment", "vllm:generation_tokens_total")) == 1
+
+
+FAILURE = "mla_backend:request_failure_total"
+
+
+def test_every_error_response_is_counted_by_its_code_before_it_is_sent(fake_pb):
+    """Engine errors (INTERNAL), an invalid request the engine refused (INVALID_ARG), the
+    engine's failure (UNAVAILABLE) and a request refused at the door (`reject`): one
+    increment each, labelled by the code, before the response; a request that ends well
+    counts nothing."""
+    pb, responder = fake_pb
+    h = Harness(pb, responder)
+    h.register("ok", stream=False)
+    h.register("bad", stream=True)
+    h.register("inv", stream=False)
+    h.feed(out("ok", 2, 2, None, None, finished=True),
+           RequestOutput(rid="bad", new_token_ids=[], new_text="", finished=True,
+                         error="engine step failed"),
+           RequestOutput(rid="inv", new_token_ids=[], new_text="", finished=True,
+                         error="structured_outputs: bad", invalid_request=True))
+    for rid in ("ok", "bad", "inv"):
+        h.wait_final(rid)
+    door = FakeSender(pb, "door")
+    h.responder.reject(door, "max_tokens must be >= 1", pb.TritonError.INVALID_ARG)
+    events = h.stop()
+    counted = [(e[1], i) for i, e in enumerate(events) if e[0] == "increment"
+               and e[1].startswith(FAILURE)]
+    assert sorted(n for n, _ in counted) == [FAILURE + "{reason=internal}",
+                                             FAILURE + "{reason=invalid_argument}",
+                                             FAILURE + "{reason=invalid_argument}"]
+    sends = {e[1]: i for i, e in enumerate(events) if e[0] == "send"}
+    assert "ok" in sends and len(counted) == 3
+    # each count precedes its request's response
+    order = {"bad": "internal", "inv": "invalid_argument", "door": "invalid_argument"}
+    for rid, reason in order.items():
+        assert any(n == f"{FAILURE}{{reason={reason}}}" and i < sends[rid] for n, i in counted)
+    assert door.responses[0][0].error.code == pb.TritonError.INVALID_ARG
+
+
+def test_cancelled_and_unloaded_requests_are_counted(fake_pb, monkeypatch):
+    pb, responder = fake_pb
+    monkeypatch.setattr(responder, "_CANCEL_POLL_S", 0.0)
+    h = Harness(pb, responder)
+    h.register("c", stream=True)
+    h.register("u", stream=True)
+    h.senders["c"].is_cancelled = lambda: True
+    h.wait_final("c")
+    events = h.stop()  # "u" never got an output: unloaded
+    assert h.senders["c"].responses[-1][0].error.code == pb.TritonError.CANCELLED
+    assert h.senders["u"].responses[-1][0].error.code == pb.TritonError.UNAVAILABLE
+    counted = [e[1] for e in events if e[0] == "increment" and e[1].startswith(FAILURE)]
+    assert sorted(counted) == [FAILURE + "{reason=cancelled}", FAILURE + "{reason=unavailable}"]

@@ -12,6 +12,7 @@ last response, without waiting: they must already include it.
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import time
@@ -243,3 +244,34 @@ def test_metrics_off_and_request_log_lines(server):
     assert series(m, "vllm:prompt_tokens_total", DSV2) is not None
     bad = [line for line in log.splitlines() if line.startswith("E") and "mla_backend" in line]
     assert bad == []
+
+
+FAILURES = "mla_backend:request_failure_total"
+REASONS = ("invalid_argument", "cancelled", "unavailable", "internal")
+
+
+def test_error_responses_counted_by_reason_read_at_once(server):
+    """Each request answered with an error is in `mla_backend:request_failure_total` under its
+    code by the time its error arrived: refused at the door (an empty prompt, max_tokens -1) or
+    by the engine (an invalid regex); a good request adds nothing. Every reason's series is
+    there from the start."""
+    before = read_metrics(server)
+    assert all(series(before, FAILURES, DSV2, reason=r) is not None for r in REASONS)
+    bad = [{"text_input": "", "max_tokens": 4},
+           {"text_input": "Hello", "max_tokens": -1},
+           {"text_input": "Hello", "sampling_parameters": json.dumps(
+               {"max_tokens": 4, "structured_outputs": {"regex": "(unclosed"}})}]
+    for body in bad:
+        r = requests.post(f"{server.http_url}/v2/models/{DSV2}/generate", json=body,
+                          timeout=TIMEOUT)
+        assert r.status_code == 400, r.text
+    after = read_metrics(server)  # at once: no sleep, no polling
+    got = {r: series(after, FAILURES, DSV2, reason=r) - series(before, FAILURES, DSV2, reason=r)
+           for r in REASONS}
+    assert got == {"invalid_argument": 3.0, "cancelled": 0.0, "unavailable": 0.0,
+                   "internal": 0.0}
+    http_generate(server, DSV2, "A good request", 3)
+    again = read_metrics(server)
+    assert all(series(again, FAILURES, DSV2, reason=r) == series(after, FAILURES, DSV2, reason=r)
+               for r in REASONS)
+    assert series(again, FAILURES, QUIET, reason="invalid_argument") is None  # metrics off
