@@ -12,6 +12,8 @@
 # perf_analyzer on PATH (a wrapper that gives it libcudart.so.12 and libb64),
 # MLA_DEEPSEEK_TOKENIZER_DIR for the V2-Lite-shaped models.
 MLA_GPU_DIR="${MLA_GPU_DIR:-/tmp/mla_gpu}"
+# the machine's own python3 (numpy 2), before the stub's venv goes first on PATH (genai-perf)
+export MLA_MACHINE_PYTHON="${MLA_MACHINE_PYTHON:-$(command -v python3)}"
 if [[ ! -x "$MLA_GPU_DIR/venv/bin/python" ]]; then
   mkdir -p "$MLA_GPU_DIR"
   tar -xJf .gpu/bundle.tar.xz -C "$MLA_GPU_DIR"

@@ -5,10 +5,14 @@
 #   bash benchmarks/gpu_server_path.sh bf16         # bench_server_path.py, V2-Lite: peak + sweep
 #   bash benchmarks/gpu_server_path.sh fp8          # the FP8 weights + FP8 cache peak, merged in
 #   bash benchmarks/gpu_server_path.sh llama        # the Llama-3.1-8B shape: peak + c=1 and 64
+#   bash benchmarks/gpu_server_path.sh genai        # genai-perf beside perf_analyzer and our
+#                                                   # client (.gp/ carried once:
+#                                                   # benchmarks/gpu_genai_perf.sh)
 #   bash benchmarks/gpu_server_path.sh structured   # bench_structured.py (JSON schema vs free)
 #   bash benchmarks/gpu_server_path.sh profile [DIR]  # bench_profile.py's peak (Engine.step alone)
 #   bash benchmarks/gpu_server_path.sh latency [DIR]  # bs-1 decode, bf16 and FP8 weights
 #   bash benchmarks/gpu_server_path.sh stubcalls    # bench_stub_calls.py (the stub's calls)
+#   bash benchmarks/gpu_server_path.sh pytest ARGS  # pytest ARGS on the machine's python3
 #   bash benchmarks/gpu_server_path.sh smol         # a third of SmolLM2 (.smol/X carried, X = a,
 #                                                   # b, c: benchmarks/gpu_smol_parts.sh); with
 #                                                   # all three here, its weights for `tests`
@@ -23,7 +27,8 @@
 # (benchmarks/gpu_bundle.sh makes it) and run in the stub's environment
 # (benchmarks/gpu_env.sh); profile and latency run on the machine's own python3 and need only
 # a DeepSeek-V3 tokenizer folder: $MLA_DEEPSEEK_TOKENIZER_DIR, else .tok/ (carried), else the
-# bundle's. Logs and JSON results go to $OUT (the device tool's folder) or /tmp/mla_out; copy
+# bundle's; pytest's tiny models take SmolLM2's: $MLA_TEST_TOKENIZER_DIR, else .tok-smol/
+# (benchmarks/gpu_tokenizers.sh writes both folders). Logs and JSON results go to $OUT (the device tool's folder) or /tmp/mla_out; copy
 # h200_server_path.json from there to benchmarks/results/ (fp8 run on its own: merge its "fp8"
 # key by hand).
 set -uo pipefail
@@ -35,7 +40,7 @@ json_name=h200_server_path.json  # written after each phase into $out; (fp8) mer
 export PYTHONUNBUFFERED=1
 step="${1:-}"
 case "$step" in
-  tests|bf16|fp8|llama|structured|stubcalls) source benchmarks/gpu_env.sh || exit 1 ;;
+  tests|bf16|fp8|llama|genai|structured|stubcalls) source benchmarks/gpu_env.sh || exit 1 ;;
   profile|latency)
     if [[ -z "${MLA_DEEPSEEK_TOKENIZER_DIR:-}" ]]; then
       if [[ -f .tok/tokenizer.json ]]; then
@@ -80,6 +85,20 @@ case "$step" in
       --json "$out/llama_server_path.json" --details "$out/llama_details.json" "${@:2}" \
       2>&1 | tee "$out/llama.log"
     ;;
+  genai)
+    # genai-perf in the machine's own python3 (numpy 2) with the carried wheels; it drives the
+    # bundle's perf_analyzer (on PATH). Its requests are its own (bench_server_path.py says how).
+    gp=/tmp/mla_gp_site
+    if [[ ! -d "$gp/genai_perf" ]]; then
+      "$MLA_MACHINE_PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$gp" \
+        .gp/*.whl || exit 5
+    fi
+    python3 benchmarks/bench_server_path.py --model deepseek-v2-lite --commit "$commit" \
+      --clients perf_analyzer own_client genai_perf --client-procs 4 \
+      --genai-perf "env PYTHONPATH=$gp $MLA_MACHINE_PYTHON -m genai_perf.main" \
+      --json "$out/genai_server_path.json" --details "$out/genai_details.json" "${@:2}" \
+      2>&1 | tee "$out/genai.log"
+    ;;
   structured)
     python3 benchmarks/bench_structured.py --model deepseek-v2-lite \
       --tokenizer-dir "$MLA_DEEPSEEK_TOKENIZER_DIR" --out "$out/structured.json" "${@:2}" \
@@ -104,6 +123,12 @@ case "$step" in
       PYTHONPATH="$d/site:." python3 -m mla_tools.prepare --models smollm2-135m-instruct \
         2>&1 | tee "$out/smol_prepare.log"
     fi
+    ;;
+  pytest)
+    if [[ -z "${MLA_TEST_TOKENIZER_DIR:-}" && -f .tok-smol/tokenizer.json ]]; then
+      export MLA_TEST_TOKENIZER_DIR="$PWD/.tok-smol"
+    fi
+    PYTHONPATH=. python3 -m pytest -q -p no:cacheprovider "${@:2}" 2>&1 | tee "$out/pytest.log"
     ;;
   stubcalls)
     python3 benchmarks/bench_stub_calls.py --json "$out/stub_calls.json" "${@:2}" \
@@ -132,7 +157,7 @@ case "$step" in
     ;;
   *)
     echo "usage: bash benchmarks/gpu_server_path.sh" \
-      "tests|bf16|fp8|llama|structured|stubcalls|smol|profile [DIR]|latency [DIR]" >&2
+      "tests|bf16|fp8|llama|genai|structured|stubcalls|smol|pytest ARGS|profile [DIR]|latency [DIR]" >&2
     exit 2
     ;;
 esac
