@@ -23,14 +23,14 @@
 # a before/after pair on one machine.
 #
 # Run in the repository root with MLA_COMMIT set to the commit under test (the machine's copy
-# has no git history). tests, bf16, fp8, llama and structured need .gpu/ carried
-# (benchmarks/gpu_bundle.sh makes it) and run in the stub's environment
+# has no git history). tests, bf16, fp8, llama, genai, structured and stubcalls need .gpu/
+# carried once (benchmarks/gpu_bundle.sh makes it) and run in the stub's environment
 # (benchmarks/gpu_env.sh); profile and latency run on the machine's own python3 and need only
 # a DeepSeek-V3 tokenizer folder: $MLA_DEEPSEEK_TOKENIZER_DIR, else .tok/ (carried), else the
 # bundle's; pytest's tiny models take SmolLM2's: $MLA_TEST_TOKENIZER_DIR, else .tok-smol/
-# (benchmarks/gpu_tokenizers.sh writes both folders). Logs and JSON results go to $OUT (the device tool's folder) or /tmp/mla_out; copy
-# h200_server_path.json from there to benchmarks/results/ (fp8 run on its own: merge its "fp8"
-# key by hand).
+# (benchmarks/gpu_tokenizers.sh writes both folders). Logs and JSON results go to $OUT (the
+# device tool's folder) or /tmp/mla_out; copy h200_server_path.json from there to
+# benchmarks/results/ (fp8 run on its own: merge its "fp8" key by hand).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-/tmp/mla_out}"
@@ -156,8 +156,8 @@ case "$step" in
     done
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_server_path.sh" \
-      "tests|bf16|fp8|llama|genai|structured|stubcalls|smol|pytest ARGS|profile [DIR]|latency [DIR]" >&2
+    echo "usage: bash benchmarks/gpu_server_path.sh STEP [ARGS], STEP one of" \
+      "tests bf16 fp8 llama genai structured stubcalls smol pytest profile latency" >&2
     exit 2
     ;;
 esac
