@@ -9,7 +9,8 @@
 #                                                   # client (.gp/ carried once:
 #                                                   # benchmarks/gpu_genai_perf.sh)
 #   bash benchmarks/gpu_server_path.sh structured   # bench_structured.py (JSON schema vs free)
-#   bash benchmarks/gpu_server_path.sh profile [DIR]  # bench_profile.py's peak (Engine.step alone)
+#   bash benchmarks/gpu_server_path.sh profile [DIR]  # bench_profile.py's peak (Engine.step alone;
+#                                                   # MLA_PYSPY=1: sampled by py-spy)
 #   bash benchmarks/gpu_server_path.sh latency [DIR]  # bs-1 decode, bf16 and FP8 weights
 #   bash benchmarks/gpu_server_path.sh stubcalls    # bench_stub_calls.py (the stub's calls)
 #   bash benchmarks/gpu_server_path.sh pytest ARGS  # pytest ARGS on the machine's python3
@@ -28,7 +29,7 @@
 # (benchmarks/gpu_env.sh); profile and latency run on the machine's own python3 and need only
 # a DeepSeek-V3 tokenizer folder: $MLA_DEEPSEEK_TOKENIZER_DIR, else .tok/ (carried), else the
 # bundle's; pytest's tiny models take SmolLM2's: $MLA_TEST_TOKENIZER_DIR, else .tok-smol/
-# (benchmarks/gpu_tokenizers.sh writes both folders). Logs and JSON results go to $OUT (the
+# (benchmarks/gpu_small_carry.sh writes both folders and .pyspy/). Logs and JSON results go to $OUT (the
 # device tool's folder) or /tmp/mla_out; copy h200_server_path.json from there to
 # benchmarks/results/ (fp8 run on its own: merge its "fp8" key by hand).
 set -uo pipefail
@@ -138,10 +139,22 @@ case "$step" in
     tree=.
     if [[ -n "${2:-}" && "${2:0:1}" != "-" ]]; then tree="$2"; set -- "$1" "${@:3}"; fi
     name="profile-$(basename "$(cd "$tree" && pwd)")"
-    (cd "$tree" && PYTHONPATH=. python3 benchmarks/bench_profile.py --model deepseek-v2-lite \
-      --tokenizer-dir "$MLA_DEEPSEEK_TOKENIZER_DIR" --sections steps --graph-max-bs 1024 \
-      --max-running 1024 --prefill-min-free-rows 64 --num-requests 3000 "${@:2}") \
-      2>&1 | grep -v '^\[transformers\]' | tee "$out/$name.log"
+    # MLA_PYSPY=1: under py-spy (the .pyspy/ wheel), whose samples benchmarks/pyspy_steps.py
+    # splits by the engine's functions (shares only: the sampler slows the run)
+    spy=()
+    if [[ "${MLA_PYSPY:-0}" == 1 ]]; then
+      [[ -x /tmp/mla_pyspy/bin/py-spy ]] || python3 -m pip install -q --no-index --no-deps \
+        --target /tmp/mla_pyspy .pyspy/*.whl || exit 6
+      spy=(/tmp/mla_pyspy/bin/py-spy record --nonblocking --idle --rate 200 --format raw
+           -o "$out/$name.folded" --)
+    fi
+    (cd "$tree" && PYTHONPATH=. "${spy[@]}" python3 benchmarks/bench_profile.py \
+      --model deepseek-v2-lite --tokenizer-dir "$MLA_DEEPSEEK_TOKENIZER_DIR" --sections steps \
+      --graph-max-bs 1024 --max-running 1024 --prefill-min-free-rows 64 --num-requests 3000 \
+      "${@:2}") 2>&1 | grep -v '^\[transformers\]' | tee "$out/$name.log"
+    if [[ -f "$out/$name.folded" ]]; then
+      python3 benchmarks/pyspy_steps.py "$out/$name.folded" | tee "$out/$name.pyspy.txt"
+    fi
     ;;
   latency)
     tree=.
