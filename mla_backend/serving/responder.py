@@ -211,7 +211,10 @@ class Responder:
                 except Exception as e:  # noqa: BLE001
                     self.logger.log_error(f"[mla_backend] preparing a response failed: {e!r}")
             if self._gathered:
-                self._respond_sequences()
+                try:
+                    self._respond_sequences()
+                except Exception as e:  # noqa: BLE001 - the response thread must go on
+                    self.logger.log_error(f"[mla_backend] preparing responses failed: {e!r}")
             if self.fatal is not None:
                 self._fail_live(self.fatal)
             now = time.monotonic()
@@ -251,9 +254,11 @@ class Responder:
         self._queued += 1
         self._send_queues[live.shard].put((live.sender, response, flags))
 
-    def _queue_error(self, live: _Live, message: str, code: int) -> None:
-        """Count and queue `live`'s error response flagged FINAL (the request's last)."""
-        self._count_failure(code)
+    def _queue_error(self, live: _Live, message: str, code: int, counted: bool = False) -> None:
+        """Count (unless the caller `counted` it) and queue `live`'s error response flagged
+        FINAL (the request's last)."""
+        if not counted:
+            self._count_failure(code)
         self._queue_send(live, error_response(message, code), _FINAL)
 
     def reject(self, sender: Any, message: str, code: int) -> None:
@@ -262,12 +267,12 @@ class Responder:
         self._count_failure(code)
         send_error(sender, message, code)
 
-    def _count_failure(self, code: Any) -> None:
+    def _count_failure(self, code: Any, n: int = 1) -> None:
         metrics = self.metrics
         if metrics is None:
             return
         try:
-            metrics.count_failure(failure_reason(code))
+            metrics.count_failure(failure_reason(code), n)
         except Exception as e:  # noqa: BLE001 - metrics must never stop the responses
             self.logger.log_error(f"[mla_backend] updating metrics failed: {e!r}")
 
@@ -313,10 +318,14 @@ class Responder:
             return
         out = merge_outputs(live.held, out)
         live.held = None
-        tensors = build_outputs(out, live.options, live.prefix, self.client.token_text)
-        response = pb_utils.InferenceResponse(
-            output_tensors=[pb_utils.Tensor(name, arr) for name, arr in tensors.items()]
-        )
+        try:
+            tensors = build_outputs(out, live.options, live.prefix, self.client.token_text)
+            response = pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(name, arr) for name, arr in tensors.items()]
+            )
+        except Exception as e:  # noqa: BLE001 - the request still gets exactly one FINAL
+            self._end_unanswerable(out.rid, live, e)
+            return
         self._queue_send(live, response, _FINAL if out.finished else 0)
         live.streamed = live.streamed or bool(out.new_token_ids)
 
@@ -346,12 +355,29 @@ class Responder:
                     continue  # cancelled meanwhile: its FINAL went out
                 if done:
                     del self._live[rid]
-            tensors = build_sequence_outputs(outs, live.options, live.prefix,
-                                             self.client.token_text)
-            response = pb_utils.InferenceResponse(
-                output_tensors=[pb_utils.Tensor(name, arr) for name, arr in tensors.items()])
+            try:
+                tensors = build_sequence_outputs(outs, live.options, live.prefix,
+                                                 self.client.token_text)
+                response = pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(name, arr) for name, arr in tensors.items()])
+            except Exception as e:  # noqa: BLE001 - the request still gets exactly one FINAL
+                self._end_unanswerable(rid, live, e)
+                continue
             self._queue_send(live, response, _FINAL if done else 0)
             live.streamed = live.streamed or any(out.new_token_ids for out in outs)
+
+    def _end_unanswerable(self, rid: str, live: _Live, error: BaseException) -> None:
+        """Building `live`'s response raised: abort the request and end it with one INTERNAL
+        error as its FINAL (it left `_live` before the build when that response was to be its
+        FINAL; otherwise it leaves now)."""
+        self.logger.log_error(f"[mla_backend] preparing a response for {rid} failed: {error!r}")
+        with self._lock:
+            if self._live.get(rid) is live:
+                del self._live[rid]
+        self._gathered.pop(rid, None)
+        self.client.abort(rid)
+        self._queue_error(live, f"Error generating stream: preparing a response failed: "
+                                f"{error!r}", pb_utils.TritonError.INTERNAL)
 
     def _hold(self, out: RequestOutput, live: _Live) -> bool:
         """Keep this unfinished increment for the next response: it has no text yet, or (with
@@ -451,8 +477,10 @@ class Responder:
         with self._lock:
             rids = [rid for rid, live in self._live.items() if live.accepted]
             ended = [self._live.pop(rid) for rid in rids]
+        if ended:
+            self._count_failure(pb_utils.TritonError.UNAVAILABLE, len(ended))  # one IPC for all
         for live in ended:
-            self._queue_error(live, message, pb_utils.TritonError.UNAVAILABLE)
+            self._queue_error(live, message, pb_utils.TritonError.UNAVAILABLE, counted=True)
 
     def _poll_cancelled(self) -> None:
         """Poll is_cancelled() of the next _CANCEL_POLL_MAX accepted live requests (round
@@ -505,6 +533,6 @@ class Responder:
                             pb_utils.TritonError.UNAVAILABLE)
             except Exception:  # noqa: BLE001
                 pass
-        if self.metrics is not None:
-            self.metrics.close()
-            self.metrics = None
+        metrics, self.metrics = self.metrics, None  # (a thread still running sees None)
+        if metrics is not None:
+            metrics.close()

@@ -280,6 +280,8 @@ def test_count_failure_increments_its_reason_at_once():
     assert pb.events == [("increment", f"{name}{{reason=invalid_argument}}", 1),
                          ("increment", f"{name}{{reason=invalid_argument}}", 1),
                          ("increment", f"{name}{{reason=cancelled}}", 1)]
+    rec.count_failure("unavailable", 5)
+    assert pb.events[-1] == ("increment", f"{name}{{reason=unavailable}}", 5)
     with pytest.raises(KeyError):
         rec.count_failure("timeout")
     rec.close()
@@ -473,20 +475,18 @@ def test_every_error_response_is_counted_by_its_code_before_it_is_sent(fake_pb):
     for rid in ("ok", "bad", "inv"):
         h.wait_final(rid)
     door = FakeSender(pb, "door")
-    h.responder.reject(door, "max_tokens must be >= 1", pb.TritonError.INVALID_ARG)
+    h.responder.reject(door, "the model is shutting down", pb.TritonError.UNAVAILABLE)
     events = h.stop()
-    counted = [(e[1], i) for i, e in enumerate(events) if e[0] == "increment"
-               and e[1].startswith(FAILURE)]
-    assert sorted(n for n, _ in counted) == [FAILURE + "{reason=internal}",
-                                             FAILURE + "{reason=invalid_argument}",
-                                             FAILURE + "{reason=invalid_argument}"]
+    counted = {e[1]: i for i, e in enumerate(events) if e[0] == "increment"
+               and e[1].startswith(FAILURE)}
+    assert len([e for e in events if e[0] == "increment" and e[1].startswith(FAILURE)]) == 3
     sends = {e[1]: i for i, e in enumerate(events) if e[0] == "send"}
-    assert "ok" in sends and len(counted) == 3
-    # each count precedes its request's response
-    order = {"bad": "internal", "inv": "invalid_argument", "door": "invalid_argument"}
-    for rid, reason in order.items():
-        assert any(n == f"{FAILURE}{{reason={reason}}}" and i < sends[rid] for n, i in counted)
-    assert door.responses[0][0].error.code == pb.TritonError.INVALID_ARG
+    assert "ok" in sends
+    # each count (one reason per request here) precedes its request's response
+    for rid, reason in {"bad": "internal", "inv": "invalid_argument",
+                        "door": "unavailable"}.items():
+        assert counted[f"{FAILURE}{{reason={reason}}}"] < sends[rid], rid
+    assert door.responses[0][0].error.code == pb.TritonError.UNAVAILABLE
 
 
 def test_cancelled_and_unloaded_requests_are_counted(fake_pb, monkeypatch):
@@ -502,3 +502,37 @@ def test_cancelled_and_unloaded_requests_are_counted(fake_pb, monkeypatch):
     assert h.senders["u"].responses[-1][0].error.code == pb.TritonError.UNAVAILABLE
     counted = [e[1] for e in events if e[0] == "increment" and e[1].startswith(FAILURE)]
     assert sorted(counted) == [FAILURE + "{reason=cancelled}", FAILURE + "{reason=unavailable}"]
+
+
+def test_a_response_that_cannot_be_built_ends_its_request_with_one_error(fake_pb, monkeypatch):
+    """Building a response raises (here: for "x" only): "x" is aborted in the engine and gets
+    one INTERNAL error as its FINAL, counted; later outputs of "x" are dropped; "y" is served."""
+    pb, responder = fake_pb
+    real = responder.build_outputs
+
+    def build(out, *args):
+        if out.rid == "x":
+            raise RuntimeError("no text for this token")
+        return real(out, *args)
+
+    monkeypatch.setattr(responder, "build_outputs", build)
+    h = Harness(pb, responder)
+    aborted = []
+    h.client.abort = aborted.append
+    h.register("x", stream=True)
+    h.register("y", stream=True)
+    h.feed(out("x", 1, 1, None, None), out("y", 1, 1, None, None))
+    h.wait_final("x")
+    h.feed(out("x", 1, 2, None, None, finished=True), out("y", 1, 2, None, None, finished=True))
+    h.wait_final("y")
+    responder_log = list(h.logger.errors)
+    h.logger.errors.clear()  # (Harness.stop asserts no other error was logged)
+    events = h.stop()
+    (only,) = h.senders["x"].responses
+    assert only[1] == 1 and only[0].error.code == pb.TritonError.INTERNAL
+    assert "preparing a response failed" in only[0].error.message
+    assert aborted == ["x"]
+    assert [r[1] for r in h.senders["y"].responses] == [0, 1]
+    assert [e[1] for e in events if e[0] == "increment" and e[1].startswith(FAILURE)] == [
+        FAILURE + "{reason=internal}"]
+    assert len(responder_log) == 1 and "x" in responder_log[0]
