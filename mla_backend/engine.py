@@ -448,10 +448,10 @@ class Engine:
         batch = launched.batch
         try:
             finished = self._commit_tokens(launched)
-            for req, message in self._grammar_errors:
+            for req, message in self._grammar_errors:  # (the request's constraint: invalid)
                 st = self._live.get(req.rid)
                 if st is not None:
-                    outputs.append(self._final_error(st, message))
+                    outputs.append(self._final_error(st, message, invalid=True))
             self._grammar_errors.clear()
             if not self.overlap:
                 self._flush_tokens(outputs)

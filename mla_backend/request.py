@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
@@ -239,6 +240,24 @@ class GenerateRequest:
     stream: bool = False
 
 
+# tokenizer -> its longest token in characters (`max_token_chars`)
+_MAX_TOKEN_CHARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# A prompt of c characters has at least c / (max_token_chars * this) tokens: the margin covers
+# normalizers that drop characters before tokenizing.
+_CHARS_MARGIN = 4
+
+
+def max_token_chars(tokenizer) -> int:
+    """The longest string among `tokenizer`'s vocabulary entries (added tokens included), in
+    characters: a token covers at most this many characters of a text (byte-level vocabularies
+    spell a byte per character). Computed once per tokenizer."""
+    n = _MAX_TOKEN_CHARS.get(tokenizer)
+    if n is None:
+        n = max(1, max((len(t) for t in tokenizer.get_vocab()), default=1))
+        _MAX_TOKEN_CHARS[tokenizer] = n
+    return n
+
+
 def validate_request(request: GenerateRequest, tokenizer, vocab_size: int, context_len: int,
                      max_total_tokens: int) -> list[int]:
     """Check a request against a model's limits and return its prompt token ids.
@@ -263,6 +282,13 @@ def validate_request(request: GenerateRequest, tokenizer, vocab_size: int, conte
     if request.text is not None:
         if not isinstance(request.text, str) or request.text == "":
             raise InvalidRequestError("text_input must be a non-empty string")
+        # A prompt far beyond the context is refused before tokenizing it (that would hold
+        # the caller, the stub's request thread, for seconds per megabyte).
+        least = len(request.text) // (max_token_chars(tokenizer) * _CHARS_MARGIN)
+        if least > context_len:
+            raise InvalidRequestError(
+                f"prompt ({len(request.text)} characters, at least {least} tokens) exceeds the "
+                f"context length of {context_len} tokens")
         ids = list(tokenizer(request.text).input_ids)
         if not ids:
             raise InvalidRequestError("text_input tokenizes to no tokens")

@@ -47,15 +47,18 @@ class GrammarCompiler:
     tokenizer: a transformers tokenizer. vocab_size: the model's logits width (may exceed
     len(tokenizer): ids past the tokenizer's are never allowed). stop_token_ids: the model's EOS
     ids (config / generation_config); None: the tokenizer's eos_token_id. max_threads: compile
-    threads. cache_size: compiled grammars kept (LRU; in-flight ones are never dropped; failures
-    are not kept). json_any_whitespace: False (default) emits JSON with fixed separators
+    threads. cache_size / cache_bytes: compiled grammars kept, at most this many and this many
+    bytes of them (`CompiledGrammar.memory_size_bytes`; a 300 KB literal regex compiles to
+    ~80 MB) (LRU; in-flight ones are never dropped; failures are not kept; a request keeps its
+    grammar after eviction). json_any_whitespace: False (default) emits JSON with fixed separators
     (", " and ": ", no newlines), True lets the model put any whitespace between tokens (as
     vLLM's default; small models then tend to loop on whitespace).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, *,
                  stop_token_ids: Sequence[int] | None = None, max_threads: int = 2,
-                 cache_size: int = 256, json_any_whitespace: bool = False) -> None:
+                 cache_size: int = 256, cache_bytes: int = 512 << 20,
+                 json_any_whitespace: bool = False) -> None:
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.vocab_size = vocab_size
@@ -70,6 +73,8 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
+        self._sizes: dict[tuple[str, str], int] = {}  # compiled entries' memory_size_bytes
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -88,7 +93,7 @@ class GrammarCompiler:
             fut = self._pool.submit(self._compile, spec)
             self._cache[key] = fut
             self._evict()
-        fut.add_done_callback(lambda f: self._drop_failure(key, f))
+        fut.add_done_callback(lambda f: self._on_done(key, f))
         return fut
 
     def compile(self, spec: StructuredOutputSpec, timeout: float | None = None) -> CompiledGrammar:
@@ -103,6 +108,11 @@ class GrammarCompiler:
     def cache_len(self) -> int:
         with self._lock:
             return len(self._cache)
+
+    def cache_size_bytes(self) -> int:
+        """Bytes of the compiled grammars the cache holds."""
+        with self._lock:
+            return sum(self._sizes.values())
 
     def shutdown(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
@@ -125,18 +135,25 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs.{kind}: invalid {_WHAT[kind]}: "
                              f"{_clean_error(e)}") from None
 
-    def _drop_failure(self, key: tuple[str, str], fut: Future[CompiledGrammar]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            with self._lock:
-                if self._cache.get(key) is fut:
-                    del self._cache[key]
+    def _on_done(self, key: tuple[str, str], fut: Future[CompiledGrammar]) -> None:
+        failed = fut.cancelled() or fut.exception() is not None
+        with self._lock:
+            if self._cache.get(key) is not fut:
+                return  # evicted meanwhile
+            if failed:
+                del self._cache[key]
+                return
+            self._sizes[key] = int(fut.result().memory_size_bytes)
+            self._evict()
 
-    def _evict(self) -> None:  # under self._lock
-        while len(self._cache) > self._cache_size:
+    def _evict(self) -> None:  # under self._lock: least recently used compiled entries first
+        while (len(self._cache) > self._cache_size
+               or sum(self._sizes.values()) > self._cache_bytes):
             done = next((k for k, f in self._cache.items() if f.done()), None)
             if done is None:
                 return
             del self._cache[done]
+            self._sizes.pop(done, None)
 
 
 class GrammarState:

@@ -159,6 +159,10 @@ def _json_object(raw: str, field: str) -> dict[str, Any]:
         data = json.loads(raw)
     except json.JSONDecodeError as e:
         raise ProtocolError(f"{field}: malformed JSON ({e.msg} at char {e.pos})") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise ProtocolError(f"{field}: malformed JSON ({e})") from None
+    except RecursionError:
+        raise ProtocolError(f"{field}: JSON nested too deeply") from None
     if not isinstance(data, dict):
         kind = "null" if data is None else type(data).__name__
         raise ProtocolError(f"{field}: must be a JSON object, got {kind}")
@@ -184,6 +188,8 @@ def _sampling(present: Mapping[str, np.ndarray],
         return SamplingParams.from_dict(data)
     except ValueError as e:
         raise ProtocolError(f"{field}: {e}") from None
+    except RecursionError:  # (a JSON schema nested deeper than its checks recurse)
+        raise ProtocolError(f"{field}: nested too deeply") from None
 
 
 def _single(arr: np.ndarray, name: str) -> Any:

@@ -426,3 +426,46 @@ def test_cache_is_bounded(tokenizer) -> None:
         assert comp.compile(_spec(choice=["0"])) is not first  # evicted, compiled again
     finally:
         comp.shutdown()
+
+
+def _eventually(cond, timeout: float = 10.0) -> bool:
+    """cond() within `timeout` s: a future's done callbacks (the cache's accounting) run on
+    its compile thread just after result() has returned to the caller."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_cache_is_bounded_in_bytes(tokenizer) -> None:
+    """Long literal regexes compile to megabytes each (memory_size_bytes grows with the
+    text): the cache keeps the most recent ones within its byte budget, and a grammar larger
+    than the whole budget is still returned to its caller, just not kept."""
+    regexes = [("ab" if i % 2 else "ba") * 2000 + str(i) for i in range(4)]
+    sizes = []
+    probe = GrammarCompiler(tokenizer, len(tokenizer))
+    try:
+        for r in regexes:
+            sizes.append(probe.compile(_spec(regex=r)).memory_size_bytes)
+        assert _eventually(lambda: probe.cache_size_bytes() == sum(sizes))
+        assert min(sizes) > 100_000
+    finally:
+        probe.shutdown()
+    budget = sizes[2] + sizes[3]  # room for the last two
+    comp = GrammarCompiler(tokenizer, len(tokenizer), cache_bytes=budget)
+    try:
+        compiled = [comp.compile(_spec(regex=r)) for r in regexes]
+        assert _eventually(lambda: comp.cache_len() == 2 and comp.cache_size_bytes() == budget)
+        assert comp.compile(_spec(regex=regexes[3])) is compiled[3]  # kept
+        assert comp.compile(_spec(regex=regexes[0])) is not compiled[0]  # evicted: compiled again
+        assert _eventually(lambda: comp.cache_size_bytes() <= budget and comp.cache_len() == 2)
+    finally:
+        comp.shutdown()
+    tiny = GrammarCompiler(tokenizer, len(tokenizer), cache_bytes=1)
+    try:
+        assert tiny.compile(_spec(regex=regexes[0])).memory_size_bytes == sizes[0]
+        assert _eventually(lambda: tiny.cache_len() == 0 and tiny.cache_size_bytes() == 0)
+    finally:
+        tiny.shutdown()

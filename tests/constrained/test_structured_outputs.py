@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from mla_backend.config import EngineConfig
 from mla_backend.constrained import grammar, manager
 from mla_backend.engine import Engine
-from mla_backend.request import FinishReason, SamplingParams
+from mla_backend.request import FinishReason, GenerateRequest, SamplingParams
 
 from constrained_helpers import regexes, schemas
 
@@ -198,8 +198,6 @@ def test_a_bad_regex_fails_its_request_alone(engine):
 
 
 def test_the_invalid_flag_reaches_the_output(engine):
-    from mla_backend.request import GenerateRequest
-
     engine.add_request(GenerateRequest(rid="bad", text="x", sampling_params=_sp(
         {"grammar": 'root ::= "a" | '})))
     outs = []
@@ -209,6 +207,28 @@ def test_the_invalid_flag_reaches_the_output(engine):
         outs = [o for o in engine.step() if o.rid == "bad"]
     assert outs[0].finished and outs[0].invalid_request
     assert outs[0].error.startswith("structured_outputs.grammar: invalid grammar")
+
+
+def test_a_grammar_with_no_allowed_token_is_the_requests_error(engine):
+    """allowed_token_ids that rule out every token the choice can start with: the request
+    ends with the dead-end error flagged as the client's (INVALID_ARGUMENT at the adapter),
+    its neighbour is served."""
+    tok = engine.tokenizer
+    allowed = tok.encode(" banana", add_special_tokens=False)[:1]
+    got = engine.generate(PROMPTS[:2], [_sp({"choice": ["red", "green"]},
+                                            allowed_token_ids=allowed), _sp(max_tokens=4)])
+    assert got[0].finish_reason == FinishReason.ABORT and got[0].token_ids == []
+    assert "no token the request allows fits its grammar" in got[0].error
+    assert got[1].error is None and len(got[1].token_ids) == 4
+    engine.add_request(GenerateRequest(rid="dead", text="x", sampling_params=_sp(
+        {"choice": ["red"]}, allowed_token_ids=allowed)))
+    outs: list = []
+    deadline = time.monotonic() + 60
+    while not outs:
+        assert time.monotonic() < deadline, "no output for the dead end"
+        outs = [o for o in engine.step() if o.rid == "dead"]
+    assert outs[0].finished and outs[0].invalid_request
+    engine.check_invariant()
 
 
 def test_logit_bias_and_allowed_token_ids(engine):
