@@ -48,8 +48,8 @@ class GrammarCompiler:
     len(tokenizer): ids past the tokenizer's are never allowed). stop_token_ids: the model's EOS
     ids (config / generation_config); None: the tokenizer's eos_token_id. max_threads: compile
     threads. cache_size / cache_bytes: compiled grammars kept, at most this many and this many
-    bytes of them (`CompiledGrammar.memory_size_bytes`; a 300 KB literal regex compiles to
-    ~80 MB) (LRU; in-flight ones are never dropped; failures are not kept; a request keeps its
+    bytes of them (`CompiledGrammar.memory_size_bytes`, which grows with a literal regex's
+    length) (LRU; in-flight ones are never dropped; failures are not kept; a request keeps its
     grammar after eviction). json_any_whitespace: False (default) emits JSON with fixed separators
     (", " and ": ", no newlines), True lets the model put any whitespace between tokens (as
     vLLM's default; small models then tend to loop on whitespace).

@@ -137,6 +137,23 @@ def test_invalid_requests_name_the_field(inputs, params, field):
         parse_request(inputs, params, "r")
 
 
+DEEP = '{"a":' * 1500 + "1" + "}" * 1500  # deeper than Python's JSON decoder recurses
+
+
+@pytest.mark.parametrize("raw, message", [
+    ('{"seed": ' + "9" * 5000 + "}", "sampling_parameters: malformed JSON"),
+    (DEEP, "sampling_parameters: JSON nested too deeply"),
+    # the constraint as a JSON string: decoded by the sampling parameters' own checks
+    (json.dumps({"structured_outputs": '{"json": ' + DEEP + "}"}),
+     "sampling_parameters: nested too deeply"),
+])
+def test_json_the_decoder_cannot_take_is_the_clients_error(raw, message):
+    """An integer of more digits than Python converts and JSON nested past the recursion
+    limit are INVALID_ARGUMENT (ProtocolError) naming the field, not an internal error."""
+    with pytest.raises(ProtocolError, match=message):
+        parse_request({"text_input": s("x"), "sampling_parameters": s(raw)}, None, "r")
+
+
 # ------------------------------------------------------------------------------------ outputs
 def out(**kw) -> RequestOutput:
     base = dict(rid="r", new_token_ids=[5, 6], new_text=" world", finished=False,
