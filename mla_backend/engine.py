@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import queue
 import threading
 import time
@@ -52,6 +53,7 @@ from mla_backend.scheduler.scheduler import Scheduler
 from mla_backend.tokenizer import load_tokenizer
 from mla_backend.tokenizer.output_processor import OutputProcessor, engine_streams
 
+logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.1  # `serve_engine`'s wait for a message while the engine has no work (s)
 _NO_TOKEN_FITS = ("structured_outputs: no token the request allows fits its grammar here "
                   "(allowed_token_ids, logit_bias or the vocabulary exclude every token the "
@@ -153,6 +155,10 @@ class Engine:
         self.runner = ModelRunner(config)
         self.tokenizer = load_tokenizer(config.model.model_path)
         self.vocab_size: int = self.runner.vocab_size
+        if len(self.tokenizer) > self.vocab_size:
+            logger.warning(
+                "the tokenizer has %d tokens, the model's vocabulary %d: a prompt whose text "
+                "tokenizes to an id past it is refused", len(self.tokenizer), self.vocab_size)
         self.context_len: int = self.runner.context_len
         self.max_total_tokens: int = self.runner.max_total_num_tokens
         eos = self._eos_token_ids()

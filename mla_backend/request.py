@@ -275,7 +275,7 @@ def validate_request(request: GenerateRequest, tokenizer, vocab_size: int, conte
         The prompt's token ids (list of int, non-empty).
     Raises:
         InvalidRequestError: empty prompt, both/neither of text and input_ids, ids outside the
-            vocab, bad sampling values, prompt + max_tokens beyond the context or the pool.
+            vocab (given, or from a tokenizer larger than the model's), bad sampling values, prompt + max_tokens beyond the context or the pool.
     """
     if (request.text is None) == (request.input_ids is None):
         raise InvalidRequestError("give exactly one of text_input and input_ids")
@@ -292,6 +292,11 @@ def validate_request(request: GenerateRequest, tokenizer, vocab_size: int, conte
         ids = list(tokenizer(request.text).input_ids)
         if not ids:
             raise InvalidRequestError("text_input tokenizes to no tokens")
+        top = max(ids)  # (an id past the embedding would fail the batch; on CUDA, the engine)
+        if top >= vocab_size:
+            raise InvalidRequestError(
+                f"text_input: the tokenizer gives token id {top}, outside the model's vocabulary "
+                f"[0, {vocab_size}) (its tokenizer has more tokens than its embedding has rows)")
     else:
         ids = list(request.input_ids or [])
         if not ids:

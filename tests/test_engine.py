@@ -300,3 +300,27 @@ def test_step_outputs_take_their_text_from_the_output_processor(smollm2_dir):
     assert by_rid["r1"][-1].new_token_ids[-1] == probe.token_ids[3]
     assert by_rid["r5"][-1].finish_reason == FinishReason.ABORT
     assert len(by_rid["r4"]) == 1 and by_rid["r4"][0].new_text  # non-streaming: one output
+
+
+def test_text_that_tokenizes_past_the_vocabulary_is_refused(tiny_llama_factory, caplog):
+    """A model whose tokenizer is larger than its embedding (1,024 rows here, SmolLM2's 49,152
+    tokens): a text prompt with an id past it is refused in the caller (an id past the
+    embedding fails the batch on a CPU and the engine process on CUDA), with a warning at load;
+    a prompt within it runs."""
+    path = tiny_llama_factory(vocab_size=1024)
+    with caplog.at_level("WARNING", logger="mla_backend.engine"):
+        eng = make_engine(path)
+    assert "the tokenizer has 49152 tokens, the model's vocabulary 1024" in caplog.text
+    top = max(eng.tokenizer("Fellow-Citizens of the Senate").input_ids)
+    assert top >= 1024
+    with pytest.raises(InvalidRequestError,
+                       match=f"tokenizer gives token id {top}, outside the model's vocabulary "
+                             r"\[0, 1024\)"):
+        eng.add_request(GenerateRequest(rid="past", text="Fellow-Citizens of the Senate"))
+    small = eng.tokenizer("a b c").input_ids
+    assert max(small) < 1024
+    out = eng.generate(["a b c"], SamplingParams(max_new_tokens=4, temperature=0.0,
+                                                 ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and max(out.token_ids) < 1024
+    eng.check_invariant()
+    assert eng.stats()["live"] == 0
