@@ -34,6 +34,7 @@ import re
 import resource
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -833,8 +834,15 @@ def server_groups(runs: list[Run]) -> list[list[Run]]:
     return [g for g in groups if g]
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    # A SIGTERM (`timeout`) unwinds the stack below, so the server (a session of its own) stops
+    # with the benchmark instead of holding the GPU's memory for the next one.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from bench_suite import log
 
     from mla_tools.tritonserver import TritonServer
