@@ -275,7 +275,8 @@ def validate_request(request: GenerateRequest, tokenizer, vocab_size: int, conte
         The prompt's token ids (list of int, non-empty).
     Raises:
         InvalidRequestError: empty prompt, both/neither of text and input_ids, ids outside the
-            vocab (given, or from a tokenizer larger than the model's), bad sampling values, prompt + max_tokens beyond the context or the pool.
+            vocab (given, or from a tokenizer larger than the model's), bad sampling values,
+            prompt + max_tokens beyond the context or the pool.
     """
     if (request.text is None) == (request.input_ids is None):
         raise InvalidRequestError("give exactly one of text_input and input_ids")

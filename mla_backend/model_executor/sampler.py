@@ -304,6 +304,34 @@ class Sampler:
         # greedy batches through the one-pass kernel (tests also run it on the CPU, under
         # triton's interpreter)
         self.fused_greedy = self.device.type == "cuda"
+        # `_ban_masks`: a bitmask row per banned id set, on `device`, kept (a few sets at most)
+        self._ban_rows: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def _ban_masks(self, bans: list[tuple[list[int], list[int]]], bs: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bitmask int32 [groups, ceil(V / 32)], mask_rows int32 [bs]) of `min_tokens_bans`
+        for `greedy_with_logprob`: every token allowed but each group's banned ids, rows
+        outside every group -1. One upload per call (mask_rows)."""
+        rows = []
+        for _, banned in bans:
+            key = tuple(banned)
+            row = self._ban_rows.get(key)
+            if row is None:
+                words = [-1] * ((self.vocab_size + 31) // 32)
+                for t in banned:
+                    w = (words[t // 32] & 0xFFFFFFFF) & ~(1 << (t % 32))
+                    words[t // 32] = w - (1 << 32) if w >= 1 << 31 else w
+                row = torch.tensor([words], dtype=torch.int32, device=self.device)
+                if len(self._ban_rows) >= 64:
+                    self._ban_rows.clear()
+                self._ban_rows[key] = row
+            rows.append(row)
+        mask_rows = [-1] * bs
+        for g, (members, _) in enumerate(bans):
+            for i in members:
+                mask_rows[i] = g
+        bitmask = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return bitmask, _on(mask_rows, self.device, torch.int32)
 
     @torch.no_grad()
     def warm_up(self, max_rows: int,
@@ -398,7 +426,8 @@ class Sampler:
             # one read of the logits (`mla_kernels.sampling`), the same values as below (16-bit
             # logits, as a CUDA graph replay gives them, are read as they are: their fp32 form
             # is the same values); faster than torch's passes at every batch size measured
-            # (`benchmarks/bench_sampling.py`). Rows under min_new_tokens: `_greedy_with_bans`
+            # (`benchmarks/bench_sampling.py`). Rows under min_new_tokens: their banned ids
+            # as bitmask rows (`_ban_masks`), or with grammar masks too `_greedy_with_bans`
             # (no float32 copy of the batch's logits).
             from mla_kernels.sampling import greedy_with_logprob
 
@@ -409,7 +438,11 @@ class Sampler:
                 def greedy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
                     return greedy_with_logprob(x, bitmask=bitmask, mask_rows=mask_rows)
             bans = min_tokens_bans(reqs, self.eos_token_ids, self.vocab_size)
-            if bans:
+            if bans and token_masks is None:  # the bans as the kernel's masks: one launch
+                bitmask, mask_rows = self._ban_masks(bans, len(reqs))
+                next_ids, chosen_lp, lse = greedy_with_logprob(view, bitmask=bitmask,
+                                                               mask_rows=mask_rows)
+            elif bans:
                 next_ids, chosen_lp, lse = _greedy_with_bans(view, bans, greedy)
             else:
                 next_ids, chosen_lp, lse = greedy(view)

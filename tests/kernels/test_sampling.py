@@ -296,8 +296,8 @@ def test_sampler_reads_16bit_logits_as_their_fp32_form(monkeypatch, dtype):
     st.integers(0, 2**31 - 1), st.booleans())
 def test_sampler_fused_branch_with_min_tokens_equals_the_torch_path(rows, dtype, seed,
                                                                     inference):
-    """Greedy rows under min_new_tokens take the one-pass kernel with their EOS / stop ids set
-    to -inf and written back (`sampler._greedy_with_bans`): the same tokens and, within fp32
+    """Greedy rows under min_new_tokens take the one-pass kernel with their EOS / stop ids
+    excluded by its bitmask (`Sampler._ban_masks`): the same tokens and, within fp32
     rounding, the same logprobs (of the raw logits) as the torch path, and the logits are left
     as they were. `inference`: the logits are an inference tensor, as an eager forward's
     (ModelRunner forwards under inference_mode; a CUDA graph's buffer is a normal tensor)."""

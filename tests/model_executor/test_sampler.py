@@ -367,3 +367,21 @@ def test_logprobs_are_of_raw_logits(device: str) -> None:
     assert out.top_logprobs[3] is None
 
 
+
+
+def test_ban_masks_clear_exactly_the_banned_bits() -> None:
+    """`Sampler._ban_masks`: one bitmask row per group, every bit set but the group's banned
+    ids (the sign bit of a word and a partial last word included), each row's group in
+    mask_rows, -1 outside every group; a group's row is made once and reused."""
+    sampler = Sampler({3}, 100, "cpu")
+    bans = [([0, 2], [31, 64, 99]), ([1], [0, 32])]
+    bitmask, mask_rows = sampler._ban_masks(bans, 4)
+    assert bitmask.dtype == torch.int32 and bitmask.shape == (2, 4)
+    assert mask_rows.tolist() == [0, 1, 0, -1]
+    bits = [[(int(w) >> j) & 1 for w in row for j in range(32)][:100] for row in bitmask]
+    for g, (_, banned) in enumerate(bans):
+        assert [t for t in range(100) if not bits[g][t]] == banned
+    again, rows = sampler._ban_masks(bans[:1], 3)
+    assert torch.equal(again[0], bitmask[0])
+    assert again.data_ptr() == sampler._ban_masks(bans[:1], 3)[0].data_ptr()
+    assert rows.tolist() == [0, -1, 0]
