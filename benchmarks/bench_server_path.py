@@ -835,6 +835,7 @@ def server_groups(runs: list[Run]) -> list[list[Run]]:
 
 
 def _exit_on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up
     raise SystemExit(128 + signum)
 
 

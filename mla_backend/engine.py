@@ -155,10 +155,11 @@ class Engine:
         self.runner = ModelRunner(config)
         self.tokenizer = load_tokenizer(config.model.model_path)
         self.vocab_size: int = self.runner.vocab_size
-        if len(self.tokenizer) > self.vocab_size:
+        ids_end = max(len(self.tokenizer), max(self.tokenizer.get_vocab().values()) + 1)
+        if ids_end > self.vocab_size:
             logger.warning(
-                "the tokenizer has %d tokens, the model's vocabulary %d: a prompt whose text "
-                "tokenizes to an id past it is refused", len(self.tokenizer), self.vocab_size)
+                "the tokenizer's ids reach %d, the model's vocabulary %d: a prompt whose text "
+                "tokenizes to an id past it is refused", ids_end - 1, self.vocab_size)
         self.context_len: int = self.runner.context_len
         self.max_total_tokens: int = self.runner.max_total_num_tokens
         eos = self._eos_token_ids()

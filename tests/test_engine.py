@@ -310,7 +310,7 @@ def test_text_that_tokenizes_past_the_vocabulary_is_refused(tiny_llama_factory, 
     path = tiny_llama_factory(vocab_size=1024)
     with caplog.at_level("WARNING", logger="mla_backend.engine"):
         eng = make_engine(path)
-    assert "the tokenizer has 49152 tokens, the model's vocabulary 1024" in caplog.text
+    assert "the tokenizer's ids reach 49151, the model's vocabulary 1024" in caplog.text
     top = max(eng.tokenizer("Fellow-Citizens of the Senate").input_ids)
     assert top >= 1024
     with pytest.raises(InvalidRequestError,

@@ -304,7 +304,7 @@ class Sampler:
         # greedy batches through the one-pass kernel (tests also run it on the CPU, under
         # triton's interpreter)
         self.fused_greedy = self.device.type == "cuda"
-        # `_ban_masks`: a bitmask row per banned id set, on `device`, kept (a few sets at most)
+        # `_ban_masks`: a bitmask row per banned id set, on `device` (the 64 last used)
         self._ban_rows: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _ban_masks(self, bans: list[tuple[list[int], list[int]]], bs: int
@@ -315,16 +315,16 @@ class Sampler:
         rows = []
         for _, banned in bans:
             key = tuple(banned)
-            row = self._ban_rows.get(key)
+            row = self._ban_rows.pop(key, None)  # (put back last: least recently used first)
             if row is None:
                 words = [-1] * ((self.vocab_size + 31) // 32)
                 for t in banned:
                     w = (words[t // 32] & 0xFFFFFFFF) & ~(1 << (t % 32))
                     words[t // 32] = w - (1 << 32) if w >= 1 << 31 else w
-                row = torch.tensor([words], dtype=torch.int32, device=self.device)
+                row = _on(words, self.device, torch.int32).unsqueeze(0)  # (no wait)
                 if len(self._ban_rows) >= 64:
-                    self._ban_rows.clear()
-                self._ban_rows[key] = row
+                    del self._ban_rows[next(iter(self._ban_rows))]
+            self._ban_rows[key] = row
             rows.append(row)
         mask_rows = [-1] * bs
         for g, (members, _) in enumerate(bans):

@@ -374,12 +374,14 @@ def test_engine_with_the_fused_min_tokens_path_equals_the_torch_path():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked_rows", [[0, 1, 2, 3, 4], [1, 3], [4]], ids=["all", "some", "one"])
+@pytest.mark.parametrize("inference", [False, True], ids=["tensor", "inference-tensor"])
 def test_sampler_fused_branch_with_token_masks_equals_the_torch_path(monkeypatch, dtype,
-                                                                      masked_rows):
+                                                                      masked_rows, inference):
     """Greedy rows with grammar bitmasks (`TokenMasks`, e.g. structured outputs) take the
     one-pass kernel with the masks; the same tokens and logprobs (of the raw logits) as the torch
-    path with the caller's `restrict`, also with a row under min_new_tokens; the logits are left
-    as they were."""
+    path with the caller's `restrict`, also with a row under min_new_tokens (its bans written
+    around the kernel, `_greedy_with_bans`: in place, also on an eager forward's inference
+    tensor); the logits are left as they were."""
     import mla_kernels.sampling as sampling_mod
     from mla_backend.constrained.grammar import apply_bitmask_reference
     from mla_backend.model_executor.sampler import Sampler, TokenMasks
@@ -399,6 +401,9 @@ def test_sampler_fused_branch_with_token_masks_equals_the_torch_path(monkeypatch
     allowed[:, eos] = True
     logits[:, eos] = logits.float().max() + 1  # EOS allowed and on top: banned in row 2
     bitmask = _pack(allowed)
+    if inference:
+        with torch.inference_mode():
+            logits = logits.clone()
     reqs = []
     for i in range(bs):
         r = Req(rid=str(i), origin_input_ids=[1, 2], sampling_params=SamplingParams(

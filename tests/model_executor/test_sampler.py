@@ -367,8 +367,6 @@ def test_logprobs_are_of_raw_logits(device: str) -> None:
     assert out.top_logprobs[3] is None
 
 
-
-
 def test_ban_masks_clear_exactly_the_banned_bits() -> None:
     """`Sampler._ban_masks`: one bitmask row per group, every bit set but the group's banned
     ids (the sign bit of a word and a partial last word included), each row's group in
