@@ -110,8 +110,12 @@ class GrammarManager:
                                                              .structured_outputs))
 
     def drop(self, rid: str) -> None:
-        """Forget a waiting request (aborted or failed)."""
-        self._waiting.pop(rid, None)
+        """Forget a waiting request (aborted or failed). A compile that no other waiting
+        request shares and that has not started yet is cancelled (one already running
+        finishes: xgrammar's compile cannot be stopped)."""
+        entry = self._waiting.pop(rid, None)
+        if entry is not None and all(f is not entry[1] for _, f in self._waiting.values()):
+            entry[1].cancel()  # (its cache entry goes with it: GrammarCompiler._on_done)
 
     def wait(self) -> None:
         """Block a little (`_WAIT_S`) for a compile to finish: the engine has nothing else."""

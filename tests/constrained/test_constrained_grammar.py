@@ -469,3 +469,53 @@ def test_cache_is_bounded_in_bytes(tokenizer) -> None:
         assert _eventually(lambda: tiny.cache_len() == 0 and tiny.cache_size_bytes() == 0)
     finally:
         tiny.shutdown()
+
+
+def test_dropping_a_waiting_request_cancels_its_unstarted_compile(tokenizer, monkeypatch):
+    """`GrammarManager.drop` (an abort): the request's compile, queued behind busy compile
+    threads and shared by no other waiting request, never runs and leaves the cache; one that
+    another waiting request shares goes on, and so do the running ones."""
+    import threading
+
+    from mla_backend.constrained.manager import GrammarManager
+    from mla_backend.request import Req, SamplingParams
+
+    release, ran = threading.Event(), []
+    real = GrammarCompiler._compile
+
+    def compile_(self, spec):
+        ran.append(spec.text)
+        if spec.text.startswith("busy"):
+            assert release.wait(30)
+        return real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", compile_)
+    mgr = GrammarManager(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+    def req(rid: str, regex: str) -> Req:
+        return Req(rid=rid, origin_input_ids=[1], sampling_params=SamplingParams.from_dict(
+            {"structured_outputs": {"regex": regex}}))
+
+    mgr.submit(req("warm", "w"))  # (makes the compiler)
+    mgr.wait()
+    while mgr:
+        mgr.take_ready()
+        mgr.wait()
+    busy = [f"busy{i}" for i in range(mgr._compiler._pool._max_workers)]
+    for text in busy:
+        mgr.submit(req(text, text))
+    for rid, text in (("c", "c+"), ("d1", "d+"), ("d2", "d+")):
+        mgr.submit(req(rid, text))
+    mgr.drop("c")
+    mgr.drop("d1")
+    release.set()
+    done = {}
+    deadline = time.monotonic() + 30
+    while mgr:
+        assert time.monotonic() < deadline
+        mgr.wait()
+        done.update((r.rid, err) for r, err in mgr.take_ready())
+    assert done == {**{t: None for t in busy}, "d2": None}
+    assert "c+" not in ran and ran.count("d+") == 1
+    assert ("regex", "c+") not in mgr._compiler._cache
+    mgr.shutdown()
