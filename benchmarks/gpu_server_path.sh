@@ -94,9 +94,9 @@ case "$step" in
       "$MLA_MACHINE_PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$gp" \
         .gp/*.whl || exit 5
     fi
-    # genai-perf sends text: the shape takes the stand-in tokenizer's vocabulary (DeepSeek-V3's
-    # 129,280 tokens; V2-Lite's embedding has 102,400 rows, and a prompt with an id past them
-    # is refused), for every side alike
+    # genai-perf sends text: the shape takes the stand-in tokenizer's vocabulary size
+    # (DeepSeek-V3's 129,280; its tokenizer's ids pass V2-Lite's 102,400 embedding rows, and a
+    # prompt with such an id is refused), for every side alike
     python3 benchmarks/bench_server_path.py --model deepseek-v2-lite --commit "$commit" \
       --shape-overrides '{"vocab_size": 129280}' \
       --clients perf_analyzer own_client genai_perf --client-procs 4 \

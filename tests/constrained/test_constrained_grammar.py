@@ -1,4 +1,5 @@
-"""GrammarCompiler, GrammarState and the bitmask helpers on SmolLM2's real tokenizer.
+"""GrammarCompiler, GrammarState, the bitmask helpers and GrammarManager's cancellation on
+SmolLM2's real tokenizer.
 
 Decodes run over random logits (one seeded row per position) masked by the grammar: whatever
 the logits pick, the output must satisfy the constraint (jsonschema / re.fullmatch / choices).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from concurrent.futures import wait
 
@@ -475,8 +477,6 @@ def test_dropping_a_waiting_request_cancels_its_unstarted_compile(tokenizer, mon
     """`GrammarManager.drop` (an abort): the request's compile, queued behind busy compile
     threads and shared by no other waiting request, never runs and leaves the cache; one that
     another waiting request shares goes on, and so do the running ones."""
-    import threading
-
     from mla_backend.constrained.manager import GrammarManager
     from mla_backend.request import Req, SamplingParams
 
