@@ -8,7 +8,9 @@ random weights of the model's shape (`mla_tools.model_shapes`). For each batch s
 requests are sent at once, twice: constrained by a JSON schema of `SCHEMA_FIELDS` fields (greedy,
 `max_tokens` 512: a request ends when its JSON is complete), then free (greedy, `ignore_eos`, each
 with as many tokens as its constrained twin gave), so both runs produce the same tokens per
-request. Prompts: random ids of ShareGPT prompt lengths, every one prefilled once in the
+request, and the constrained requests a third time with jump-forward off (`Engine.jump_min` 0;
+its outputs must have the same lengths): jump-forward's gain and the share of tokens it
+appended. Prompts: random ids of ShareGPT prompt lengths, every one prefilled once in the
 warm-up (so no kernel is compiled inside a timed run) and evicted from the radix cache before
 each timed run (so both runs prefill every prompt). Prints output tok/s of both and their
 ratio (target: constrained ≥ 90% of free), each run's steps by kind with the time they waited
@@ -138,24 +140,38 @@ def run(args: argparse.Namespace, model_dir: str) -> None:
             {"temperature": 0, "max_tokens": 512, "structured_outputs": {"json": SCHEMA}})] * b
         bs.run_requests(eng, prompts[:min(b, 64)], [8] * min(b, 64),
                         sampling=constrained[:min(b, 64)])  # the grammar path warmed up
+        jump_min, jumped0 = eng.jump_min, eng.num_jump_tokens
         con, con_steps = _logged(eng, prompts[:b], [0] * b, constrained)
+        jumped = eng.num_jump_tokens - jumped0
+        eng.jump_min = 0  # the same requests without jump-forward
+        plain, plain_steps = _logged(eng, prompts[:b], [0] * b, constrained)
+        eng.jump_min = jump_min
         free, free_steps = _logged(eng, prompts[:b], con["tokens"], None)
+        if plain["tokens"] != con["tokens"]:
+            raise RuntimeError("jump-forward changed the outputs' lengths")
         graph_max = settings.get("cuda_graph_max_bs", 0)
-        for name, r, log in (("constrained", con, con_steps), ("free", free, free_steps)):
+        for name, r, log in (("constrained", con, con_steps), ("free", free, free_steps),
+                             ("constrained, no jump-forward", plain, plain_steps)):
             bs.table(f"Steps of the {name} run at batch {b} ({r['seconds']:.1f} s)",
                      bs.StepLog.HEADER, log.table_rows(graph_max, r["seconds"]))
-        if con["errors"] or free["errors"]:
-            raise RuntimeError(f"errors: constrained {con['errors']}, free {free['errors']}")
+        if con["errors"] or free["errors"] or plain["errors"]:
+            raise RuntimeError(f"errors: constrained {con['errors']}, free {free['errors']}, "
+                               f"no jump-forward {plain['errors']}")
         c_tps = con["output_tokens"] / con["seconds"]
         f_tps = free["output_tokens"] / free["seconds"]
+        p_tps = plain["output_tokens"] / plain["seconds"]
         rows.append([b, con["output_tokens"] / b, round(f_tps), round(c_tps),
-                     f"{100 * c_tps / f_tps:.1f}%"])
+                     f"{100 * c_tps / f_tps:.1f}%", round(p_tps),
+                     f"{100 * jumped / max(con['output_tokens'], 1):.1f}%",
+                     f"{100 * (c_tps / p_tps - 1):+.1f}%"])
         results["batches"][b] = {"tokens_per_request": con["output_tokens"] / b,
-                                 "free_tok_s": f_tps, "constrained_tok_s": c_tps}
+                                 "free_tok_s": f_tps, "constrained_tok_s": c_tps,
+                                 "constrained_no_jump_tok_s": p_tps, "jumped_tokens": jumped}
     bs.table(f"JSON schema ({SCHEMA_FIELDS} fields) vs free, {args.model}"
              f"{' ' + args.quantization if args.quantization else ''}, greedy, {args.device}",
              ["batch", "tokens per request", "free tok/s", "constrained tok/s",
-              "constrained / free"], rows)
+              "constrained / free", "constrained tok/s, no jump-forward",
+              "tokens jumped", "jump-forward's gain"], rows)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

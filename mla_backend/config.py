@@ -91,6 +91,11 @@ class SchedulerConfig:
     # "true", "false". On: every output leaves one step later; a request stopped by a stop
     # string runs one extra (discarded) decode step.
     overlap_schedule: str = "auto"
+    # Jump-forward for structured outputs: when a request's grammar allows exactly one token at
+    # each of the next >= this many steps, those tokens are appended without a decode step each
+    # and computed in one EXTEND step (the forced tokens at the start of an output always join
+    # the prompt's prefill). 0 = off.
+    jump_forward_min_tokens: int = 4
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,7 @@ class EngineConfig:
                f"must be lpm or fcfs, got {s.schedule_policy!r}")
         _check(s.max_prefill_tokens >= 1, "max_prefill_tokens", "must be >= 1")
         _check(s.prefill_min_free_rows >= 1, "prefill_min_free_rows", "must be >= 1")
+        _check(s.jump_forward_min_tokens >= 0, "jump_forward_min_tokens", "must be >= 0")
         _check(s.overlap_schedule in ("auto", "true", "false"), "overlap_schedule",
                f"must be auto, true or false, got {s.overlap_schedule!r}")
         _check(s.max_running_requests is None or s.max_running_requests >= 1,

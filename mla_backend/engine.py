@@ -9,7 +9,9 @@ ids (EOS, stop token ids, max_tokens, context), hands the batch back to the sche
 (`client.EngineClient`) for servers, which runs this engine's loop (`serve_engine`) in a process or
 thread of its own. With `overlap_schedule` (on by default on CUDA) a step's outputs are made on
 the host while the GPU computes the next step (as SGLang's overlap scheduler hides host work), so
-outputs leave one step later.
+outputs leave one step later. Structured outputs: grammars compile and masks fill in the
+`GrammarManager`; jump-forward appends the tokens a grammar forces (the only ones its mask
+allows) without a decode step each (`_jump_forward`; the scheduler computes them in one EXTEND).
 
 A failed forward fails its batch's requests and the engine goes on, except a tensor-parallel
 failure (`TpWorkerError`: a worker died, the ranks are out of step): then `failed` holds the
@@ -193,6 +195,12 @@ class Engine:
         # refused their token (from _commit_tokens)
         self.grammars = GrammarManager(self.tokenizer, self.vocab_size, eos, pin_memory=on_cuda)
         self._grammar_errors: list[tuple[Req, str]] = []
+        # jump-forward: the shortest forced run appended without decode steps (0: off), the
+        # requests whose next batch extends their forced tokens (from _commit_tokens, handed to
+        # the scheduler after their batch), and the tokens appended so (a counter)
+        self.jump_min: int = config.scheduler.jump_forward_min_tokens
+        self._jumps: list[Req] = []
+        self.num_jump_tokens = 0
         # n > 1: the completions that wait for their first one's prefill (its rid → them),
         # and those to hand to the scheduler at the next step
         self._held: dict[str, list[Req]] = {}
@@ -406,7 +414,8 @@ class Engine:
                 deferred = logits  # the grammars still wait for prev's tokens
             else:
                 sample = self._launch_sample(logits, reqs, self.grammars.start_masks(
-                    reqs, background=False) if constrained else None)
+                    reqs, background=False, find_single=self.jump_min > 0)
+                    if constrained else None)
         for req in reqs:  # 2 while also in the batch still in flight (`prev`)
             req.num_inflight_tokens += 1
         overlappable = batch.is_decode() and not (
@@ -419,7 +428,7 @@ class Engine:
         `launched`'s constrained rows (on the fill thread for a large batch, while this thread
         emits outputs and schedules the next step); `_ensure_sample` queues its sampling."""
         reqs = [launched.batch.reqs[i] for i in launched.rows]
-        launched.masks = self.grammars.start_masks(reqs)
+        launched.masks = self.grammars.start_masks(reqs, find_single=self.jump_min > 0)
         if launched.masks is None:  # no row needs one after all (they ended)
             self._ensure_sample(launched)
 
@@ -446,6 +455,9 @@ class Engine:
         if masks is None:
             return self.sampler.launch(logits, reqs)
         restrict = masks.restrict()
+        for k in masks.single():  # (found with the fill: `start_masks(find_single=...)`)
+            req = reqs[masks.rows[k]]
+            req.jump_probe = req.jump_forward
         return self.sampler.launch(logits, reqs, restrict, TokenMasks(masks.rows, masks.bitmask))
 
     def _complete(self, launched: "_Launched", outputs: list[RequestOutput]) -> None:
@@ -463,9 +475,14 @@ class Engine:
             if not self.overlap:
                 self._flush_tokens(outputs)
         except Exception as e:  # noqa: BLE001 - fail the batch's requests, keep the engine alive
+            self._jumps.clear()
             self._fail_batch(batch, e, outputs)
             return
         self.scheduler.process_batch_result(batch, finished)
+        if self._jumps:
+            for req in self._jumps:
+                self.scheduler.start_jump(req)
+            self._jumps.clear()
 
     def _fail_batch(self, batch: ScheduleBatch, error: BaseException,
                     outputs: list[RequestOutput]) -> None:
@@ -512,10 +529,10 @@ class Engine:
             req.cumulative_logprob += lp
             sp = req.sampling_params
             n_out = len(output_ids)
-            if n_out == 1:
+            if req.first_token_time is None:
                 req.first_token_time = now
-                if self._held and req.rid in self._held:  # prefilled: its prompt is cached
-                    self._release += self._held.pop(req.rid)
+            if self._held and req.rid in self._held:  # prefilled: its prompt is cached
+                self._release += self._held.pop(req.rid)
             req.last_token_time = now
             by_token = n_out >= sp.min_new_tokens and (
                 (tok in eos and not sp.ignore_eos) or tok in sp.stop_token_ids)
@@ -532,8 +549,77 @@ class Engine:
                 if req.grammar.is_terminated():  # the grammar took its stop token
                     req.finished_reason = req.finished_reason or FinishReason.STOP
             unflushed.append(_Token(req, tok, lp, tops[j]))
+            if (req.jump_probe or req.jump_pending) and req.finished_reason is None:
+                self._jump_forward(req)
             finished[i] = req.finished_reason is not None
         return finished
+
+    # ------------------------------------------------------------------ jump-forward
+    def _jump_eligible(self, req: Req) -> bool:
+        """Jump-forward may append the tokens `req`'s grammar forces: it is on, and the
+        output stays what token-by-token decoding gives. Not for requests whose client reads
+        logprobs (a forced token's logprob is not computed), a seeded sampled request (its
+        generator draws once per decode step: fewer steps, other later draws) or one with
+        allowed_token_ids (a forced token it bans ends the request in an error instead)."""
+        sp = req.sampling_params
+        return (self.jump_min > 0 and sp.logprobs is None and not sp.logprobs_returned
+                and sp.allowed_token_ids is None and (sp.seed is None or sp.temperature == 0))
+
+    def _forced_run(self, req: Req, cap: int) -> list[int]:
+        """The tokens `req`'s grammar forces next (`constrained.grammar.forced_tokens`), at
+        most `cap`, cut before the first one that would end the request by itself (a stop
+        token id, or EOS): that one is decoded as usual."""
+        from mla_backend.constrained.grammar import forced_tokens
+
+        if cap <= 0:
+            return []
+        run = forced_tokens(req.grammar, max_tokens=cap)
+        sp = req.sampling_params
+        ends = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
+        for k, tok in enumerate(run):
+            if tok in ends:
+                return run[:k]
+        return run
+
+    def _append_forced(self, req: Req, run: list[int]) -> None:
+        """Append forced tokens to `req` as if each had been sampled (its grammar takes
+        them; logprob 0.0: under the mask the token has probability 1) and queue them for
+        `_flush_tokens`; ends the request (LENGTH) when it reaches max_tokens or the context."""
+        state = req.grammar
+        for tok in run:
+            if not state.accept_token(tok):
+                raise RuntimeError(f"grammar refused token {tok} it forced")
+        req.output_ids.extend(run)
+        self.num_jump_tokens += len(run)
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        self._unflushed.extend(_Token(req, tok, 0.0, None) for tok in run)
+        n_out = len(req.output_ids)
+        if (n_out >= req.sampling_params.max_new_tokens
+                or len(req.origin_input_ids) + n_out >= self.context_len):
+            req.finished_reason = FinishReason.LENGTH
+
+    def _jump_forward(self, req: Req) -> None:
+        """After `req`'s token was committed, its mask having allowed only that token (or a
+        jump waiting for it): when the grammar forces at least `jump_min` more tokens, append
+        them and have the scheduler extend them in one step (`Scheduler.start_jump`, after
+        this batch). If a token of the request is still in flight (overlap), the run starts
+        with it: the request sits out the next decode batch and jumps once it is committed."""
+        pending, req.jump_pending, req.jump_probe = req.jump_pending, False, False
+        n_out = len(req.output_ids)
+        cap = min(req.sampling_params.max_new_tokens - n_out,
+                  self.context_len - len(req.origin_input_ids) - n_out)
+        run = self._forced_run(req, cap)
+        if len(run) < (1 if pending else self.jump_min):
+            return
+        if req.num_inflight_tokens:
+            req.jump_pending = True
+            return
+        self._append_forced(req, run)
+        if req.finished_reason is None:
+            self._jumps.append(req)
 
     def _accept_grammar_tokens(self, reqs: list[Req], rows: list[int],
                                tokens: list[int]) -> dict[int, bool]:
@@ -554,7 +640,8 @@ class Engine:
         of streaming requests and the final outputs of finished ones."""
         tokens, self._unflushed = self._unflushed, []
         live, emit = self._live, self._emit
-        for t in tokens:
+        last = len(tokens) - 1
+        for k, t in enumerate(tokens):
             req = t.req
             st = live.get(req.rid)
             if st is None:  # aborted or failed meanwhile: its final output went out
@@ -563,7 +650,9 @@ class Engine:
             st.unsent_logprobs.append(t.logprob)
             if req.sampling_params.logprobs is not None:
                 st.unsent_top.append(t.top or {})
-            if req.stream or req.finished_reason is not None:
+            # (a request's consecutive tokens, jump-forward's, go out in one output)
+            if (req.stream or req.finished_reason is not None) and \
+                    (k == last or tokens[k + 1].req is not req):
                 outputs.append(emit(st))
 
     def _emit(self, st: _ReqState) -> RequestOutput:
@@ -604,8 +693,15 @@ class Engine:
                 continue
             if error is not None:
                 outputs.append(self._final_error(st, error, invalid=True))
-            else:
-                self.scheduler.add_request(req)
+                continue
+            req.jump_forward = self._jump_eligible(req)
+            if req.jump_forward and not req.output_ids:  # what the grammar forces first joins
+                n_in = len(req.origin_input_ids)    # the prompt's prefill (the last sampled)
+                run = self._forced_run(req, min(req.sampling_params.max_new_tokens - 1,
+                                                self.context_len - n_in - 1))
+                if run:
+                    self._append_forced(req, run)
+            self.scheduler.add_request(req)
 
     def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
         while True:
@@ -708,6 +804,7 @@ class Engine:
             "waiting": self.scheduler.num_waiting,
             "live": len(self._live),
             "retractions": self.scheduler.num_retractions,
+            "jump_forward_tokens": self.num_jump_tokens,
         }
 
     def fail_live(self, message: str) -> list[RequestOutput]:

@@ -66,6 +66,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputSpec | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     allowed_token_ids: tuple[int, ...] | None = None  # sorted; None = every token
+    # Set by the adapter (not a request field): the client reads the tokens' logprobs
+    # (return_logprobs / return_cumulative_logprob). Jump-forward, which appends tokens without
+    # computing their logprobs, is then off for the request.
+    logprobs_returned: bool = False
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
@@ -392,6 +396,14 @@ class Req:
     # structured outputs: the grammar state (`constrained.grammar.GrammarState`), set by the
     # engine once the request's grammar is compiled; it accepts every committed token
     grammar: Any = None
+    # jump-forward (engine): the grammar's forced tokens may be appended without decode steps
+    # (`Engine._jump_eligible`); `jump_probe`: its last sampled token was the only one its
+    # mask allowed (a forced run may follow); `jump_pending`: a run was found while a token of
+    # it was still in flight, so the next decode batch leaves it out and the jump waits for
+    # that token
+    jump_forward: bool = False
+    jump_probe: bool = False
+    jump_pending: bool = False
 
     @property
     def seqlen(self) -> int:

@@ -9,7 +9,8 @@ Owns the library-facing half of structured outputs:
 - `allocate_bitmask` / `apply_bitmask`: bitmask [batch, ceil(vocab_size / 32)] int32 on CPU (bit
   j of word i set = token 32*i + j allowed); logits [batch, width] float32/bfloat16/float16 on CPU
   or CUDA, width >= vocab_size; masked entries become -inf in place.
-- `forced_tokens` (exact) and `jump_forward_tokens` (retokenized): jump-forward helpers.
+- `forced_tokens` (exact), `single_allowed_rows` and `jump_forward_tokens` (retokenized):
+  jump-forward helpers.
 
 Stop tokens: the compiler's stop ids (the model's EOS ids) are allowed by the mask exactly when
 the output so far is a complete match (`is_completed()`), and accepting one terminates the state.
@@ -495,6 +496,18 @@ def jump_forward_tokens(state: GrammarState, tokenizer: Any, *,
             break
         out.append(tid)
     return out
+
+
+def single_allowed_rows(bitmask: torch.Tensor) -> list[int]:
+    """The rows of a [rows, words] int32 CPU mask that allow exactly one token (one non-zero
+    word, with one bit set): where the grammar left no choice."""
+    nonzero = bitmask != 0
+    cand = (nonzero.sum(1) == 1).nonzero().flatten()
+    if not cand.numel():
+        return []
+    words = bitmask[cand].masked_select(nonzero[cand]).to(torch.int64) & 0xFFFFFFFF
+    one = (words & (words - 1)) == 0
+    return cand[one].tolist()
 
 
 def _single_allowed(row: torch.Tensor, vocab_size: int) -> int | None:

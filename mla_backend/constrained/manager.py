@@ -32,11 +32,19 @@ class PendingMasks:
     fill raised (e.g. RuntimeError: a terminated grammar state)."""
 
     def __init__(self, rows: list[int], bitmask: torch.Tensor, vocab_size: int,
-                 fill: concurrent.futures.Future | None) -> None:
+                 fill: concurrent.futures.Future | None, single: list[int] | None = None) -> None:
         self.rows = rows  # the constrained rows among the batch's sampling rows
         self.bitmask = bitmask  # CPU int32 [len(rows), words]
         self.vocab_size = vocab_size
         self._fill = fill  # None: already filled
+        self._single = single  # (filled now, with `find_single`)
+
+    def single(self) -> list[int]:
+        """After `wait()`: the positions in `rows` whose mask allows exactly one token (only
+        when `start_masks` was asked to find them, else [])."""
+        if self._fill is not None:
+            return self._fill.result() or []
+        return self._single or []
 
     def wait(self) -> None:
         """Wait for the fill (its error, if any, is raised)."""
@@ -138,14 +146,17 @@ class GrammarManager:
             ready.append((req, None))
         return ready
 
-    def start_masks(self, reqs: Sequence[Req], background: bool = True) -> PendingMasks | None:
+    def start_masks(self, reqs: Sequence[Req], background: bool = True,
+                    find_single: bool = False) -> PendingMasks | None:
         """Start filling the next-token bitmasks of the constrained requests among `reqs` (a
         batch's sampling rows, in order; a request that has ended is left alone: its token is
         dropped) on the host (`BitmaskFiller`: on several threads for a large batch). With
         `background` and at least BACKGROUND_MIN_ROWS rows the fill runs on the fill thread
         and this returns at once; until `restrict()` of the result returns, the caller must not
-        touch those requests' grammar states. None when no row needs a mask."""
-        from mla_backend.constrained.grammar import allocate_bitmask
+        touch those requests' grammar states. `find_single`: also find the rows that allow
+        exactly one token (`PendingMasks.single`), in the same fill. None when no row needs a
+        mask."""
+        from mla_backend.constrained.grammar import allocate_bitmask, single_allowed_rows
 
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None
                 and r.finished_reason is None and not r.grammar.is_terminated()]
@@ -154,15 +165,18 @@ class GrammarManager:
         bitmask = allocate_bitmask(len(rows), self.vocab_size, pin_memory=self.pin_memory,
                                    all_allowed=False)  # the filler writes every row
         states = [reqs[i].grammar for i in rows]
-        fill = None
+        filler = self._filler
+
+        def run() -> list[int] | None:
+            filler.fill(states, bitmask)
+            return single_allowed_rows(bitmask) if find_single else None
+
         if background and len(rows) >= BACKGROUND_MIN_ROWS:
             if self._fill_thread is None:
                 self._fill_thread = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="grammar-fill")
-            fill = self._fill_thread.submit(self._filler.fill, states, bitmask)
-        else:
-            self._filler.fill(states, bitmask)
-        return PendingMasks(rows, bitmask, self.vocab_size, fill)
+            return PendingMasks(rows, bitmask, self.vocab_size, self._fill_thread.submit(run))
+        return PendingMasks(rows, bitmask, self.vocab_size, None, run())
 
     def accept_tokens(self, states: Sequence[Any], token_ids: Sequence[int]) -> list[bool]:
         """Each `GrammarState` in `states` takes its token (`GrammarState.accept_tokens`: one

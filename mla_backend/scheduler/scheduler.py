@@ -12,9 +12,13 @@ Where a request's slots are, between batches:
 |-----------------------|-----|-------------------------|--------------------------|-----------|
 | waiting / retracted   | no  | -                       | -                        | no        |
 | running / chunked     | yes | prefix cache (locked)   | the request              | last_node |
+| jumping               | yes | prefix cache (locked)   | the request              | last_node |
 | finished / aborted    | no  | handed to the cache by `cache_finished_req`          | released  |
 
-`kv_len` (tokens whose slot is in the row) is tracked here per request id.
+`kv_len` (tokens whose slot is in the row) is tracked here per request id. A running request
+lags its KV by one token (the last sampled one); a *jumping* one (`start_jump`: the engine
+appended tokens its grammar forces) lags by more, and its next batch is an EXTEND of the lagging
+tokens on top of its own row, which samples its next token (jump-forward, SGLang v0.3).
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # decoding requests
         self.chunked_req: Req | None = None  # prefilled in chunks; not decoding yet
+        self.jumping: list[Req] = []  # running requests whose next batch extends forced tokens
+        self.num_jumps = 0  # requests run in jump-forward EXTEND batches
         # Handed out, results not processed yet, oldest first: at most two, and then the older
         # is a DECODE batch (the engine's overlap schedule builds the next batch while it runs).
         self._batches: list[ScheduleBatch] = []
@@ -96,11 +102,12 @@ class Scheduler:
     def has_work(self) -> bool:
         """Requests waiting, holding a row, or a batch not processed yet (no per-request work:
         the engine asks every step)."""
-        return bool(self.waiting or self.running or self._batches
+        return bool(self.waiting or self.running or self._batches or self.jumping
                     or self.chunked_req is not None)
 
     def _holders(self) -> list[Req]:
         out: dict[int, Req] = {id(r): r for r in self.running}
+        out.update((id(r), r) for r in self.jumping)
         if self.chunked_req is not None:
             out[id(self.chunked_req)] = self.chunked_req
         for batch in self._batches:  # those not released yet (overlap: a request of the
@@ -170,7 +177,10 @@ class Scheduler:
             raise RuntimeError("get_next_batch: the previous batch has not been processed")
         self._release_marked()
         batch = None
-        if self.chunked_req is not None or (self.waiting and not self._hold_prefill()):
+        if self.jumping:
+            batch = self._build_jump_extend()
+        if batch is None and (self.chunked_req is not None
+                              or (self.waiting and not self._hold_prefill())):
             batch = self._get_new_batch_prefill()
         if batch is None and self.running:
             batch = self._get_new_batch_decode()
@@ -186,6 +196,58 @@ class Scheduler:
         processes the outstanding batch before building the next."""
         return (self.allocator.available_size() + self.tree_cache.evictable_size()
                 < len(self.running))
+
+    def start_jump(self, req: Req) -> None:
+        """Jump-forward: the engine appended tokens the request's grammar forces to its
+        output_ids (its KV now lags by more than one token); its next batch is an EXTEND of
+        them instead of a decode step. Call after `process_batch_result` of the batch that
+        sampled its last token, with no outstanding batch holding it. A request that is not
+        running (ended, aborted, released) is left alone."""
+        if req.finished_reason is not None or req.rid in self._abort_marked:
+            return
+        for i, r in enumerate(self.running):
+            if r is req:
+                del self.running[i]
+                self.jumping.append(req)
+                return
+
+    def _build_jump_extend(self) -> ScheduleBatch | None:
+        """An EXTEND batch of the jumping requests: each computes the KV of the tokens past
+        its `kv_len` (its last sampled token and the forced ones) on top of its own row and
+        samples its next token. Without room for their slots they are retracted (recomputed
+        from the waiting queue, which keeps their output). None when no request is left."""
+        reqs, self.jumping = self.jumping, []
+        kv_len = self._kv_len
+        need = sum(r.seqlen - kv_len[r.rid] for r in reqs)
+        if self.allocator.available_size() + self.tree_cache.evictable_size() < need:
+            for req in reqs:
+                self._free_for_recompute(req)
+            self.num_retractions += len(reqs)
+            self.waiting = reqs + self.waiting
+            return None
+        slots = self._alloc_slots(need)
+        pool = self.req_to_token_pool
+        input_ids: list[int] = []
+        positions: list[int] = []
+        rows, seq_lens, prefix_lens, extend_lens = [], [], [], []
+        off = 0
+        for req in reqs:
+            start, seq_len = kv_len[req.rid], req.seqlen
+            ext = seq_len - start
+            req.fill_ids = req.origin_input_ids + req.output_ids
+            req.extend_input_len = ext
+            pool.write_row(req.req_pool_idx, start, slots[off:off + ext])
+            off += ext
+            kv_len[req.rid] = seq_len
+            input_ids.extend(req.fill_ids[start:])
+            positions.extend(range(start, seq_len))
+            rows.append(req.req_pool_idx)
+            seq_lens.append(seq_len)
+            prefix_lens.append(start)
+            extend_lens.append(ext)
+        self.num_jumps += len(reqs)
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, input_ids, positions, rows, seq_lens,
+                             prefix_lens, extend_lens, slots, [True] * len(reqs))
 
     def _hold_prefill(self) -> bool:
         """True when this step should decode instead of admitting waiting requests: requests
@@ -388,7 +450,7 @@ class Scheduler:
             out_ids = req.output_ids
             seq_len = len(req.origin_input_ids) + len(out_ids)
             if req.num_inflight_tokens:  # its input token is the one still on the GPU
-                if overlap and (req.finished_reason is not None
+                if overlap and (req.finished_reason is not None or req.jump_pending
                                 or len(out_ids) + 1 >= req.sampling_params.max_new_tokens
                                 or seq_len + 1 >= ctx):
                     continue
@@ -505,6 +567,9 @@ class Scheduler:
             if req.rid in self._abort_marked and id(req) not in in_batch:
                 self.running.remove(req)
                 self._release(req)
+        for req in [r for r in self.jumping if r.rid in self._abort_marked]:
+            self.jumping.remove(req)
+            self._release(req)
         cr = self.chunked_req
         if cr is not None and cr.rid in self._abort_marked and id(cr) not in in_batch:
             self.chunked_req = None

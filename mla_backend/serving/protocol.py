@@ -24,7 +24,7 @@ of `text_input`) and `return_cached_tokens`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -148,6 +148,8 @@ def parse_request(
             raise ProtocolError(STREAMING_ECHO_ERROR)
     flags = {name: _bool_scalar(present, name, False) for name in RETURN_FLAGS}
     options = OutputOptions(stream=stream, echo=echo, **flags)
+    if options.return_logprobs or options.return_cumulative_logprob:
+        sampling = replace(sampling, logprobs_returned=True)
     request = GenerateRequest(rid=rid, text=text, input_ids=ids, sampling_params=sampling,
                               stream=stream)
     return ParsedRequest(request=request, options=options)

@@ -101,6 +101,11 @@ def test_return_flags():
     assert o.return_finish_reason and o.return_num_output_tokens
     assert not (o.return_cached_tokens or o.return_logprobs or o.return_num_input_tokens
                 or o.return_cumulative_logprob)
+    assert not p.request.sampling_params.logprobs_returned
+    # a client that reads logprobs: the engine must compute each token's (no jump-forward)
+    for flag in ("return_logprobs", "return_cumulative_logprob"):
+        p = parse_request({"text_input": s("x"), flag: b(True)}, None, "r")
+        assert p.request.sampling_params.logprobs_returned
 
 
 @pytest.mark.parametrize(
