@@ -455,9 +455,13 @@ class Engine:
         if masks is None:
             return self.sampler.launch(logits, reqs)
         restrict = masks.restrict()
-        for k in masks.single():  # (found with the fill: `start_masks(find_single=...)`)
-            req = reqs[masks.rows[k]]
-            req.jump_probe = req.jump_forward
+        if self.jump_min > 0:  # (single rows found with the fill: `start_masks(find_single=)`)
+            single = [False] * len(masks.rows)
+            for k in masks.single():
+                single[k] = True
+            for k, i in enumerate(masks.rows):
+                req = reqs[i]
+                req.forced_streak = req.forced_streak + 1 if single[k] else 0
         return self.sampler.launch(logits, reqs, restrict, TokenMasks(masks.rows, masks.bitmask))
 
     def _complete(self, launched: "_Launched", outputs: list[RequestOutput]) -> None:
@@ -549,7 +553,8 @@ class Engine:
                 if req.grammar.is_terminated():  # the grammar took its stop token
                     req.finished_reason = req.finished_reason or FinishReason.STOP
             unflushed.append(_Token(req, tok, lp, tops[j]))
-            if (req.jump_probe or req.jump_pending) and req.finished_reason is None:
+            if req.jump_forward and (req.forced_streak >= 2 or req.jump_pending) and \
+                    req.finished_reason is None:
                 self._jump_forward(req)
             finished[i] = req.finished_reason is not None
         return finished
@@ -565,26 +570,27 @@ class Engine:
         return (self.jump_min > 0 and sp.logprobs is None and not sp.logprobs_returned
                 and sp.allowed_token_ids is None and (sp.seed is None or sp.temperature == 0))
 
-    def _forced_run(self, req: Req, cap: int) -> list[int]:
-        """The tokens `req`'s grammar forces next (`constrained.grammar.forced_tokens`), at
-        most `cap`, cut before the first one that would end the request by itself (a stop
-        token id, or EOS): that one is decoded as usual."""
+    def _forced_run(self, req: Req, cap: int, may_end: bool) -> list[int]:
+        """The tokens `req`'s grammar forces next (`constrained.grammar.forced_tokens`, a
+        stop token included), at most `cap`. A token that ends the request (EOS, a stop token
+        id) ends the run: kept when `may_end`, else left out (decoded as usual)."""
         from mla_backend.constrained.grammar import forced_tokens
 
         if cap <= 0:
             return []
-        run = forced_tokens(req.grammar, max_tokens=cap)
-        sp = req.sampling_params
-        ends = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
+        run = forced_tokens(req.grammar, max_tokens=cap, include_stop=True)
+        stops = req.sampling_params.stop_token_ids
         for k, tok in enumerate(run):
-            if tok in ends:
-                return run[:k]
+            if tok in self.eos_token_ids or tok in stops:
+                return run[:k + 1] if may_end else run[:k]
         return run
 
     def _append_forced(self, req: Req, run: list[int]) -> None:
         """Append forced tokens to `req` as if each had been sampled (its grammar takes
         them; logprob 0.0: under the mask the token has probability 1) and queue them for
-        `_flush_tokens`; ends the request (LENGTH) when it reaches max_tokens or the context."""
+        `_flush_tokens`. Ends the request as `_commit_tokens` would for its last token: STOP
+        after a stop token (EOS, even with ignore_eos: its grammar is complete then; a stop
+        token id), else LENGTH at max_tokens or the context."""
         state = req.grammar
         for tok in run:
             if not state.accept_token(tok):
@@ -597,26 +603,37 @@ class Engine:
         req.last_token_time = now
         self._unflushed.extend(_Token(req, tok, 0.0, None) for tok in run)
         n_out = len(req.output_ids)
-        if (n_out >= req.sampling_params.max_new_tokens
+        if state.is_terminated() or run[-1] in req.sampling_params.stop_token_ids:
+            req.finished_reason = FinishReason.STOP
+        elif (n_out >= req.sampling_params.max_new_tokens
                 or len(req.origin_input_ids) + n_out >= self.context_len):
             req.finished_reason = FinishReason.LENGTH
 
     def _jump_forward(self, req: Req) -> None:
-        """After `req`'s token was committed, its mask having allowed only that token (or a
-        jump waiting for it): when the grammar forces at least `jump_min` more tokens, append
+        """After `req`'s token was committed, its mask and the one before having allowed only
+        the token they gave (a forced run is likely: the lookahead costs a mask fill per token;
+        a single forced token, such as the `,` after a JSON value, is not looked past), or a
+        jump waiting for it: when the grammar forces at least `jump_min` more tokens, append
         them and have the scheduler extend them in one step (`Scheduler.start_jump`, after
         this batch). If a token of the request is still in flight (overlap), the run starts
-        with it: the request sits out the next decode batch and jumps once it is committed."""
-        pending, req.jump_pending, req.jump_probe = req.jump_pending, False, False
+        with it: the request sits out the next decode batch and jumps once it is committed.
+        A run that ends the request (a forced stop token) is appended at once, whatever its
+        length: no step computes it (a token in flight is dropped, as after any stop)."""
+        pending, req.jump_pending, req.forced_streak = req.jump_pending, False, 0
         n_out = len(req.output_ids)
         cap = min(req.sampling_params.max_new_tokens - n_out,
                   self.context_len - len(req.origin_input_ids) - n_out)
-        run = self._forced_run(req, cap)
-        if len(run) < (1 if pending else self.jump_min):
+        run = self._forced_run(req, cap, may_end=True)
+        if not run:
             return
-        if req.num_inflight_tokens:
-            req.jump_pending = True
-            return
+        last = run[-1]
+        ends = last in self.eos_token_ids or last in req.sampling_params.stop_token_ids
+        if not ends:
+            if len(run) < (1 if pending else self.jump_min):
+                return
+            if req.num_inflight_tokens:
+                req.jump_pending = True
+                return
         self._append_forced(req, run)
         if req.finished_reason is None:
             self._jumps.append(req)
@@ -698,7 +715,7 @@ class Engine:
             if req.jump_forward and not req.output_ids:  # what the grammar forces first joins
                 n_in = len(req.origin_input_ids)    # the prompt's prefill (the last sampled)
                 run = self._forced_run(req, min(req.sampling_params.max_new_tokens - 1,
-                                                self.context_len - n_in - 1))
+                                                self.context_len - n_in - 1), may_end=False)
                 if run:
                     self._append_forced(req, run)
             self.scheduler.add_request(req)

@@ -397,12 +397,12 @@ class Req:
     # engine once the request's grammar is compiled; it accepts every committed token
     grammar: Any = None
     # jump-forward (engine): the grammar's forced tokens may be appended without decode steps
-    # (`Engine._jump_eligible`); `jump_probe`: its last sampled token was the only one its
-    # mask allowed (a forced run may follow); `jump_pending`: a run was found while a token of
-    # it was still in flight, so the next decode batch leaves it out and the jump waits for
-    # that token
+    # (`Engine._jump_eligible`); `forced_streak`: how many of its last sampled tokens in a row
+    # were the only one their mask allowed (from 2 on, a forced run is looked for);
+    # `jump_pending`: a run was found while a token of it was still in flight, so the next
+    # decode batch leaves it out and the jump waits for that token
     jump_forward: bool = False
-    jump_probe: bool = False
+    forced_streak: int = 0
     jump_pending: bool = False
 
     @property

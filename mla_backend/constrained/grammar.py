@@ -36,6 +36,7 @@ from mla_backend.host_tensors import int64_on, neg_inf_like
 from .spec import StructuredOutputSpec
 
 CompiledGrammar = xgr.CompiledGrammar
+_HEAD_WORDS = 64  # `single_allowed_rows`' first look: this many words of each row
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and may carry a check prefix
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s*\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
 _WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex",
@@ -500,14 +501,21 @@ def jump_forward_tokens(state: GrammarState, tokenizer: Any, *,
 
 def single_allowed_rows(bitmask: torch.Tensor) -> list[int]:
     """The rows of a [rows, words] int32 CPU mask that allow exactly one token (one non-zero
-    word, with one bit set): where the grammar left no choice."""
-    nonzero = bitmask != 0
-    cand = (nonzero.sum(1) == 1).nonzero().flatten()
+    word, with one bit set): where the grammar left no choice. Rows with two non-zero words
+    among their first `_HEAD_WORDS` are ruled out first (most rows: the low ids are a BPE
+    vocabulary's bytes and short tokens), so the full rows are read only for the others."""
+    head = bitmask[:, :_HEAD_WORDS]
+    cand = ((head != 0).sum(1) <= 1).nonzero().flatten()
     if not cand.numel():
         return []
-    words = bitmask[cand].masked_select(nonzero[cand]).to(torch.int64) & 0xFFFFFFFF
-    one = (words & (words - 1)) == 0
-    return cand[one].tolist()
+    rows = bitmask.index_select(0, cand)
+    nonzero = rows != 0
+    one_word = nonzero.sum(1) == 1
+    cand, rows, nonzero = cand[one_word], rows[one_word], nonzero[one_word]
+    if not cand.numel():
+        return []
+    words = rows.masked_select(nonzero).to(torch.int64) & 0xFFFFFFFF
+    return cand[(words & (words - 1)) == 0].tolist()
 
 
 def _single_allowed(row: torch.Tensor, vocab_size: int) -> int | None:

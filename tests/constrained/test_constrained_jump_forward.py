@@ -11,6 +11,7 @@ import json
 import re
 
 import jsonschema
+import torch
 from constrained_helpers import PERSON, _settings, decode, regexes, schemas, text_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -130,3 +131,21 @@ def test_jump_forward_on_a_regex(compiler, tokenizer) -> None:
     assert state.jump_forward_string() == ".json"
     text = tokenizer.decode(jump_forward_tokens(state, tokenizer))
     assert text == ".json" and re.fullmatch(r"id-[0-9]{2}\.json", "id-42" + text)
+
+
+def test_single_allowed_rows_equal_the_row_by_row_answer() -> None:
+    from mla_backend.constrained.grammar import _single_allowed, single_allowed_rows
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 100 * 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (40, vocab // 32), dtype=torch.int32,
+                            generator=gen)
+    bitmask[1:7] = 0  # 1: a dead end
+    bitmask[2, 3] = 1 << 5  # one token in the first words
+    bitmask[3, 90] = -2**31  # one token (bit 31) past them
+    bitmask[4, 90] = 6  # two tokens in one word
+    bitmask[5, 2], bitmask[5, 99] = 1, 1  # two words
+    bitmask[6, 1], bitmask[6, 2] = 4, 4  # two words among the first
+    want = [r for r in range(40) if _single_allowed(bitmask[r], vocab) is not None]
+    assert want == [2, 3]
+    assert single_allowed_rows(bitmask) == want

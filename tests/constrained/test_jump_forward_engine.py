@@ -18,8 +18,9 @@ from mla_backend.engine import Engine
 from mla_backend.forward_batch import ForwardMode
 from mla_backend.request import FinishReason, GenerateRequest, SamplingParams
 
-# forced at the start (joins the prefill), after the free word (a run of 18 tokens) and at the end
-FORCED = r"0123-4567-8901-2345 for [a-z]{2,8}\. Ref 99887766554433\."
+# forced: the start (joins the prefill), the run after the first free word (one extend step)
+# and, once the second word is done, the end (appended with the stop token: no step at all)
+FORCED = r"0123-4567-8901-2345 for [a-z]{2,8}\. Ref 99887766554433 by [a-z]{2,6}\."
 PROMPTS = ["Once upon a time", "The answer is", "Tom and Lily went to the park. They"]
 
 
@@ -75,11 +76,11 @@ def test_long_forced_runs_are_equal_with_and_without_jump_forward(model_dir, ove
         if ids != plain[1][0]:  # (the unconstrained one)
             assert error is None and reason == FinishReason.STOP
             assert text.startswith("0123-4567-8901-2345 for ") and \
-                text.endswith(". Ref 99887766554433."), text
+                ". Ref 99887766554433 by " in text and text.endswith("."), text
     assert jumped[3][1] == '{"id": 12345678901}'
     assert eng0.stats()["jump_forward_tokens"] == 0 and eng0.scheduler.num_jumps == 0
-    # the 19 tokens of "0123-4567-8901-2345 " (and more) join the prefills; "Ref 99887766554433."
-    # (after ". ") is at least 15 forced tokens per FORCED request, extended in one step each
+    # the 19 tokens of "0123-4567-8901-2345 " (and more) join the prefills; "Ref 99887766554433
+    # by " (after ". ") is at least 15 forced tokens per FORCED request, extended in one step each
     assert eng1.stats()["jump_forward_tokens"] >= 3 * (19 + 15)
     assert eng1.scheduler.num_jumps >= 3
 
