@@ -93,9 +93,10 @@ class SchedulerConfig:
     overlap_schedule: str = "auto"
     # Jump-forward for structured outputs: when a request's grammar allows exactly one token at
     # each of the next >= this many steps, those tokens are appended without a decode step each
-    # and computed in one EXTEND step (the forced tokens at the start of an output always join
-    # the prompt's prefill). 0 = off.
-    jump_forward_min_tokens: int = 4
+    # and computed in one EXTEND step (the forced tokens at the start of an output join the
+    # prompt's prefill). 0 = off (the default: finding the forced rows costs host time every
+    # step, docs/benchmarks.md).
+    jump_forward_min_tokens: int = 0
 
 
 @dataclass(frozen=True)

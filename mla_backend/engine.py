@@ -60,6 +60,9 @@ _IDLE_POLL_S = 0.1  # `serve_engine`'s wait for a message while the engine has n
 _NO_TOKEN_FITS = ("structured_outputs: no token the request allows fits its grammar here "
                   "(allowed_token_ids, logit_bias or the vocabulary exclude every token the "
                   "grammar allows)")
+# jump-forward: the most forced tokens appended at once (each costs a mask fill on the engine
+# thread; a longer forced text goes on in further jumps)
+JUMP_MAX_TOKENS = 256
 _STATS_EVERY_S = 0.1  # `serve_engine` sends changed counters at most this often while busy (s)
 
 
@@ -553,8 +556,10 @@ class Engine:
                 if req.grammar.is_terminated():  # the grammar took its stop token
                     req.finished_reason = req.finished_reason or FinishReason.STOP
             unflushed.append(_Token(req, tok, lp, tops[j]))
-            if req.jump_forward and (req.forced_streak >= 2 or req.jump_pending) and \
-                    req.finished_reason is None:
+            # (the look ahead for a run waits for max(2, jump_min) forced tokens in a row: each
+            # look costs a mask fill per token, and short runs are not worth one)
+            if req.jump_forward and (req.forced_streak >= max(2, self.jump_min)
+                                     or req.jump_pending) and req.finished_reason is None:
                 self._jump_forward(req)
             finished[i] = req.finished_reason is not None
         return finished
@@ -572,13 +577,14 @@ class Engine:
 
     def _forced_run(self, req: Req, cap: int, may_end: bool) -> list[int]:
         """The tokens `req`'s grammar forces next (`constrained.grammar.forced_tokens`, a
-        stop token included), at most `cap`. A token that ends the request (EOS, a stop token
-        id) ends the run: kept when `may_end`, else left out (decoded as usual)."""
+        stop token included), at most `cap` and JUMP_MAX_TOKENS. A token that ends the request
+        (EOS, a stop token id) ends the run: kept when `may_end`, else left out (decoded as
+        usual)."""
         from mla_backend.constrained.grammar import forced_tokens
 
         if cap <= 0:
             return []
-        run = forced_tokens(req.grammar, max_tokens=cap, include_stop=True)
+        run = forced_tokens(req.grammar, max_tokens=min(cap, JUMP_MAX_TOKENS), include_stop=True)
         stops = req.sampling_params.stop_token_ids
         for k, tok in enumerate(run):
             if tok in self.eos_token_ids or tok in stops:
@@ -610,10 +616,9 @@ class Engine:
             req.finished_reason = FinishReason.LENGTH
 
     def _jump_forward(self, req: Req) -> None:
-        """After `req`'s token was committed, its mask and the one before having allowed only
-        the token they gave (a forced run is likely: the lookahead costs a mask fill per token;
-        a single forced token, such as the `,` after a JSON value, is not looked past), or a
-        jump waiting for it: when the grammar forces at least `jump_min` more tokens, append
+        """After `req`'s token was committed, the masks of its last max(2, jump_min) tokens
+        having allowed only the token they gave (a forced run is likely), or a jump waiting
+        for it: when the grammar forces at least `jump_min` more tokens, append
         them and have the scheduler extend them in one step (`Scheduler.start_jump`, after
         this batch). If a token of the request is still in flight (overlap), the run starts
         with it: the request sits out the next decode batch and jumps once it is committed.
