@@ -225,29 +225,12 @@ class Scheduler:
             self.num_retractions += len(reqs)
             self.waiting = reqs + self.waiting
             return None
-        slots = self._alloc_slots(need)
-        pool = self.req_to_token_pool
-        input_ids: list[int] = []
-        positions: list[int] = []
-        rows, seq_lens, prefix_lens, extend_lens = [], [], [], []
-        off = 0
-        for req in reqs:
-            start, seq_len = kv_len[req.rid], req.seqlen
-            ext = seq_len - start
+        starts = [kv_len[r.rid] for r in reqs]
+        for req, start in zip(reqs, starts):
             req.fill_ids = req.origin_input_ids + req.output_ids
-            req.extend_input_len = ext
-            pool.write_row(req.req_pool_idx, start, slots[off:off + ext])
-            off += ext
-            kv_len[req.rid] = seq_len
-            input_ids.extend(req.fill_ids[start:])
-            positions.extend(range(start, seq_len))
-            rows.append(req.req_pool_idx)
-            seq_lens.append(seq_len)
-            prefix_lens.append(start)
-            extend_lens.append(ext)
+            req.extend_input_len = len(req.fill_ids) - start
         self.num_jumps += len(reqs)
-        return ScheduleBatch(ForwardMode.EXTEND, reqs, input_ids, positions, rows, seq_lens,
-                             prefix_lens, extend_lens, slots, [True] * len(reqs))
+        return self._extend_batch(reqs, starts, [True] * len(reqs))
 
     def _hold_prefill(self) -> bool:
         """True when this step should decode instead of admitting waiting requests: requests
@@ -380,41 +363,50 @@ class Scheduler:
         reqs = adder.can_run_list
         admitted = {id(r) for r in reqs}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
-        slots = self._alloc_slots(sum(r.extend_input_len for r in reqs))
         pool = self.req_to_token_pool
-        input_ids: list[int] = []
-        positions: list[int] = []
-        rows, seq_lens, prefix_lens, extend_lens, sample_mask = [], [], [], [], []
-        off = 0
+        prefix_lens, sample_mask = [], []
         for req in reqs:
             prefix_len = int(req.prefix_indices.numel()) if req.prefix_indices is not None else 0
             if req.req_pool_idx is None:
-                row = self.req_to_token_pool.alloc(1)
+                row = pool.alloc(1)
                 assert row is not None, "admission checked free rows"
                 req.req_pool_idx = row[0]
             if req.rid not in self._admitted_once:
                 self._admitted_once.add(req.rid)
                 req.cached_tokens = min(prefix_len, len(req.origin_input_ids))
-            seq_len = len(req.fill_ids)
-            ext = seq_len - prefix_len
-            assert ext == req.extend_input_len and ext > 0
+            assert len(req.fill_ids) - prefix_len == req.extend_input_len > 0
             if prefix_len:
                 pool.write_row(req.req_pool_idx, 0, req.prefix_indices)
-            pool.write_row(req.req_pool_idx, prefix_len, slots[off:off + ext])
+            prefix_lens.append(prefix_len)
+            last_chunk = req is not adder.new_chunked_req
+            req.is_chunked = 0 if last_chunk else 1
+            sample_mask.append(last_chunk)
+        self.chunked_req = adder.new_chunked_req
+        return self._extend_batch(list(reqs), prefix_lens, sample_mask)
+
+    def _extend_batch(self, reqs: list[Req], prefix_lens: list[int],
+                      sample_mask: list[bool]) -> ScheduleBatch:
+        """The EXTEND batch computing `req.fill_ids[prefix_len:]` of each request on top of
+        its row's first prefix_len slots: new slots for those tokens go into the rows and
+        `kv_len` becomes len(fill_ids)."""
+        slots = self._alloc_slots(sum(len(r.fill_ids) - p for r, p in zip(reqs, prefix_lens)))
+        input_ids: list[int] = []
+        positions: list[int] = []
+        rows, seq_lens, extend_lens = [], [], []
+        off = 0
+        for req, prefix_len in zip(reqs, prefix_lens):
+            seq_len = len(req.fill_ids)
+            ext = seq_len - prefix_len
+            self.req_to_token_pool.write_row(req.req_pool_idx, prefix_len, slots[off:off + ext])
             off += ext
             self._kv_len[req.rid] = seq_len
             input_ids.extend(req.fill_ids[prefix_len:])
             positions.extend(range(prefix_len, seq_len))
             rows.append(req.req_pool_idx)
             seq_lens.append(seq_len)
-            prefix_lens.append(prefix_len)
             extend_lens.append(ext)
-            last_chunk = req is not adder.new_chunked_req
-            req.is_chunked = 0 if last_chunk else 1
-            sample_mask.append(last_chunk)
-        self.chunked_req = adder.new_chunked_req
-        return ScheduleBatch(ForwardMode.EXTEND, list(reqs), input_ids, positions, rows,
-                             seq_lens, prefix_lens, extend_lens, slots, sample_mask)
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, input_ids, positions, rows, seq_lens,
+                             prefix_lens, extend_lens, slots, sample_mask)
 
     def _alloc_slots(self, n: int) -> torch.Tensor:
         short = n - self.allocator.available_size()
