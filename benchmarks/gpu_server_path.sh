@@ -24,8 +24,10 @@
 # a before/after pair on one machine.
 #
 # Run in the repository root with MLA_COMMIT set to the commit under test (the machine's copy
-# has no git history). tests, bf16, fp8, llama, genai, structured and stubcalls need .gpu/
-# carried once (benchmarks/gpu_bundle.sh makes it) and run in the stub's environment
+# has no git history). tests, bf16, fp8, llama, genai and stubcalls need .gpu/ carried once
+# (benchmarks/gpu_bundle.sh makes it; MLA_BUNDLE_PART=server leaves structured outputs out, so
+# that it fits one call with the working tree), structured needs .gpux/ (MLA_BUNDLE_PART=
+# structured) or .gpu/ with structured outputs; those with .gpu/ run in the stub's environment
 # (benchmarks/gpu_env.sh); profile and latency run on the machine's own python3 and need only
 # a DeepSeek-V3 tokenizer folder: $MLA_DEEPSEEK_TOKENIZER_DIR, else .tok/ (carried), else the
 # bundle's; pytest's tiny models take SmolLM2's: $MLA_TEST_TOKENIZER_DIR, else .tok-smol/
@@ -41,7 +43,20 @@ json_name=h200_server_path.json  # written after each phase into $out; (fp8) mer
 export PYTHONUNBUFFERED=1
 step="${1:-}"
 case "$step" in
-  tests|bf16|fp8|llama|genai|structured|stubcalls) source benchmarks/gpu_env.sh || exit 1 ;;
+  tests|bf16|fp8|llama|genai|stubcalls) source benchmarks/gpu_env.sh || exit 1 ;;
+  structured)
+    if [[ -f .gpux/structured.tar.xz ]]; then  # in-process only: xgrammar and the tokenizer
+      x=/tmp/mla_gpux
+      [[ -d "$x/extra" ]] || { mkdir -p "$x" && tar -xJf .gpux/structured.tar.xz -C "$x"; }
+      extra="$x/extra/xgrammar"
+      for pkg in pydantic jsonschema; do
+        python3 -c "import $pkg" 2>/dev/null || extra="$extra:$x/extra/$pkg"
+      done
+      export PYTHONPATH="$PWD:$extra" MLA_DEEPSEEK_TOKENIZER_DIR="$x/tokenizer"
+    else
+      source benchmarks/gpu_env.sh || exit 1
+    fi
+    ;;
   profile|latency)
     if [[ -z "${MLA_DEEPSEEK_TOKENIZER_DIR:-}" ]]; then
       if [[ -f .tok/tokenizer.json ]]; then

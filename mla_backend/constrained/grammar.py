@@ -3,7 +3,8 @@
 Owns the library-facing half of structured outputs:
 - `GrammarCompiler` (one per model): `StructuredOutputSpec` -> `Future[CompiledGrammar]`, compiled
   on a small thread pool, cached by (kind, text). A bad schema/regex/grammar is a `ValueError`
-  from the future, naming the field.
+  from the future, naming the field; so is a JSON schema with keywords xgrammar would not hold
+  the output to (`schema_check.check_json_schema`).
 - `GrammarState` (one per request): the matcher; tokens in, next-token bitmask out.
 - `BitmaskFiller` (one per engine): a batch's rows filled in one call, on xgrammar's threads.
 - `allocate_bitmask` / `apply_bitmask`: bitmask [batch, ceil(vocab_size / 32)] int32 on CPU (bit
@@ -20,6 +21,7 @@ The tokenizer's other special tokens (`<|im_start|>`, ...) are never allowed. To
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -33,6 +35,7 @@ import xgrammar as xgr
 
 from mla_backend.host_tensors import int64_on, neg_inf_like
 
+from .schema_check import check_json_schema
 from .spec import StructuredOutputSpec
 
 CompiledGrammar = xgr.CompiledGrammar
@@ -121,6 +124,11 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputSpec) -> CompiledGrammar:
         kind, text, c = spec.kind, spec.text, self._compiler
+        if kind == "json":
+            try:
+                check_json_schema(json.loads(text))  # what xgrammar would not hold outputs to
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json: {e}") from None
         try:
             if kind == "json":
                 return c.compile_json_schema(text, any_whitespace=self.json_any_whitespace)

@@ -102,7 +102,8 @@ class GrammarManager:
         thread; `take_ready` returns the request once it is done.
 
         Raises:
-            ValueError: xgrammar is not installed (the message says what to install).
+            ValueError: xgrammar or jsonschema is not installed (the message says what to
+                install).
         """
         if self._compiler is None:
             try:
@@ -110,7 +111,7 @@ class GrammarManager:
             except ImportError as e:
                 raise ValueError(
                     f"structured_outputs: this server cannot constrain outputs ({e}); install "
-                    "the xgrammar package (requirements.txt pins it)") from None
+                    "the xgrammar and jsonschema packages (requirements.txt pins them)") from None
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
                                              stop_token_ids=self.stop_token_ids)
             self._filler = BitmaskFiller()

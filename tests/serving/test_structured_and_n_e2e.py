@@ -100,6 +100,10 @@ def test_regex_over_a_grpc_stream_equals_in_process(server, in_process):
     ({"grammar": 'root ::= "a" | '}, "structured_outputs.grammar: invalid grammar"),
     ({"regex": "a", "choice": ["b"]}, "give exactly one of"),
     ({"json": "{not json"}, "structured_outputs.json"),
+    # valid JSON Schema that xgrammar would not hold the output to (constrained.schema_check)
+    ({"json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+     "structured_outputs.json: unsupported JSON schema: at the root: xgrammar would not hold "
+     "the output to `uniqueItems`"),
 ])
 def test_a_bad_constraint_fails_alone(server, constraint, needle):
     good = {"temperature": 0, "max_tokens": 40, "structured_outputs": {"choice": ["yes", "no"]}}
