@@ -12,9 +12,10 @@ Two checks, so that every output of an accepted schema validates against it:
    - never enforced: `allOf`, `not`, `if` / `then` / `else`, `dependentRequired`,
      `dependentSchemas`, `dependencies`, `uniqueItems: true`, `contains` (and `minContains`,
      `maxContains`);
-   - enforced only in some forms: `multipleOf` only for `"type": "integer"`; `format` only for
-     FORMATS; `pattern` / `format` not together with `minLength` / `maxLength`; string and number
-     keywords only under a `type`; `required` only for names under `properties`;
+   - enforced only in some forms: `multipleOf` only for `"type": "integer"`; of JSON Schema's
+     own formats, only FORMATS (other formats are annotations); `pattern` / `format` not
+     together with `minLength` / `maxLength`; string and number keywords only under a `type`;
+     `required` only for names under `properties`;
    - the siblings of `$ref`, `anyOf` and `oneOf` are dropped: only ANNOTATIONS may sit beside them;
    - the siblings of `enum` / `const` are dropped: accepted when every listed value satisfies them.
    `oneOf` is read as `anyOf`, as vLLM's xgrammar backend does: an output may match two branches.
@@ -32,6 +33,9 @@ from jsonschema.exceptions import SchemaError
 FORMATS = frozenset({
     "date", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "json-pointer",
     "relative-json-pointer", "time", "uri", "uri-reference", "uri-template", "uuid"})
+# JSON Schema 2020-12's own formats (its validation spec, section 7.3); others (pydantic's
+# "binary", OpenAPI's "int32", ...) are annotations that every string satisfies
+STANDARD_FORMATS = FORMATS | {"idn-email", "idn-hostname", "iri", "iri-reference", "regex"}
 # keywords that constrain nothing (allowed beside $ref, anyOf, oneOf, enum and const)
 ANNOTATIONS = frozenset({
     "$anchor", "$comment", "$defs", "$id", "$schema", "contentEncoding", "contentMediaType",
@@ -129,7 +133,7 @@ def _check_node(node: Mapping, path: tuple, validator: Any, defs: dict) -> None:
                 refuse(key, "it applies only under a `type`; add one")
     if "multipleOf" in node and "number" in types:
         refuse("multipleOf", 'only `"type": "integer"` is held to it')
-    if "format" in node and "string" in types and node["format"] not in FORMATS:
+    if "format" in node and "string" in types and node["format"] in STANDARD_FORMATS - FORMATS:
         refuse("format", f"{node['format']!r} is not one of {', '.join(sorted(FORMATS))}")
     if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
         refuse("minLength" if "minLength" in node else "maxLength",
@@ -144,4 +148,4 @@ def _pointer(path: Any) -> str:
     return "/" + "/".join(parts) if parts else "the root"
 
 
-__all__ = ["ANNOTATIONS", "FORMATS", "check_json_schema"]
+__all__ = ["ANNOTATIONS", "FORMATS", "STANDARD_FORMATS", "check_json_schema"]

@@ -18,7 +18,12 @@ import xgrammar as xgr
 from hypothesis import given, settings
 from xgrammar.testing import _is_grammar_accept_string as xgrammar_accepts
 
-from mla_backend.constrained.schema_check import ANNOTATIONS, FORMATS, check_json_schema
+from mla_backend.constrained.schema_check import (
+    ANNOTATIONS,
+    FORMATS,
+    STANDARD_FORMATS,
+    check_json_schema,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from constrained_helpers import schemas  # noqa: E402
@@ -77,10 +82,18 @@ def test_a_keyword_xgrammar_drops_is_refused(schema, wrong, message) -> None:
         check_json_schema(schema)
 
 
-def test_an_unsupported_format_is_refused_and_a_supported_one_is_enforced() -> None:
+def test_formats_xgrammar_lacks_are_refused_unless_they_are_annotations() -> None:
     wrong = '"not an address"'
     assert xgrammar_accepts(xgr.Grammar.from_json_schema(
         json.dumps({"type": "string", "format": "idn-email"}), any_whitespace=True), wrong)
+    for fmt in STANDARD_FORMATS - FORMATS:
+        with pytest.raises(ValueError, match=f"`format` .*'{fmt}'"):
+            check_json_schema({"type": "string", "format": fmt})
+    # a format outside JSON Schema's own list constrains nothing: any string is valid
+    binary = {"type": "string", "format": "binary"}
+    assert jsonschema.Draft202012Validator(
+        binary, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER).is_valid("!")
+    check_json_schema(binary)
     for fmt in FORMATS:
         schema = {"type": "string", "format": fmt}
         check_json_schema(schema)
