@@ -62,6 +62,9 @@ _ONE = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedIt
         "propertyNames", "additionalItems")
 _LIST = ("anyOf", "oneOf", "prefixItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions")
+# deepest nesting of JSON objects and arrays checked (the checks recurse, about five Python frames
+# a level in jsonschema)
+MAX_DEPTH = 128
 
 
 def check_json_schema(schema: Any) -> None:
@@ -70,6 +73,8 @@ def check_json_schema(schema: Any) -> None:
     "unsupported JSON schema: at <pointer>: " (check 2)."""
     if not isinstance(schema, Mapping):
         raise ValueError(f"invalid JSON schema: expected an object, got {type(schema).__name__}")
+    if _depth(schema) > MAX_DEPTH:
+        raise ValueError(f"unsupported JSON schema: nested more than {MAX_DEPTH} levels deep")
     validator = jsonschema.validators.validator_for(schema,
                                                     default=jsonschema.Draft202012Validator)
     try:
@@ -143,9 +148,25 @@ def _check_node(node: Mapping, path: tuple, validator: Any, defs: dict) -> None:
         refuse("required", f"{missing[0]!r} has no entry in `properties`")
 
 
+def _depth(value: Any) -> int:
+    """Levels of JSON objects and arrays in `value` (0 for a scalar), without recursing."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, level = todo.pop()
+        children = (node.values() if isinstance(node, Mapping)
+                    else node if isinstance(node, (list, tuple)) else None)
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_DEPTH:
+            break
+        todo.extend((child, level + 1) for child in children)
+    return deepest
+
+
 def _pointer(path: Any) -> str:
     parts = [str(p).replace("~", "~0").replace("/", "~1") for p in path]
     return "/" + "/".join(parts) if parts else "the root"
 
 
-__all__ = ["ANNOTATIONS", "FORMATS", "STANDARD_FORMATS", "check_json_schema"]
+__all__ = ["ANNOTATIONS", "FORMATS", "MAX_DEPTH", "STANDARD_FORMATS", "check_json_schema"]

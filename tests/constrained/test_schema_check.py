@@ -21,6 +21,7 @@ from xgrammar.testing import _is_grammar_accept_string as xgrammar_accepts
 from mla_backend.constrained.schema_check import (
     ANNOTATIONS,
     FORMATS,
+    MAX_DEPTH,
     STANDARD_FORMATS,
     check_json_schema,
 )
@@ -144,3 +145,16 @@ def test_the_property_tests_schemas_are_accepted(schema) -> None:
 def test_a_property_named_like_a_keyword_is_a_name() -> None:
     check_json_schema({"type": "object", "properties": {"not": _INT, "allOf": _INT},
                        "required": ["not"]})
+
+
+def test_nesting_is_bounded_before_the_checks_recurse() -> None:
+    def nested(levels: int) -> dict:
+        schema: dict = {"type": "integer"}
+        for _ in range(levels):  # two JSON levels each: the object and its `properties`
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        return schema
+
+    check_json_schema(nested(MAX_DEPTH // 2 - 1))
+    for levels in (MAX_DEPTH // 2 + 1, 400):  # 400: deeper than jsonschema's recursion goes
+        with pytest.raises(ValueError, match=f"nested more than {MAX_DEPTH} levels"):
+            check_json_schema(nested(levels))
