@@ -86,13 +86,15 @@ def check_json_schema(schema: Any) -> None:
     _walk(schema, (), validator, defs)
 
 
-def _walk(node: Any, path: tuple, validator: Any, defs: dict) -> None:
+def _walk(node: Any, path: tuple, validator: Any, defs: dict, names: bool = False) -> None:
+    """Check `node` and the schemas inside it; names: `node` is a `propertyNames` schema (its
+    instances are strings without a `type` saying so)."""
     if not isinstance(node, Mapping):
         return  # true / false
-    _check_node(node, path, validator, defs)
+    _check_node(node, path, validator, defs, names)
     for key in _ONE:
         if isinstance(node.get(key), Mapping):
-            _walk(node[key], (*path, key), validator, defs)
+            _walk(node[key], (*path, key), validator, defs, key == "propertyNames")
     for key in _LIST:
         for i, sub in enumerate(node.get(key) or ()):
             _walk(sub, (*path, key, i), validator, defs)
@@ -101,7 +103,7 @@ def _walk(node: Any, path: tuple, validator: Any, defs: dict) -> None:
             _walk(sub, (*path, key, name), validator, defs)
 
 
-def _check_node(node: Mapping, path: tuple, validator: Any, defs: dict) -> None:
+def _check_node(node: Mapping, path: tuple, validator: Any, defs: dict, names: bool) -> None:
     def refuse(keyword: str, why: str) -> None:
         raise ValueError(f"unsupported JSON schema: at {_pointer(path)}: xgrammar would not hold "
                          f"the output to `{keyword}` ({why})")
@@ -132,6 +134,8 @@ def _check_node(node: Mapping, path: tuple, validator: Any, defs: dict) -> None:
             return
     types = node.get("type")
     types = {types} if isinstance(types, str) else set(types or ())
+    if names and not types:
+        types = {"string"}
     if not types:
         for key in (*_NUMERIC, *_STRING):
             if key in node:

@@ -101,6 +101,47 @@ def _containers(children):
 schemas = st.recursive(_leaf, _containers, max_leaves=5).filter(
     lambda s: s.get("type") in ("object", "array"))
 
+# --- the other keywords `schema_check` lets through (bounded, so random decodes terminate)
+
+_rich_leaf = st.one_of(
+    _leaf,
+    st.sampled_from(["^[a-c]{1,4}$", "^[0-9]{3}-[0-9]{2}$", "^(yes|no)$"]).map(
+        lambda p: {"type": "string", "pattern": p}),
+    st.sampled_from(["date", "uuid", "ipv4", "time"]).map(
+        lambda f: {"type": "string", "format": f}),
+    st.tuples(st.integers(2, 7), st.integers(0, 40)).map(
+        lambda t: {"type": "integer", "multipleOf": t[0], "minimum": -t[1], "maximum": t[1]}),
+    st.just({"type": "string", "enum": ["S", "M", "L"], "description": "a size"}),
+    st.just({"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "null"}],
+             "default": None, "title": "maybe"}),
+    st.just({"type": ["boolean", "null"]}),
+)
+
+
+def _rich_containers(children):
+    tuples = st.lists(children, min_size=1, max_size=2).map(
+        lambda items: {"type": "array", "prefixItems": items, "items": False,
+                       "minItems": len(items)})
+    maps = st.tuples(children, st.integers(0, 2)).map(
+        lambda t: {"type": "object", "additionalProperties": t[0], "maxProperties": t[1],
+                   "propertyNames": {"pattern": "^[a-d]$"}})
+    return st.one_of(_containers(children), tuples, maps)
+
+
+def _with_defs(schema: dict) -> dict:
+    """The schema's first property, if any, moved to $defs and referenced from its place."""
+    props = schema.get("properties")
+    if not props:
+        return schema
+    name = next(iter(props))
+    return {**schema, "$defs": {"D": props[name]},
+            "properties": {**props, name: {"$ref": "#/$defs/D", "description": "moved"}}}
+
+
+rich_schemas = st.recursive(_rich_leaf, _rich_containers, max_leaves=5).filter(
+    lambda s: s.get("type") in ("object", "array")).flatmap(
+    lambda s: st.sampled_from([s, _with_defs(s)]))
+
 
 # --- regexes in the common dialect of xgrammar and Python's re, with bounded repetition (not
 # `\s`: xgrammar's follows ECMAScript and includes U+FEFF, Python's does not)

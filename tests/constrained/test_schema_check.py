@@ -147,6 +147,15 @@ def test_a_property_named_like_a_keyword_is_a_name() -> None:
                        "required": ["not"]})
 
 
+def test_property_names_are_strings_without_a_type() -> None:
+    schema = {"type": "object", "additionalProperties": _INT,
+              "propertyNames": {"pattern": "^a", "maxLength": 3}}
+    with pytest.raises(ValueError, match="/propertyNames: .*`maxLength`"):  # beside pattern
+        check_json_schema(schema)
+    del schema["propertyNames"]["maxLength"]
+    check_json_schema(schema)
+
+
 def test_nesting_is_bounded_before_the_checks_recurse() -> None:
     def nested(levels: int) -> dict:
         schema: dict = {"type": "integer"}
