@@ -6,8 +6,10 @@ Usage:
 
 Sends the vLLM-backend inputs (text_input, stream=true, sampling_parameters JSON) and prints each
 `text_output` delta; with --stats also the finish reason, prompt / cached tokens and the total
-of the per-response `num_output_tokens`.
-Exit code 1 on an error response, 2 when --chat names a tokenizer without a chat template.
+of the per-response `num_output_tokens`. --sampling adds sampling parameters, e.g. a constraint:
+    --sampling '{"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}}'
+Exit code 1 on an error response, 2 when --chat names a tokenizer without a chat template or
+--sampling is not a JSON object.
 """
 
 from __future__ import annotations
@@ -53,11 +55,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--stats", action="store_true", help="print finish reason and token counts")
+    ap.add_argument("--sampling", metavar="JSON", default="{}",
+                    help="more sampling parameters (a JSON object), over --max-tokens and "
+                         "--temperature: structured_outputs, seed, stop, logit_bias, ...")
     ap.add_argument("--chat", metavar="MODEL_DIR",
                     help="wrap the prompt in the chat template of the tokenizer in MODEL_DIR (e.g. "
                          "model_repository/smollm2-135m-instruct/weights); otherwise text_input "
                          "is sent as is, as with Triton's vLLM backend")
     args = ap.parse_args(argv)
+    try:
+        extra = json.loads(args.sampling)
+    except json.JSONDecodeError as e:
+        extra = e
+    if not isinstance(extra, dict):
+        print(f"error: --sampling must be a JSON object ({extra})", file=sys.stderr)
+        return 2
     prompt = args.prompt
     if args.chat:
         from transformers import AutoTokenizer
@@ -73,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(args.url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, **extra}
     t0 = time.perf_counter()
     client.async_stream_infer(
         args.model, build_inputs(prompt, sampling, args.stats), request_id="1",

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -93,6 +96,26 @@ def test_regex_over_a_grpc_stream_equals_in_process(server, in_process):
     want = in_process.generate([PROMPT], SamplingParams.from_dict(sampling))[0]
     assert len(by_rid["re1"]) > 2 and text_of(by_rid["re1"]) == want.text
     assert re.fullmatch(r"\+1 [0-9]{3}-[0-9]{4}", want.text)
+
+
+def test_the_grpc_example_client_sends_a_constraint(server, in_process):
+    """client_examples/grpc_stream.py --sampling (README "Structured outputs")."""
+    from mla_backend.request import SamplingParams
+
+    regex = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
+    extra = {"structured_outputs": {"regex": regex}}
+    script = Path(__file__).resolve().parents[2] / "client_examples" / "grpc_stream.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--url", server.grpc_url, "--model", MODEL, "--prompt",
+         PROMPT, "--max-tokens", "30", "--sampling", json.dumps(extra)],
+        capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    want = in_process.generate([PROMPT], SamplingParams.from_dict(
+        {"temperature": 0, "max_tokens": 30, **extra}))[0]
+    assert run.stdout.strip() == want.text and re.fullmatch(regex, want.text)
+    bad = subprocess.run([sys.executable, str(script), "--url", server.grpc_url, "--sampling",
+                          "[1]"], capture_output=True, text=True, timeout=TIMEOUT)
+    assert bad.returncode == 2 and "--sampling must be a JSON object" in bad.stderr
 
 
 @pytest.mark.parametrize("constraint, needle", [
