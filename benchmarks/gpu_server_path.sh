@@ -69,8 +69,11 @@ case "$step" in
 esac
 case "$step" in
   tests)
-    # what the stub imports, as the stub sees it (no PYTHONPATH)
-    (unset PYTHONPATH; cd /tmp && python3 -c 'import mla_backend.client, mla_backend.engine, xgrammar; from transformers import AutoTokenizer; print("stub imports: ok")') \
+    # what the stub imports, as the stub sees it (no PYTHONPATH); structured outputs' libraries
+    # where the bundle has them (not with MLA_BUNDLE_PART=server)
+    structured=""
+    [[ -d "${MLA_GPU_DIR:-/tmp/mla_gpu}/extra/xgrammar" ]] && structured=", xgrammar, jsonschema"
+    (unset PYTHONPATH; cd /tmp && python3 -c "import mla_backend.client, mla_backend.engine$structured; from transformers import AutoTokenizer; print('stub imports: ok')") \
       >"$out/stub_import.log" 2>&1
     tail -40 "$out/stub_import.log"
     grep -q "stub imports: ok" "$out/stub_import.log" || exit 3
