@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         extra = json.loads(args.sampling)
-    except json.JSONDecodeError as e:
-        extra = e
+    except json.JSONDecodeError:
+        extra = None
     if not isinstance(extra, dict):
-        print(f"error: --sampling must be a JSON object ({extra})", file=sys.stderr)
+        print(f"error: --sampling must be a JSON object, got {args.sampling!r}", file=sys.stderr)
         return 2
     prompt = args.prompt
     if args.chat:

@@ -19,7 +19,6 @@ from hypothesis import given, settings
 from xgrammar.testing import _is_grammar_accept_string as xgrammar_accepts
 
 from mla_backend.constrained.schema_check import (
-    ANNOTATIONS,
     FORMATS,
     MAX_DEPTH,
     STANDARD_FORMATS,
@@ -133,7 +132,6 @@ def test_schemas_xgrammar_holds_outputs_to_are_accepted() -> None:
     from bench_structured import SCHEMA
 
     check_json_schema(SCHEMA)
-    assert {"title", "description", "default", "$defs"} <= ANNOTATIONS
 
 
 @settings(max_examples=200, deadline=None)
