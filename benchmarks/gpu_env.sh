@@ -28,9 +28,8 @@ if [[ ! -x "$MLA_GPU_DIR/venv/bin/python" ]]; then
   echo "import site; site.addsitedir('$MLA_GPU_DIR/image_site')" >"$venv_site/zz_machine_site.pth"
   # structured outputs (xgrammar), after the machine's packages; pydantic and jsonschema only
   # where it lacks them
-  extra="$MLA_GPU_DIR/extra/xgrammar"
-  python3 -c 'import pydantic' 2>/dev/null || extra="$extra:$MLA_GPU_DIR/extra/pydantic"
-  python3 -c 'import jsonschema' 2>/dev/null || extra="$extra:$MLA_GPU_DIR/extra/jsonschema"
+  source benchmarks/gpu_extra_path.sh
+  extra="$(mla_extra_path "$MLA_GPU_DIR")"
   echo "$extra" >"$MLA_GPU_DIR/extra_path"
   # ahead of the machine's packages: pydantic needs a newer typing_extensions than some images have
   echo "import sys; sys.path[:0] = '$extra'.split(':')" >"$venv_site/zzz_structured_outputs.pth"

@@ -48,11 +48,8 @@ case "$step" in
     if [[ -f .gpux/structured.tar.xz ]]; then  # in-process only: xgrammar and the tokenizer
       x=/tmp/mla_gpux
       [[ -d "$x/extra" ]] || { mkdir -p "$x" && tar -xJf .gpux/structured.tar.xz -C "$x"; }
-      extra="$x/extra/xgrammar"
-      for pkg in pydantic jsonschema; do
-        python3 -c "import $pkg" 2>/dev/null || extra="$extra:$x/extra/$pkg"
-      done
-      export PYTHONPATH="$PWD:$extra" MLA_DEEPSEEK_TOKENIZER_DIR="$x/tokenizer"
+      source benchmarks/gpu_extra_path.sh
+      export PYTHONPATH="$PWD:$(mla_extra_path "$x")" MLA_DEEPSEEK_TOKENIZER_DIR="$x/tokenizer"
     else
       source benchmarks/gpu_env.sh || exit 1
     fi
