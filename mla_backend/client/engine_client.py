@@ -217,6 +217,11 @@ class EngineClient:
     def _kill_engine(self) -> None:
         """Stop an engine that did not stop when asked (nothing for a thread)."""
 
+    def kill(self) -> None:
+        """Stop the engine at once without asking it, its tensor-parallel workers with it: for
+        a front door whose server is gone. Nothing for an engine thread (it ends with this
+        process)."""
+
     # ------------------------------------------------------------------ start and stop
     def _wait_ready(self) -> dict[str, Any]:
         while not self._channel.poll(_START_POLL_S):
@@ -437,6 +442,14 @@ class ProcessClient(EngineClient):
 
     def _join_engine(self, timeout_s: float) -> None:
         self._proc.join(timeout_s)
+
+    def kill(self) -> None:
+        self._receiving = False  # the engine's exit is no failure now
+        try:
+            # the engine leads a process group of its own (_own_session), its workers in it
+            os.killpg(self.pid, signal.SIGKILL)
+        except OSError:  # setsid was refused: no such group
+            self._proc.kill()
 
     def _kill_engine(self) -> None:
         self._proc.terminate()

@@ -49,6 +49,8 @@ from mla_backend.serving.stub_check import (
 )
 
 _FINALIZE_DRAIN_S = 10.0  # how long finalize() waits for aborted requests' final outputs
+_SERVER_WATCH_S = 0.5  # how often the adapter checks that tritonserver is still its parent (s)
+_STUB_EXIT_GRACE_S = 5.0  # how long the stub gets to exit by itself once tritonserver is gone (s)
 _DEFAULT_SENDER_THREADS = 4  # RESPONSE_SENDER_THREADS when config.pbtxt does not set it
 
 
@@ -186,6 +188,9 @@ class TritonPythonModel:
         except BaseException:
             self.client.close()
             raise
+        self._server_pid = os.getppid()
+        self._finalized = threading.Event()
+        threading.Thread(target=self._watch_server, name="mla-server-watch", daemon=True).start()
 
     def _log_loaded(self, config: EngineConfig, seconds: float) -> None:
         client = self.client
@@ -276,6 +281,27 @@ class TritonPythonModel:
                 f"[mla_backend] {self.model_name}: could not unload itself ({e}); the model "
                 "stays loaded and fails every request; reload it or restart the server")
 
+    # ------------------------------------------------------------------ a dead server
+    def _watch_server(self) -> None:
+        """Stop the engine and end this stub once tritonserver has gone without unloading the
+        model (killed, or its exit timeout passed with requests in flight). The stub should
+        exit by itself then, but the 2.51 stub can deadlock instead: its health thread waits for
+        a lock that a cancellation query (`is_cancelled()`) holds while it waits for the dead
+        server's answer. The stub and the engine process, and the GPU memory that holds, then
+        stayed after the server was gone. Logs to stderr (the server's logger is gone too)."""
+        while os.getppid() == self._server_pid:
+            if self._finalized.wait(_SERVER_WATCH_S):
+                return
+        if self._finalized.wait(_STUB_EXIT_GRACE_S):  # the stub's own exit path ran finalize
+            return
+        print(f"[mla_backend] {self.model_name}: tritonserver (pid {self._server_pid}) is gone "
+              f"and this stub has not exited in {_STUB_EXIT_GRACE_S:g} s; stopping the engine "
+              "and exiting", file=sys.stderr, flush=True)
+        try:
+            self.client.kill()
+        finally:
+            os._exit(1)
+
     # ------------------------------------------------------------------ finalize
     def finalize(self) -> None:
         """Stop accepting, abort every live request (each gets its final response), stop the
@@ -292,6 +318,7 @@ class TritonPythonModel:
         self.responder.stop()
         self._log_pool_state()
         self.client.close()  # aborts what is left, stops tensor-parallel workers
+        self._finalized.set()
 
     def _log_pool_state(self) -> None:
         """Log the engine's counters and its pool invariant (nothing reads its outputs now)."""
