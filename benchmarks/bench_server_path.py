@@ -799,8 +799,10 @@ def write_outputs(args, raw: dict[str, dict[str, dict]], head: dict[str, str],
             print(f"\n{args.json}:\n{json.dumps(doc, indent=1)}")
     if args.details:
         for runs in sides.values():
-            for r in runs.values():
-                r.pop("per_request", None)
+            for label, r in runs.items():
+                per = r.pop("per_request", None)
+                if label == "c=1" and per:  # each request's TTFT (ms), in the order sent
+                    r["ttft_ms"] = [round(x[0] * 1e3, 2) for x in per]
         Path(args.details).write_text(json.dumps(
             {**head, "dtype_key": dtype_key, "args": vars(args), "engine_settings": settings,
              "sides": sides}, indent=1))

@@ -6,6 +6,7 @@ perf_analyzer's profile export."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,12 @@ def test_end_to_end_on_cpu(tmp_path):
                 assert abs(r["output_tokens"] / r["expected_tokens"] - 1) <= 0.1, (side, label)
                 assert r["wrong_count"] is None, (side, label)
             assert r["errors"] == [], (side, label)
+            if label == "c=1" and side in SAME_REQUESTS:  # each request's TTFT, c=1 only
+                assert len(r["ttft_ms"]) == count
+                assert statistics.median(r["ttft_ms"]) == pytest.approx(r["ttft_p50_ms"],
+                                                                        abs=0.01)
+            else:
+                assert "ttft_ms" not in r, (side, label)
             assert r["span_s"] * 1e3 >= r["e2e_p99_ms"] > 0  # first send to last token
             assert r["ttft_p50_ms"] < r["e2e_p50_ms"] and r["ttft_p99_ms"] < r["e2e_p99_ms"]
             assert r["client_cpu_s"] > 0

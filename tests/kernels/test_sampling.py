@@ -382,6 +382,7 @@ def test_sampler_fused_branch_with_token_masks_equals_the_torch_path(monkeypatch
     path with the caller's `restrict`, also with a row under min_new_tokens (its bans written
     around the kernel, `_greedy_with_bans`: in place, also on an eager forward's inference
     tensor); the logits are left as they were."""
+    pytest.importorskip("xgrammar")  # the GPU machine's server-only bundle has none
     import mla_kernels.sampling as sampling_mod
     from mla_backend.constrained.grammar import apply_bitmask_reference
     from mla_backend.model_executor.sampler import Sampler, TokenMasks
