@@ -4,8 +4,10 @@ One owner per part: this class reads config.pbtxt and starts the engine's front 
 (`client.make_client`: the engine in a child process of the stub, or on a thread with
 ENGINE_PROCESS "false") and the responder (`initialize`); parses each request, registers it with
 the responder and hands it to the client, which checks it once (`execute`: a bad request gets one
-INVALID_ARGUMENT error flagged FINAL); aborts, drains and closes (`finalize`). `responder.Responder`
-owns every response; `client.EngineClient` validation, the engine, text and stop strings.
+INVALID_ARGUMENT error flagged FINAL); aborts, drains and closes (`finalize`); ends the stub and
+its engine when tritonserver dies without unloading the model (`_watch_server`).
+`responder.Responder` owns every response; `client.EngineClient` validation, the engine, text
+and stop strings.
 
 A dead tensor-parallel worker or engine process (`EngineClient.failed`) is fatal: every live and
 later request ends with one UNAVAILABLE error naming it; the model stays "ready" (Triton 2.51 has
