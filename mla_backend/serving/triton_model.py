@@ -289,8 +289,8 @@ class TritonPythonModel:
         model (killed, or its exit timeout passed with requests in flight). The stub should
         exit by itself then, but the 2.51 stub can deadlock instead: its health thread waits for
         a lock that a cancellation query (`is_cancelled()`) holds while it waits for the dead
-        server's answer. The stub and the engine process, and the GPU memory that holds, then
-        stayed after the server was gone. Logs to stderr (the server's logger is gone too)."""
+        server's answer; the stub and the engine process (and the GPU memory it holds) would then
+        stay for good. Logs to stderr (the server's logger is gone too)."""
         while os.getppid() == self._server_pid:
             if self._finalized.wait(_SERVER_WATCH_S):
                 return
