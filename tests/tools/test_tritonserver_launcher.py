@@ -10,6 +10,7 @@ import signal
 import sys
 import tempfile
 import textwrap
+import time
 import urllib.request
 from pathlib import Path
 
@@ -93,8 +94,16 @@ def test_serves_and_stops_cleanly(tmp_path: Path) -> None:
     with server:
         assert server.model_states()["echo"][0] == "READY"
         assert _generate(server, "echo", "hi")["text_output"] == "echo:hi"
-        with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
-            assert 'nv_inference_request_success{model="echo",version="1"} 1' in r.read().decode()
+        # Triton counts the success after the response has left, so the counter may lag it
+        want = 'nv_inference_request_success{model="echo",version="1"} 1'
+        deadline = time.monotonic() + 10
+        while True:
+            with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+                text = r.read().decode()
+            if want in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert want in text
         pgid = server.proc.pid
     assert server.proc.returncode == 0
     with pytest.raises(ProcessLookupError):  # no stub left in the server's process group
