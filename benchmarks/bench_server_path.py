@@ -9,7 +9,10 @@ The in-process peak also prints its steps by kind with the time they waited for 
 (`bench_suite.StepLog`, as bench_profile's steps section): a wait near 0 means host-bound. For
 the server side it prints the engine process's loop times (`engine.LoopTimes`) and, per run,
 the clients' mean TTFT against the adapter's (from the stub's registration of a request; the
-difference is the way in to the stub and the first token's way out).
+difference is the way in to the stub and the first token's way out). At concurrency 1 it also
+prints the median of the per-request TTFT differences (server − in-process, the same prompts in
+the same order), which leaves out the spread between prompts; `--log-compiles` prints, per
+in-process run, the triton kernels specialized after load and the garbage collections.
 The second command below adds an FP8 peak (no sweep) to the first one's JSON file.
 `--clients ... genai_perf` adds genai-perf (`find_genai_perf`), which sends requests of its own:
 text prompts and output lengths drawn with the run's mean lengths (`genai_perf_argv`); its rows
@@ -178,6 +181,20 @@ def stub_ttft_mean_ms(before: tuple[float, float], after: tuple[float, float]) -
     return 1e3 * (after[0] - before[0]) / count if count > 0 else None
 
 
+def paired_ttft_ms(server: dict[str, Any], base: dict[str, Any]) -> float | None:
+    """Median over requests of (server TTFT - in-process TTFT), ms, from two `trace_result`s of
+    the same jobs (per_request in job order); None unless every request of both got tokens. At
+    concurrency 1 both sides prefill the same prompts in the same order, so this compares each
+    prompt with itself and leaves out the spread between prompts that the p50s carry."""
+    import numpy as np
+
+    a, b = server.get("per_request") or [], base.get("per_request") or []
+    if not a or len(a) != len(b) or len(a) != server["requests"] or \
+            len(b) != base["requests"]:
+        return None
+    return float(np.median([(x[0] - y[0]) * 1e3 for x, y in zip(a, b)]))
+
+
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Output tok/s, TTFT mean and TTFT / ITL / end-to-end p50 and p99 (ms) of a
     `trace_result`."""
@@ -213,6 +230,7 @@ def in_process_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """The engine with the server model's settings (its config.pbtxt), in this process, loaded
     by `serving_client.engine_load` (record_times)."""
     import torch
+    from bench_profile import CompileLog, GcPauses
     from bench_suite import StepLog, table
     from serving_client import engine_load
 
@@ -231,10 +249,31 @@ def in_process_worker(spec: dict[str, Any]) -> dict[str, Any]:
     for run in (Run(**r) for r in spec["runs"]):
         jobs = run_jobs(requests, run)
         steps = StepLog(engine) if run.label == "peak" else None
-        stats = engine_load(engine, jobs, run.concurrency, record_times=True,
-                            on_step=steps.on_step if steps else None)
+        with contextlib.ExitStack() as watch:
+            if spec.get("log_compiles"):
+                step_count = [0]
+
+                def on_step(dt: float, count=step_count, inner=steps) -> None:
+                    count[0] += 1
+                    if inner is not None:
+                        inner.on_step(dt)
+                gcs = watch.enter_context(GcPauses())
+                compiles = watch.enter_context(CompileLog(lambda c=step_count: c[0]))
+            else:
+                on_step = steps.on_step if steps else None
+            stats = engine_load(engine, jobs, run.concurrency, record_times=True,
+                                on_step=on_step)
         results.append(load_result(stats, jobs))
         print(f"  in-process {run.label}: {stats.tokens_per_s:,.0f} tok/s", flush=True)
+        if spec.get("log_compiles"):  # what could hold up one request of this run
+            results[-1]["compiles"] = compiles.events
+            results[-1]["gc_pauses"] = gcs.summary()
+            for name, ms, step in compiles.events:
+                print(f"    triton specialized {name} at step {step}: {ms:.0f} ms", flush=True)
+            for gen, (n, total, most) in gcs.summary().items():
+                if n:
+                    print(f"    gc generation {gen}: {n} collections, {total:.0f} ms, the "
+                          f"longest {most:.1f} ms", flush=True)
         if steps is not None:  # where the peak's steps spent their time (host or GPU)
             steps.close()
             cgr = engine.runner.cuda_graph_runner
@@ -639,6 +678,10 @@ def report(args, sides: dict[str, dict[str, dict]], show: bool
             rows.append([client, "c=1: TTFT p50 at most 2 ms above in-process",
                          f"{extra:+.2f} ms",
                          "yes" if extra <= TARGETS["ttft_c1_extra_ms"] else "NO"])
+            paired = paired_ttft_ms(s, b)
+            if paired is not None:  # the same prompts, one at a time, in the same order
+                rows.append([client, "c=1: TTFT, median of the per-request differences "
+                             "(server - in-process; not a target)", f"{paired:+.2f} ms", ""])
     emit("Targets (issue 41)", ["client", "target", "measured", "met"], rows)
     emit("genai-perf's own requests: prompts and output lengths drawn with the same means and "
          "standard deviations as the other sides' (min_tokens = max_tokens); output tokens as "
@@ -749,6 +792,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="update --json's file: its other dtype key and its sweep rows of other "
                          "(concurrency, side) pairs stay")
     ap.add_argument("--details", default=None, help="JSON with every number of every run")
+    ap.add_argument("--log-compiles", action="store_true",
+                    help="in-process: print (and keep in --details) per run the triton kernels "
+                         "specialized after the engine loaded (bench_profile.CompileLog: a "
+                         "compile or an on-disk cache read, with the step it came in) and the "
+                         "garbage collections (bench_profile.GcPauses)")
     ap.add_argument("--commit", default=None, help="commit to record (default: git HEAD)")
     ap.add_argument("--workdir", default=None,
                     help="keep the server log, perf_analyzer logs and inputs here")
@@ -880,6 +928,7 @@ def main(argv: list[str]) -> int:
         if not args.no_in_process:
             log("in-process engine (a child process)")
             got = run_worker(IN_PROCESS, {**spec, "config": str(config),
+                                          "log_compiles": args.log_compiles,
                                           "runs": [dataclasses.asdict(r) for r in runs]},
                              workdir, args.startup_timeout + args.run_timeout * len(runs))
             head["hardware"] = got["hardware"]

@@ -6,6 +6,7 @@ perf_analyzer's profile export."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def test_end_to_end_on_cpu(tmp_path):
             "--concurrency", "1", "4", "--sweep-min-requests", "3", "--max-output", "6",
             "--max-prompt", "48", "--client-procs", "2", "--json", str(out),
             "--details", str(details), "--server-param", "REPORT_CUSTOM_METRICS=true",
-            "--clients", "perf_analyzer", "own_client", "genai_perf"]
+            "--clients", "perf_analyzer", "own_client", "genai_perf", "--log-compiles"]
     proc = subprocess.run([sys.executable, str(BENCH / "bench_server_path.py"), *argv],
                           capture_output=True, text=True, timeout=600)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -45,6 +46,10 @@ def test_end_to_end_on_cpu(tmp_path):
     for title in ("### Peak", "### Concurrency sweep", "### Targets",
                   "### Where the server's TTFT", "### genai-perf's own requests"):
         assert title in proc.stdout, log
+    for client in ("perf_analyzer", "own_client"):  # the c=1 TTFTs paired request by request
+        assert re.search(rf"\| {client} \| c=1: TTFT, median of the per-request differences "
+                         r"\(server - in-process; not a target\) \| [+-]\d+\.\d\d ms \|",
+                         proc.stdout), log
 
     doc = json.loads(out.read_text())
     assert list(doc) == SCHEMA
@@ -91,6 +96,11 @@ def test_end_to_end_on_cpu(tmp_path):
             assert (r.get("server_cpu_s", 0) > 0) == (side != "in_process"), (side, label)
             if side != "in_process":  # the adapter's TTFT (from the stub) within the client's
                 assert 0 < r["stub_ttft_mean_ms"] < r["ttft_mean_ms"], (side, label)
+            else:  # --log-compiles: kernel specializations and collections during the run
+                assert isinstance(r["compiles"], list), label
+                assert sorted(r["gc_pauses"]) == ["0", "1", "2"], label
+                assert all(n >= 0 and 0 <= most <= total for n, total, most
+                           in r["gc_pauses"].values()), label
     # the own client's loads over two processes (one at concurrency 1)
     assert [sides["own_client"][label]["client_procs"] for label in ("peak", "c=1", "c=4")] \
         == [2, 1, 2]
@@ -101,6 +111,20 @@ def test_end_to_end_on_cpu(tmp_path):
     loop = json.loads(details.read_text())["server_engine_loop"]
     assert loop["steps"] >= 2 * sum(outs[:3]) and loop["step_ms_per_step"] > 0, loop
     assert "server's engine process, whole run" in proc.stdout + proc.stderr, log
+
+
+def test_paired_ttft_is_the_median_of_per_request_differences():
+    """Server − in-process TTFT request by request (ms), the median of those differences; None
+    when a request of either side got no tokens (the lists would not pair up)."""
+    base = {"requests": 4, "per_request": [[0.010, 0, 0], [0.050, 0, 0], [0.020, 0, 0],
+                                           [0.100, 0, 0]]}
+    server = {"requests": 4, "per_request": [[0.013, 0, 0], [0.051, 0, 0], [0.030, 0, 0],
+                                             [0.090, 0, 0]]}
+    # differences +3, +1, +10, -10 ms: median +2 ms (the p50s differ by 3.5 ms)
+    assert bsp.paired_ttft_ms(server, base) == pytest.approx(2.0)
+    short = {"requests": 4, "per_request": server["per_request"][:3]}
+    assert bsp.paired_ttft_ms(short, base) is None
+    assert bsp.paired_ttft_ms(base, short) is None
 
 
 def test_profile_export_token_counts(tmp_path):
