@@ -121,6 +121,8 @@ class RunnerConfig:
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
     torch_compile_mode: str = "max-autotune-no-cudagraphs"  # torch.compile's mode argument
+    # Prefill warm-up at load (`Engine.warm_up`): "auto" (on CUDA), "true", "false".
+    warmup: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,8 @@ class EngineConfig:
                f"not a torch.compile mode: {r.torch_compile_mode!r}")
         _check(not (r.enable_torch_compile and r.disable_cuda_graph), "enable_torch_compile",
                "needs CUDA graphs (disable_cuda_graph is true)")
+        _check(r.warmup in ("auto", "true", "false"), "warmup",
+               f"must be auto, true or false, got {r.warmup!r}")
         _check(r.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {r.attention_backend!r}")
 

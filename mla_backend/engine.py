@@ -148,6 +148,18 @@ def freeze_startup_objects() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def warmup_lengths(cap: int) -> list[int]:
+    """`Engine.warm_up`'s prompt lengths up to `cap` tokens: 1, each power of two from 16 and
+    one more than it (triton specializes integer arguments divisible by 16, so both kinds of
+    length are compiled), and `cap`."""
+    out = {1, cap}
+    p = 16
+    while p <= cap:
+        out.update((p, p + 1))
+        p *= 2
+    return sorted(n for n in out if n <= cap)
+
+
 class Engine:
     """Args:
         config: the frozen engine configuration.
@@ -218,6 +230,10 @@ class Engine:
         self._closed = False
         # Set once, by the engine thread, on a tensor-parallel failure; read by any thread.
         self.failed: str | None = None
+        warmup = config.runner.warmup
+        if warmup == "true" or (warmup == "auto" and on_cuda):
+            prefills, seconds = self.warm_up()
+            logger.info("warm-up: %d prefill batches in %.1f s", prefills, seconds)
         freeze_startup_objects()
 
     # ------------------------------------------------------------------ any thread
@@ -810,6 +826,51 @@ class Engine:
             elif isinstance(src, (list, tuple)):
                 ids.update(int(x) for x in src)
         return ids
+
+    def warm_up(self) -> tuple[int, float]:
+        """Run every kind of prefill batch the engine will meet once, at load, so that the
+        triton kernels they launch (extend attention, the MoE tiles of each rows-per-expert
+        class, the absorbed and decompressed MLA paths) are compiled now instead of in the first
+        requests' steps (a JIT compile takes a fraction of a second to seconds per kernel on a
+        machine without triton's disk cache; decode kernels are compiled by graph capture, the
+        sampler's by `Sampler.warm_up`). Greedy requests of 2 tokens through the whole engine
+        (`generate`): one prompt of each length of `warmup_lengths` (up to one chunk, within the
+        context and the pool), one batch of three prompts, then a prompt that extends a cached
+        one (radix cache: an extend over a prefix). The prompts are token ids, not text. The
+        prefix cache is emptied after, so the pools are as they were. Returns (prefill batches
+        run, seconds). Called from `__init__` when `warmup` is on (by default on CUDA); not
+        with an engine thread running.
+
+        Raises:
+            RuntimeError: the warm-up left KV slots or request rows taken (a bug).
+        """
+        t = time.perf_counter()
+        s = self.config.scheduler
+        chunk = s.chunked_prefill_size if s.chunked_prefill_size > 0 else s.max_prefill_tokens
+        cap = min(chunk, s.max_prefill_tokens, self.context_len - 2, self.max_total_tokens - 2)
+        if cap < 1:
+            return 0, 0.0
+        greedy = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+
+        def prompt(n: int, start: int) -> list[int]:  # no two prompts share a first token
+            return [(start + 7919 * i) % self.vocab_size for i in range(n)]
+
+        lengths = warmup_lengths(cap)
+        for n in lengths:
+            self.generate([prompt(n, n)], greedy)
+        batch = [prompt(n, cap + 1 + n) for n in (5, 40, 300) if n <= cap]
+        self.generate(batch, greedy)
+        runs = len(lengths) + 1
+        if self.config.cache.enable_radix_cache and len(batch) > 1 and 40 + 33 <= cap:
+            self.generate([batch[1] + prompt(33, 3 * cap)], greedy)  # 40 tokens hit the cache
+            runs += 1
+        self.tree_cache.evict(self.tree_cache.evictable_size())
+        self.check_invariant()
+        free = self.runner.token_to_kv_pool_allocator.available_size()
+        if free != self.max_total_tokens or self._live or self._known_rids:
+            raise RuntimeError(f"the warm-up left {self.max_total_tokens - free} KV slots and "
+                               f"{len(self._live)} requests taken")
+        return runs, time.perf_counter() - t
 
     def check_invariant(self) -> None:
         """Raises AssertionError when free + tree-held + request-held != pool size."""

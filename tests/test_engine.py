@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mla_backend.config import GC_THRESHOLDS, EngineConfig
-from mla_backend.engine import Engine, InvalidRequestError
+from mla_backend.engine import Engine, InvalidRequestError, warmup_lengths
 from mla_backend.request import FinishReason, GenerateRequest, SamplingParams
 
 PROMPTS = [
@@ -60,6 +60,38 @@ def llama_dir(tiny_llama_factory):
 @pytest.fixture(scope="module")
 def llama_hf(llama_dir):
     return hf_greedy(llama_dir, PROMPTS, NEW_TOKENS)
+
+
+def test_warmup_lengths():
+    assert warmup_lengths(256) == [1, 16, 17, 32, 33, 64, 65, 128, 129, 256]
+    assert warmup_lengths(20) == [1, 16, 17, 20]
+    assert warmup_lengths(3) == [1, 3]
+
+
+def test_warm_up_leaves_the_engine_as_it_was(deepseek_dir, deepseek_hf, caplog):
+    """`warmup` "true" on the CPU runs the prefill warm-up at load (it is on by default on CUDA
+    only): one prefill per length up to a chunk, a batch of three and an extend over a cached
+    prefix. Afterwards every KV slot is free, the prefix cache is empty (a first request hits
+    nothing) and greedy outputs still equal Hugging Face's."""
+    with caplog.at_level("INFO", logger="mla_backend.engine"):
+        eng = make_engine(deepseek_dir, warmup="true", chunked_prefill_size=256,
+                          max_total_tokens=4096)
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records
+            if r.getMessage().startswith("warm-up:")] == ["warm-up: 12 prefill batches"]
+    st = eng.stats()
+    assert st["free_slots"] == st["total_slots"] == 4096
+    assert (st["evictable_slots"], st["protected_slots"], st["live"]) == (0, 0, 0)
+    res = eng.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in res] == deepseek_hf
+    assert [r.cached_tokens for r in res] == [0] * len(PROMPTS)
+    eng.check_invariant()
+    # again by hand: the cache now holds the prompts above, which it evicts with its own
+    assert eng.warm_up()[0] == 12
+    assert eng.stats()["free_slots"] == 4096
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mla_backend.engine"):
+        make_engine(deepseek_dir, max_total_tokens=4096)  # "auto" on the CPU: none
+    assert not [r for r in caplog.records if r.getMessage().startswith("warm-up:")]
 
 
 def test_smollm2_paris(smollm2_dir):

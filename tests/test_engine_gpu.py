@@ -161,3 +161,55 @@ def test_steps_do_not_wait_for_the_device(deepseek_dir, settings):
     sites = _sync_sites(eng, prompts, [8 + i for i in range(24)])
     assert not sites, f"host-device synchronizations in engine steps: {sites}"
     eng.check_invariant()
+
+
+_AFTER_LOAD = r"""
+import json, sys
+import torch
+from triton import knobs
+from mla_backend.config import EngineConfig
+from mla_backend.engine import Engine
+from mla_backend.request import SamplingParams
+
+eng = Engine(EngineConfig.create(model_path=sys.argv[1], device="cuda", dtype="bfloat16",
+                                 max_total_tokens=4096, warmup=sys.argv[2]))
+seen = []
+knobs.runtime.jit_cache_hook = lambda fn, **_: seen.append(fn.name)  # before each new one
+gen = torch.Generator().manual_seed(0)
+ids = lambda n: torch.randint(10, 1000, (n,), generator=gen).tolist()
+greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+long = ids(230)
+for n in (3, 50, 97, 777):
+    eng.generate([ids(n)], greedy)
+eng.generate([long], greedy)
+eng.generate([ids(11), ids(64), ids(150), ids(400)], greedy)
+eng.generate([long + ids(45)], greedy)  # 230 tokens from the prefix cache
+print(json.dumps(seen))
+"""
+
+
+def _specialized_after_load(model_dir: str, warmup: str) -> list[str]:
+    """The triton kernels a fresh process specializes (compiles or reads from the disk cache)
+    while serving prompts of other lengths than the warm-up's, alone, batched and over a cached
+    prefix, after an engine with `warmup` has loaded."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [repo] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    proc = subprocess.run([sys.executable, "-c", _AFTER_LOAD, model_dir, warmup], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_no_kernel_is_specialized_after_the_warm_up(deepseek_dir):
+    """After the load-time warm-up (`warmup` auto: on with CUDA) the first requests launch only
+    kernels already specialized: none waits for a triton compile. Without it the same requests
+    specialize some (so the check can fail)."""
+    assert _specialized_after_load(deepseek_dir, "false"), "nothing to warm up"
+    assert _specialized_after_load(deepseek_dir, "auto") == []

@@ -36,6 +36,7 @@ def test_batch_size_buckets():
     ({"torch_compile_max_bs": 0}, "torch_compile_max_bs"),
     ({"torch_compile_mode": "fastest"}, "torch_compile_mode"),
     ({"load_format": "pt"}, "load_format"),
+    ({"warmup": "yes"}, "warmup"),
 ])
 def test_runner_settings_validated(settings, key):
     with pytest.raises(ConfigError, match=key):
