@@ -842,7 +842,9 @@ class Engine:
         with an engine thread running.
 
         Raises:
-            RuntimeError: the warm-up left KV slots or request rows taken (a bug).
+            RuntimeError: a warm-up prefill failed (out of GPU memory: the message says which
+                settings to lower), or the warm-up left KV slots or requests taken (a bug).
+            EngineFailedError: a tensor-parallel worker failed.
         """
         t = time.perf_counter()
         s = self.config.scheduler
@@ -856,21 +858,25 @@ class Engine:
             return [(start + 7919 * i) % self.vocab_size for i in range(n)]
 
         lengths = warmup_lengths(cap)
-        for n in lengths:
-            self.generate([prompt(n, n)], greedy)
         batch = [prompt(n, cap + 1 + n) for n in (5, 40, 300) if n <= cap]
-        self.generate(batch, greedy)
-        runs = len(lengths) + 1
+        runs = [[prompt(n, n)] for n in lengths] + [batch]
         if self.config.cache.enable_radix_cache and len(batch) > 1 and 40 + 33 <= cap:
-            self.generate([batch[1] + prompt(33, 3 * cap)], greedy)  # 40 tokens hit the cache
-            runs += 1
+            runs.append([batch[1] + prompt(33, 3 * cap)])  # its first 40 tokens are cached
+        for prompts in runs:
+            errors = [r.error for r in self.generate(prompts, greedy) if r.error]
+            if errors:  # a failed forward ends its requests with the error
+                hint = (" (out of GPU memory, as a request's prefill of that size would be: "
+                        "lower mem_fraction_static, chunked_prefill_size or max_total_tokens)"
+                        if "out of memory" in errors[0].lower() else "")
+                raise RuntimeError(f"the warm-up's prefill of {sum(map(len, prompts))} tokens "
+                                   f"failed{hint}: {errors[0]}")
         self.tree_cache.evict(self.tree_cache.evictable_size())
         self.check_invariant()
         free = self.runner.token_to_kv_pool_allocator.available_size()
         if free != self.max_total_tokens or self._live or self._known_rids:
             raise RuntimeError(f"the warm-up left {self.max_total_tokens - free} KV slots and "
                                f"{len(self._live)} requests taken")
-        return runs, time.perf_counter() - t
+        return len(runs), time.perf_counter() - t
 
     def check_invariant(self) -> None:
         """Raises AssertionError when free + tree-held + request-held != pool size."""

@@ -94,6 +94,27 @@ def test_warm_up_leaves_the_engine_as_it_was(deepseek_dir, deepseek_hf, caplog):
     assert not [r for r in caplog.records if r.getMessage().startswith("warm-up:")]
 
 
+def test_warm_up_failure_names_the_prefill_and_what_to_lower(deepseek_dir, monkeypatch):
+    """A warm-up prefill whose forward fails (here: out of memory from 100 tokens on) fails the
+    load with the size of that prefill and the settings to lower, and leaves no slot taken."""
+    eng = make_engine(deepseek_dir, chunked_prefill_size=256, max_total_tokens=1024)
+    forward = eng.runner.forward
+
+    def oom_from_100(fb):
+        if fb.input_ids.numel() >= 100:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(fb)
+
+    monkeypatch.setattr(eng.runner, "forward", oom_from_100)
+    with pytest.raises(RuntimeError, match=r"the warm-up's prefill of 128 tokens failed \(out "
+                       r"of GPU memory.*lower mem_fraction_static, chunked_prefill_size or "
+                       r"max_total_tokens\): Error generating stream: .*Tried to allocate"):
+        eng.warm_up()
+    eng.tree_cache.evict(eng.tree_cache.evictable_size())
+    assert eng.stats()["free_slots"] == 1024 and eng.stats()["live"] == 0
+    eng.check_invariant()
+
+
 def test_smollm2_paris(smollm2_dir):
     eng = make_engine(smollm2_dir)
     res = eng.generate(["The capital of France is"],
