@@ -34,7 +34,10 @@ def build_inputs(prompt: str, sampling: dict, stats: bool) -> list[grpcclient.In
         return t
 
     inputs = [
-        tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+        # the prompt's bytes as given (a command line's undecodable bytes included: the server
+        # answers those with "text_input: not valid UTF-8")
+        tensor("text_input", np.array([prompt.encode("utf-8", "surrogateescape")],
+                                      dtype=np.object_), "BYTES"),
         tensor("stream", np.array([True]), "BOOL"),
         tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_),
                "BYTES"),
@@ -86,32 +89,38 @@ def main(argv: list[str] | None = None) -> int:
     client = grpcclient.InferenceServerClient(args.url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, **extra}
-    t0 = time.perf_counter()
-    client.async_stream_infer(
-        args.model, build_inputs(prompt, sampling, args.stats), request_id="1",
-        enable_empty_final_response=True,
-    )
     first = None
     last = None
     total_out = 0
     rc = 0
-    while True:
-        result, error = responses.get()
-        if error is not None:
-            print(f"\nerror: {error}", file=sys.stderr)
-            rc = 1
-            break
-        response = result.get_response()
-        text = result.as_numpy("text_output")
-        if text is not None and len(text):
-            first = first or time.perf_counter()
-            print(text[0].decode(), end="", flush=True)
-        last = result
-        n_out = result.as_numpy("num_output_tokens")
-        total_out += int(n_out[0]) if n_out is not None else 0
-        if response.parameters["triton_final_response"].bool_param:
-            break
-    client.stop_stream()
+    done = False
+    try:
+        t0 = time.perf_counter()
+        client.async_stream_infer(
+            args.model, build_inputs(prompt, sampling, args.stats), request_id="1",
+            enable_empty_final_response=True,
+        )
+        while True:
+            result, error = responses.get()
+            if error is not None:
+                print(f"\nerror: {error}", file=sys.stderr)
+                rc = 1
+                break
+            response = result.get_response()
+            text = result.as_numpy("text_output")
+            if text is not None and len(text):
+                first = first or time.perf_counter()
+                print(text[0].decode(), end="", flush=True)
+            last = result
+            n_out = result.as_numpy("num_output_tokens")
+            total_out += int(n_out[0]) if n_out is not None else 0
+            if response.parameters["triton_final_response"].bool_param:
+                break
+        done = True
+    finally:
+        # the stream's thread keeps the process alive until the stream stops; on Ctrl-C or an
+        # error here the server cancels the request
+        client.stop_stream(cancel_requests=not done)
     print(flush=True)  # before the timings on stderr
     if args.stats and last is not None:
         fields = {n: last.as_numpy(n) for n in ("finish_reason", "num_input_tokens",
@@ -131,3 +140,6 @@ if __name__ == "__main__":
     except InferenceServerException as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print("\ninterrupted: the request was cancelled", file=sys.stderr)
+        sys.exit(130)

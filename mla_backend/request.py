@@ -316,14 +316,15 @@ def validate_request(request: GenerateRequest, tokenizer, vocab_size: int, conte
         sp.verify(vocab_size)
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
+    prompt = f"prompt ({len(ids)} token{'s' * (len(ids) != 1)})"
     if len(ids) + sp.max_new_tokens > context_len:
         raise InvalidRequestError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_new_tokens}) exceeds the context "
-            f"length of {context_len} tokens")
+            f"{prompt} + max_tokens ({sp.max_new_tokens}) exceeds the context length of "
+            f"{context_len} tokens")
     if len(ids) + sp.max_new_tokens > max_total_tokens:
         raise InvalidRequestError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_new_tokens}) can never fit the KV "
-            f"pool of {max_total_tokens} tokens")
+            f"{prompt} + max_tokens ({sp.max_new_tokens}) can never fit the KV pool of "
+            f"{max_total_tokens} tokens")
     return ids
 
 

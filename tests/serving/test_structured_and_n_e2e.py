@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,30 @@ def test_the_grpc_example_client_sends_a_constraint(server, in_process):
     bad = subprocess.run([sys.executable, str(script), "--url", server.grpc_url, "--sampling",
                           "[1]"], capture_output=True, text=True, timeout=TIMEOUT)
     assert bad.returncode == 2 and "--sampling must be a JSON object" in bad.stderr
+
+
+def test_the_grpc_example_client_ends_on_ctrl_c_and_on_bytes_that_are_not_utf8(server):
+    """client_examples/grpc_stream.py: Ctrl-C (SIGINT) mid-stream ends it at once with exit code
+    130 and cancels the request (the module's teardown checks that no slot stays held); a
+    prompt of bytes that are not UTF-8 is sent as given and gets the server's error, exit 1."""
+    script = Path(__file__).resolve().parents[2] / "client_examples" / "grpc_stream.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "--url", server.grpc_url, "--model", MODEL, "--prompt",
+         PROMPT, "--max-tokens", "400", "--sampling", '{"ignore_eos": true}'],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.read(1), proc.stderr.read().decode()  # the first text has arrived
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    err = proc.stderr.read().decode()
+    assert rc == 130 and "interrupted: the request was cancelled" in err, err
+    bad = subprocess.run([sys.executable, str(script), "--url", server.grpc_url, "--model",
+                          MODEL, "--prompt", b"\xff\xfe"], capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    assert bad.returncode == 1 and "text_input: not valid UTF-8" in bad.stderr, bad.stderr
+    server.check_alive()
 
 
 @pytest.mark.parametrize("constraint, needle", [
