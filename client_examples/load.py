@@ -8,7 +8,8 @@ Each of C worker threads owns one gRPC stream and sends its share of the N reque
 another (so C requests are in flight). Every request asks for exactly `--max-tokens` tokens
 (min_tokens = max_tokens, ignore_eos) and `return_num_output_tokens`, so throughput counts the
 tokens the server reports. Prints requests/s, output tokens/s, time to first token and latency
-percentiles (ms) and the error count; exit code 1 when any request failed.
+percentiles (ms) and the error count; exit code 1 when any request failed. Ctrl-C cancels the
+requests in flight and exits with code 130.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+_POLL_S = 0.2  # how often a waiting thread checks for Ctrl-C (s)
 
 @dataclass
 class LoadResult:
@@ -81,13 +83,14 @@ def run_load(url: str, model: str, num_requests: int, concurrency: int, max_toke
     tickets = itertools.count()
     result = LoadResult()
     lock = threading.Lock()
+    stop = threading.Event()  # Ctrl-C: each thread cancels its request and ends
 
     def worker() -> None:
         responses: queue.Queue = queue.Queue()
         client = grpcclient.InferenceServerClient(url)
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         try:
-            while (i := next(tickets)) < num_requests:
+            while not stop.is_set() and (i := next(tickets)) < num_requests:
                 t0 = time.perf_counter()
                 first = None
                 tokens = 0
@@ -95,11 +98,15 @@ def run_load(url: str, model: str, num_requests: int, concurrency: int, max_toke
                 client.async_stream_infer(model, _inputs(prompts[i % len(prompts)], max_tokens),
                                           request_id=str(i), enable_empty_final_response=True)
                 while True:
+                    if stop.is_set():
+                        return
                     try:
-                        r, e = responses.get(timeout=timeout_s)
+                        r, e = responses.get(timeout=_POLL_S)
                     except queue.Empty:
-                        error = f"request {i}: no response within {timeout_s} s"
-                        break
+                        if time.perf_counter() - t0 > timeout_s:
+                            error = f"request {i}: no response within {timeout_s} s"
+                            break
+                        continue
                     if e is not None:
                         error = f"request {i}: {e}"
                         break
@@ -120,15 +127,22 @@ def run_load(url: str, model: str, num_requests: int, concurrency: int, max_toke
                     if first is not None:
                         result.ttft_s.append(first - t0)
         finally:
-            client.stop_stream()
+            client.stop_stream(cancel_requests=stop.is_set())
             client.close()
 
     t_start = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(_POLL_S)
+    except KeyboardInterrupt:
+        stop.set()
+        for t in threads:
+            t.join()
+        raise
     result.wall_s = time.perf_counter() - t_start
     return result
 
@@ -151,4 +165,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("\ninterrupted: the requests in flight were cancelled", file=sys.stderr)
+        sys.exit(130)
