@@ -349,6 +349,29 @@ def test_load_example_concurrent_streams(server):
     assert res.requests == 6 and res.output_tokens == 6 * 8
 
 
+def test_load_example_ends_on_ctrl_c(server):
+    """client_examples/load.py: SIGINT while its streams run cancels their requests and exits
+    with code 130 at once (its threads would otherwise run every request to the end)."""
+    import signal
+    import subprocess
+
+    script = REPO / "client_examples" / "load.py"
+    proc = subprocess.Popen([sys.executable, str(script), "--url", server.grpc_url, "--model",
+                             DSV2, "--requests", "60", "--concurrency", "3", "--max-tokens",
+                             "480"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3.0)  # the streams are open and generating (60 x 480 tokens take minutes)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        t = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "the requests in flight were cancelled" in err, err
+    assert took < 10, took
+
+
 def _settled_counters(server, model: str) -> tuple[float, float, float, float]:
     """(Triton's request successes, failures, our finished requests, generated tokens) once the
     model is idle and its counters stopped moving."""
