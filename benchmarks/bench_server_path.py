@@ -733,11 +733,10 @@ def write_json(path: Path, dtype_key: str, head: dict[str, str], peak: dict | No
 
 
 # ----------------------------------------------------------------------------------------- main
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def add_engine_options(ap: argparse.ArgumentParser) -> None:
+    """The model, engine, request and run options shared with `bench_ttft_pairs.py`."""
     from mla_tools.model_shapes import SHAPES
 
-    ap = argparse.ArgumentParser(description="tritonserver (perf_analyzer, our client) vs the "
-                                 "in-process engine: peak throughput and a concurrency sweep")
     ap.add_argument("--model", default="deepseek-v2-lite",
                     help=f"a model folder of model_repository/ or a shape: {', '.join(SHAPES)}")
     ap.add_argument("--tokenizer-dir", default=os.environ.get("MLA_DEEPSEEK_TOKENIZER_DIR"),
@@ -755,10 +754,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--server-param", action="append", default=[], metavar="KEY=VALUE",
                     help="a config.pbtxt parameter of the served model only (an adapter "
                          "setting, e.g. GIL_SWITCH_INTERVAL_MS=0.5); repeatable")
-    ap.add_argument("--no-in-process", action="store_true",
-                    help="the server's side only (its engine derives its own KV pool unless "
-                         "--max-total-tokens): e.g. one setting against another with "
-                         "--server-param, each run a server of its own on the same machine")
     ap.add_argument("--max-running", type=int, default=1024)
     ap.add_argument("--graph-max-bs", type=int, default=1024)
     ap.add_argument("--prefill-min-free-rows", type=int, default=64)
@@ -766,6 +761,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-total-tokens", default="", help='KV pool tokens ("": from memory)')
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
     ap.add_argument("--max-prefill-tokens", type=int, default=16384)
+    ap.add_argument("--max-output", type=int, default=None, help="cap on output lengths")
+    ap.add_argument("--max-prompt", type=int, default=None, help="cap on prompt lengths")
+    ap.add_argument("--lengths", default=str(DEFAULT_PATH))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--details", default=None, help="JSON with every number of every run")
+    ap.add_argument("--commit", default=None, help="commit to record (default: git HEAD)")
+    ap.add_argument("--workdir", default=None,
+                    help="keep the server log, perf_analyzer logs and inputs here")
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description)
+    add_engine_options(ap)
+    ap.add_argument("--no-in-process", action="store_true",
+                    help="the server's side only (its engine derives its own KV pool unless "
+                         "--max-total-tokens): e.g. one setting against another with "
+                         "--server-param, each run a server of its own on the same machine")
     ap.add_argument("--num-requests", type=int, default=4000,
                     help="peak: requests submitted at once (0: no peak run)")
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 64, 256, 1024],
@@ -773,10 +786,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--sweep-waves", type=int, default=2,
                     help="requests per level: max(--sweep-min-requests, waves x concurrency)")
     ap.add_argument("--sweep-min-requests", type=int, default=16)
-    ap.add_argument("--max-output", type=int, default=None, help="cap on output lengths")
-    ap.add_argument("--max-prompt", type=int, default=None, help="cap on prompt lengths")
-    ap.add_argument("--lengths", default=str(DEFAULT_PATH))
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--client-procs", type=int, default=1,
                     help="processes of the own client (each load's jobs shared out among them)")
     ap.add_argument("--clients", nargs="*", default=list(DEFAULT_CLIENTS), choices=CLIENTS,
@@ -791,17 +800,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--merge", action="store_true",
                     help="update --json's file: its other dtype key and its sweep rows of other "
                          "(concurrency, side) pairs stay")
-    ap.add_argument("--details", default=None, help="JSON with every number of every run")
     ap.add_argument("--log-compiles", action="store_true",
                     help="in-process: print (and keep in --details) per run the triton kernels "
                          "specialized after the engine loaded (bench_profile.CompileLog: a "
                          "compile or an on-disk cache read, with the step it came in) and the "
                          "garbage collections (bench_profile.GcPauses)")
-    ap.add_argument("--commit", default=None, help="commit to record (default: git HEAD)")
-    ap.add_argument("--workdir", default=None,
-                    help="keep the server log, perf_analyzer logs and inputs here")
-    ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--run-timeout", type=float, default=900.0, help="per client call (s)")
+    return ap
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = build_parser("tritonserver (perf_analyzer, our client) vs the in-process engine: peak "
+                      "throughput and a concurrency sweep")
     args = ap.parse_args(argv)
     if not args.num_requests and not args.concurrency:
         ap.error("nothing to run: give --num-requests > 0 or --concurrency levels")

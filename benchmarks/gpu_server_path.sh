@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_server_path.sh bf16         # bench_server_path.py, V2-Lite: peak + sweep
 #   bash benchmarks/gpu_server_path.sh fp8          # the FP8 weights + FP8 cache peak, merged in
 #   bash benchmarks/gpu_server_path.sh llama        # the Llama-3.1-8B shape: peak + c=1 and 64
+#   bash benchmarks/gpu_server_path.sh pairs        # bench_ttft_pairs.py, V2-Lite: c=1 TTFT,
+#                                                   # each prompt to both sides in turn
 #   bash benchmarks/gpu_server_path.sh genai        # genai-perf beside perf_analyzer and our
 #                                                   # client (.gp/ carried once:
 #                                                   # benchmarks/gpu_genai_perf.sh)
@@ -24,7 +26,7 @@
 # a before/after pair on one machine.
 #
 # Run in the repository root with MLA_COMMIT set to the commit under test (the machine's copy
-# has no git history). tests, bf16, fp8, llama, genai and stubcalls need .gpu/ carried once
+# has no git history). tests, bf16, fp8, llama, pairs, genai and stubcalls need .gpu/ carried once
 # (benchmarks/gpu_bundle.sh makes it; MLA_BUNDLE_PART=server leaves structured outputs out, so
 # that it fits one call with the working tree), structured needs .gpux/ (MLA_BUNDLE_PART=
 # structured) or .gpu/ with structured outputs; those with .gpu/ run in the stub's environment
@@ -43,7 +45,7 @@ json_name=h200_server_path.json  # written after each phase into $out; (fp8) mer
 export PYTHONUNBUFFERED=1
 step="${1:-}"
 case "$step" in
-  tests|bf16|fp8|llama|genai|stubcalls) source benchmarks/gpu_env.sh || exit 1 ;;
+  tests|bf16|fp8|llama|pairs|genai|stubcalls) source benchmarks/gpu_env.sh || exit 1 ;;
   structured)
     if [[ -f .gpux/structured.tar.xz ]]; then  # in-process only: xgrammar and the tokenizer
       x=/tmp/mla_gpux
@@ -94,6 +96,10 @@ case "$step" in
     python3 benchmarks/bench_server_path.py --model deepseek-v2-lite --commit "$commit" \
       --quantization fp8 --kv-cache-dtype fp8_e4m3 --concurrency --merge --client-procs 4 \
       --json "$out/$json_name" --details "$out/fp8_details.json" "${@:2}" 2>&1 | tee "$out/fp8.log"
+    ;;
+  pairs)
+    python3 benchmarks/bench_ttft_pairs.py --model deepseek-v2-lite --commit "$commit" \
+      --details "$out/pairs_details.json" "${@:2}" 2>&1 | tee "$out/pairs.log"
     ;;
   llama)
     python3 benchmarks/bench_server_path.py --model llama-3.1-8b --commit "$commit" \

@@ -223,3 +223,33 @@ def test_genai_perf_argv_draws_like_the_run(tmp_path):
     argv = bsp.genai_perf_argv([], "h", requests, warm, "/t", tmp_path, 0)
     opt = {k: v for k, v in zip(argv, argv[1:]) if k.startswith("-")}
     assert (opt["--output-tokens-mean"], opt["--output-tokens-stddev"]) == ("8", "0")
+
+
+def test_ttft_pairs_on_cpu(tmp_path):
+    """benchmarks/bench_ttft_pairs.py with deepseek-v2-tiny: 2 warm-up prompts, then 4 pairs,
+    each prompt sent to the in-process engine and then to tritonserver; every pair has both
+    TTFTs, the summary is computed from them, and the targets table is printed."""
+    details = tmp_path / "pairs.json"
+    argv = ["--model", "deepseek-v2-tiny", "--device", "cpu", "--pairs", "4", "--warm-up", "2",
+            "--max-output", "6", "--max-prompt", "48", "--details", str(details),
+            "--server-param", "REPORT_CUSTOM_METRICS=true"]
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_ttft_pairs.py"), *argv],
+                          capture_output=True, text=True, timeout=600)
+    log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    for title in ("### Concurrency 1, 4 prompts", "### TTFT, server − in-process",
+                  "### Where the server's TTFT goes", "### Targets (issue 41, concurrency 1)"):
+        assert title in proc.stdout, log
+    doc = json.loads(details.read_text())
+    pairs, s = doc["pairs"], doc["summary"]
+    assert len(pairs) == 4 and doc["engine_settings"]["max_total_tokens"] == "65536"
+    pairs_expected = [min(o, 6) for _, o in bsp.load_length_pairs(bsp.DEFAULT_PATH, 6, seed=0)]
+    assert [p["output_tokens"] for p in pairs] == pairs_expected[2:]
+    for p in pairs:
+        assert p["in_process_ttft_ms"] > 0 and p["server_ttft_ms"] > 0, p
+        assert p["prompt_tokens"] <= 48
+    diffs = sorted(p["server_ttft_ms"] - p["in_process_ttft_ms"] for p in pairs)
+    assert s["ttft_diff_median_ms"] == pytest.approx((diffs[1] + diffs[2]) / 2)
+    assert s["in_process_ttft_p50_ms"] == pytest.approx(
+        statistics.median(p["in_process_ttft_ms"] for p in pairs))
+    assert 0 < s["stub_ttft_mean_ms"] < s["server_ttft_mean_ms"]
