@@ -122,7 +122,7 @@ def main(argv: list[str]) -> int:
         if args.intra_op_threads:  # as the adapter sets them
             torch.set_num_threads(args.intra_op_threads)
         engine = Engine(cfg)
-        stack.callback(engine.shutdown)
+        stack.callback(engine.close)
         head["hardware"] = bsp.hardware()
         log(f"in-process engine up; tritonserver next ({workdir / 'server.log'})")
         server = stack.enter_context(TritonServer(
@@ -137,8 +137,9 @@ def main(argv: list[str]) -> int:
             i = next(order, None)
             if i is not None:
                 stats = engine_load(engine, [jobs[i]], 1, record_times=True)
-                if stats.errors:
-                    raise SystemExit(f"in-process request {i}: {stats.errors[0]}")
+                if stats.errors or stats.output_tokens != requests[i][1]:
+                    raise SystemExit(f"in-process request {i}: {stats.output_tokens} of "
+                                     f"{requests[i][1]} tokens, errors {stats.errors[:1]}")
                 local.append(stats.times[0])
             return i
 

@@ -141,5 +141,5 @@ if __name__ == "__main__":
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        print("\ninterrupted: the request was cancelled", file=sys.stderr)
+        print("\ninterrupted (a request in flight was cancelled)", file=sys.stderr)
         sys.exit(130)

@@ -61,7 +61,8 @@ def _inputs(prompt: str, max_tokens: int) -> list[grpcclient.InferInput]:
     sampling = {"max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
                 "temperature": 0}
     values = [
-        ("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+        ("text_input", np.array([prompt.encode("utf-8", "surrogateescape")],
+                                dtype=np.object_), "BYTES"),
         ("stream", np.array([True]), "BOOL"),
         ("exclude_input_in_output", np.array([True]), "BOOL"),
         ("return_num_output_tokens", np.array([True]), "BOOL"),
@@ -97,16 +98,18 @@ def run_load(url: str, model: str, num_requests: int, concurrency: int, max_toke
                 error = None
                 client.async_stream_infer(model, _inputs(prompts[i % len(prompts)], max_tokens),
                                           request_id=str(i), enable_empty_final_response=True)
+                heard = t0  # the request's last response (or its start)
                 while True:
                     if stop.is_set():
                         return
                     try:
                         r, e = responses.get(timeout=_POLL_S)
                     except queue.Empty:
-                        if time.perf_counter() - t0 > timeout_s:
+                        if time.perf_counter() - heard > timeout_s:
                             error = f"request {i}: no response within {timeout_s} s"
                             break
                         continue
+                    heard = time.perf_counter()
                     if e is not None:
                         error = f"request {i}: {e}"
                         break
@@ -132,16 +135,17 @@ def run_load(url: str, model: str, num_requests: int, concurrency: int, max_toke
 
     t_start = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
     try:
+        for t in threads:
+            t.start()
         for t in threads:
             while t.is_alive():
                 t.join(_POLL_S)
     except KeyboardInterrupt:
         stop.set()
         for t in threads:
-            t.join()
+            if t.is_alive():
+                t.join()
         raise
     result.wall_s = time.perf_counter() - t_start
     return result

@@ -232,8 +232,12 @@ class Engine:
         self.failed: str | None = None
         warmup = config.runner.warmup
         if warmup == "true" or (warmup == "auto" and on_cuda):
-            prefills, seconds = self.warm_up()
-            logger.info("warm-up: %d prefill batches in %.1f s", prefills, seconds)
+            try:
+                runs, seconds = self.warm_up()
+            except BaseException:
+                self.close()  # (tensor-parallel workers, the process group)
+                raise
+            logger.info("warm-up: %d runs in %.1f s", runs, seconds)
         freeze_startup_objects()
 
     # ------------------------------------------------------------------ any thread
@@ -828,22 +832,26 @@ class Engine:
         return ids
 
     def warm_up(self) -> tuple[int, float]:
-        """Run every kind of prefill batch the engine will meet once, at load, so that the
-        triton kernels they launch (extend attention, the MoE tiles of each rows-per-expert
-        class, the absorbed and decompressed MLA paths) are compiled now instead of in the first
-        requests' steps (a JIT compile takes a fraction of a second to seconds per kernel on a
-        machine without triton's disk cache; decode kernels are compiled by graph capture, the
-        sampler's by `Sampler.warm_up`). Greedy requests of 2 tokens through the whole engine
-        (`generate`): one prompt of each length of `warmup_lengths` (up to one chunk, within the
-        context and the pool), one batch of three prompts, then a prompt that extends a cached
-        one (radix cache: an extend over a prefix). The prompts are token ids, not text. The
-        prefix cache is emptied after, so the pools are as they were. Returns (prefill batches
-        run, seconds). Called from `__init__` when `warmup` is on (by default on CUDA); not
-        with an engine thread running.
+        """Run the kinds of prefill the engine will meet once, at load, so that the triton
+        kernels they launch (extend attention, the MoE tiles of each rows-per-expert class, the
+        absorbed and decompressed MLA paths, an extend over a cached prefix) are compiled now
+        instead of in the first requests' steps (a JIT compile takes a fraction of a second to
+        seconds per kernel on a machine without triton's disk cache). Decode batches up to
+        `cuda_graph_max_bs` are compiled by graph capture and the sampler's kernels by
+        `Sampler.warm_up`; without CUDA graphs only the warm-up's own decode steps (batches of
+        1 to 3) are. Greedy requests of 2 tokens through the whole engine (`generate`), each
+        run to its end before the next: one prompt of each length of `warmup_lengths` (up to
+        one chunk, within the context and the pool), one batch of three prompts, then an extend
+        over a prefix: with the radix cache a prompt that extends a cached one, without it a
+        prompt one chunk and 33 tokens long (its second chunk), where it fits. The prompts are
+        token ids, not text. The prefix cache is emptied after (on an engine that has served,
+        its cached prefixes go too). Returns (runs, seconds). Called from `__init__` when
+        `warmup` is on (by default on CUDA); not with an engine thread running.
 
         Raises:
-            RuntimeError: a warm-up prefill failed (out of GPU memory: the message says which
-                settings to lower), or the warm-up left KV slots or requests taken (a bug).
+            RuntimeError: a warm-up run failed (out of GPU memory: the message says which
+                settings to lower), or left KV slots or requests taken (a bug).
+            AssertionError: the pools do not balance (`check_invariant`; a bug).
             EngineFailedError: a tensor-parallel worker failed.
         """
         t = time.perf_counter()
@@ -857,11 +865,16 @@ class Engine:
         def prompt(n: int, start: int) -> list[int]:  # no two prompts share a first token
             return [(start + 7919 * i) % self.vocab_size for i in range(n)]
 
-        lengths = warmup_lengths(cap)
+        runs = [[prompt(n, n)] for n in warmup_lengths(cap)]
         batch = [prompt(n, cap + 1 + n) for n in (5, 40, 300) if n <= cap]
-        runs = [[prompt(n, n)] for n in lengths] + [batch]
-        if self.config.cache.enable_radix_cache and len(batch) > 1 and 40 + 33 <= cap:
-            runs.append([batch[1] + prompt(33, 3 * cap)])  # its first 40 tokens are cached
+        if len(batch) > 1:
+            runs.append(batch)
+        if self.config.cache.enable_radix_cache:
+            if len(batch) > 1 and 40 + 33 <= cap:
+                runs.append([batch[1] + prompt(33, 3 * cap)])  # its first 40 tokens are cached
+        elif s.chunked_prefill_size > 0 and cap == s.chunked_prefill_size and \
+                cap + 33 + 2 <= min(self.context_len, self.max_total_tokens):
+            runs.append([prompt(cap + 33, 5 * cap)])  # a second chunk over the first
         for prompts in runs:
             errors = [r.error for r in self.generate(prompts, greedy) if r.error]
             if errors:  # a failed forward ends its requests with the error

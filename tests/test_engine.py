@@ -77,7 +77,7 @@ def test_warm_up_leaves_the_engine_as_it_was(deepseek_dir, deepseek_hf, caplog):
         eng = make_engine(deepseek_dir, warmup="true", chunked_prefill_size=256,
                           max_total_tokens=4096)
     assert [r.getMessage().split(" in ")[0] for r in caplog.records
-            if r.getMessage().startswith("warm-up:")] == ["warm-up: 12 prefill batches"]
+            if r.getMessage().startswith("warm-up:")] == ["warm-up: 12 runs"]
     st = eng.stats()
     assert st["free_slots"] == st["total_slots"] == 4096
     assert (st["evictable_slots"], st["protected_slots"], st["live"]) == (0, 0, 0)
@@ -92,6 +92,16 @@ def test_warm_up_leaves_the_engine_as_it_was(deepseek_dir, deepseek_hf, caplog):
     with caplog.at_level("INFO", logger="mla_backend.engine"):
         make_engine(deepseek_dir, max_total_tokens=4096)  # "auto" on the CPU: none
     assert not [r for r in caplog.records if r.getMessage().startswith("warm-up:")]
+
+
+def test_warm_up_without_the_radix_cache_extends_over_a_second_chunk(deepseek_dir):
+    """Radix cache off: instead of a prompt over a cached one, a prompt one chunk and 33 tokens
+    long (its second chunk extends over the first); every slot is free after."""
+    eng = make_engine(deepseek_dir, enable_radix_cache=False, chunked_prefill_size=64,
+                      max_total_tokens=1024)
+    assert eng.warm_up()[0] == len(warmup_lengths(64)) + 2  # + the batch + the two chunks
+    assert eng.stats()["free_slots"] == 1024
+    eng.check_invariant()
 
 
 def test_warm_up_failure_names_the_prefill_and_what_to_lower(deepseek_dir, monkeypatch):

@@ -225,6 +225,7 @@ def test_genai_perf_argv_draws_like_the_run(tmp_path):
     assert (opt["--output-tokens-mean"], opt["--output-tokens-stddev"]) == ("8", "0")
 
 
+@pytest.mark.e2e
 def test_ttft_pairs_on_cpu(tmp_path):
     """benchmarks/bench_ttft_pairs.py with deepseek-v2-tiny: 2 warm-up prompts, then 4 pairs,
     each prompt sent to the in-process engine and then to tritonserver; every pair has both

@@ -356,12 +356,22 @@ def test_load_example_ends_on_ctrl_c(server):
     import subprocess
 
     script = REPO / "client_examples" / "load.py"
+
+    def running() -> float:
+        return series(read_metrics(server), "mla_backend:num_requests_running", DSV2) or 0
+
+    deadline = time.monotonic() + 60
+    while running():  # the earlier tests' requests are gone (the gauge has caught up)
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     proc = subprocess.Popen([sys.executable, str(script), "--url", server.grpc_url, "--model",
                              DSV2, "--requests", "60", "--concurrency", "3", "--max-tokens",
                              "480"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(3.0)  # the streams are open and generating (60 x 480 tokens take minutes)
-        assert proc.poll() is None, proc.communicate()
+        deadline = time.monotonic() + 60  # until its streams are open and generating
+        while running() < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
         t = time.monotonic()
         _, err = proc.communicate(timeout=30)
