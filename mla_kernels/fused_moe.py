@@ -69,7 +69,7 @@ _INTERPRETER_CONFIG = MoEConfig(block_m=16, block_n=32, block_k=32, group_m=4)
 
 def get_default_config(num_tokens: int, top_k: int, num_experts: int,
                        device: torch.device | str, fp8: bool = False,
-                       down: bool = False) -> MoEConfig:
+                       down: bool = False, dtype: torch.dtype | None = None) -> MoEConfig:
     """Tile config for a call, chosen from shapes only (so it is fixed for a captured graph).
 
     On CUDA, BLOCK_M follows the average rows per expert, T*k/E: small decode batches (a few
@@ -89,7 +89,9 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
     945 with `--block-ms 64 128`, the comment at `BLOCK_M_128_ROWS`).
     Args:
         num_tokens: T. top_k: k. num_experts: E. device: where the tensors live. fp8: the
-            weights are float8_e4m3fn. down: the tiles of the second GEMM.
+            weights are float8_e4m3fn. down: the tiles of the second GEMM. dtype: the
+            activations' and weights' dtype without FP8 (None: 16-bit); the shared memory the
+            tiles take scales with its size, so float32 may get narrower tiles.
     Returns:
         a MoEConfig.
     """
@@ -111,13 +113,14 @@ def get_default_config(num_tokens: int, top_k: int, num_experts: int,
         stages = 4 if rows_per_expert <= 256 and not down else 3
         cfg = MoEConfig(block_m=128, block_n=128, block_k=bk, group_m=8, num_warps=8,
                         num_stages=stages)
-    return fit_shared_memory(cfg, 1 if fp8 else 2, _max_shared_memory(device))
+    elem_bytes = 1 if fp8 else (2 if dtype is None else dtype.itemsize)
+    return fit_shared_memory(cfg, elem_bytes, _max_shared_memory(device))
 
 
 def moe_tile_smem_bytes(config: MoEConfig, elem_bytes: int) -> int:
     """Shared memory the pipelined tiles of the fused gate/up GEMM take, as an estimate in
     bytes: num_stages x (an A tile [BLOCK_M, BLOCK_K] + two weight tiles [BLOCK_K, BLOCK_N]) x
-    the operand's bytes per element (1 for FP8, 2 for 16-bit)."""
+    the operand's bytes per element (1 for FP8, 2 for 16-bit, 4 for float32)."""
     return config.num_stages * (config.block_m * config.block_k
                                 + 2 * config.block_k * config.block_n) * elem_bytes
 
@@ -958,9 +961,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if n_shared:
         raise ValueError("fused_experts: shared experts are folded on the GEMV path only "
                          f"(T={t}, k={top_k}, S={n_shared}, path {path!r})")
-    cfg = config or get_default_config(t, top_k, e, x.device, fp8=fp8)
+    cfg = config or get_default_config(t, top_k, e, x.device, fp8=fp8, dtype=w13.dtype)
     cfg2 = down_config or (cfg if config is not None
-                           else get_default_config(t, top_k, e, x.device, fp8=fp8, down=True))
+                           else get_default_config(t, top_k, e, x.device, fp8=fp8, down=True,
+                                                   dtype=w13.dtype))
     if cfg2.block_m != cfg.block_m:
         raise ValueError(f"fused_experts: down_config.block_m {cfg2.block_m} != config.block_m "
                          f"{cfg.block_m} (both GEMMs read one sorted row order)")

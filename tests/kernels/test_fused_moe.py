@@ -139,6 +139,25 @@ def test_tiles_fall_back_where_shared_memory_is_short():
     assert fit_shared_memory(wide_k, 2, 101376).block_k == 64
 
 
+def test_float32_tiles_fit_shared_memory(monkeypatch):
+    # float32 operands take twice a 16-bit tile's bytes: the 128 x 128 prefill tiles (3-4 stages)
+    # would need 288-384 KB, over an H100's 227 KB, so they fall back; bf16 keeps them.
+    import mla_kernels.fused_moe as fused_moe_mod
+    from mla_kernels.fused_moe import get_default_config, moe_tile_smem_bytes
+
+    monkeypatch.setattr(fused_moe_mod, "_max_shared_memory", lambda device: 232448)
+    monkeypatch.setattr(fused_moe_mod, "_compute_capability", lambda device: (9, 0))
+    for t in (40, 257, 1024, 8192):  # 16-bit: 32-row (bk 128), 64-row and 128-row tiles
+        for down in (False, True):
+            bf16 = get_default_config(t, 2, 4, "cuda", down=down, dtype=torch.bfloat16)
+            assert bf16 == get_default_config(t, 2, 4, "cuda", down=down)
+            fp32 = get_default_config(t, 2, 4, "cuda", down=down, dtype=torch.float32)
+            assert fp32.block_m == bf16.block_m
+            assert moe_tile_smem_bytes(fp32, 4) <= 232448
+    big = get_default_config(1024, 2, 4, "cuda", down=True, dtype=torch.bfloat16)
+    assert moe_tile_smem_bytes(big, 4) == 294912  # what triton asked for at 257 tokens
+
+
 def test_align_of_no_rows():
     sorted_ids, expert_ids, used = moe_align_block_size(
         torch.zeros(0, 6, dtype=torch.long, device=DEV), 64, 16)
