@@ -564,6 +564,9 @@ def main() -> None:
                     help="steps: also cProfile the host side of the run's first N prefill "
                          "steps after its eighth step (wall ms per step, top functions)")
     ap.add_argument("--overlap-schedule", default="auto", choices=["auto", "true", "false"])
+    ap.add_argument("--extend-as-decode", default="auto", choices=["auto", "true", "false"],
+                    help="the engine setting extend_as_decode (small prefills as decode rows, "
+                         "through the graphs)")
     ap.add_argument("--min-tokens", action="store_true",
                     help="steps: min_tokens = max_tokens on every request (fixed lengths)")
     ap.add_argument("--sync-debug", action="store_true",
@@ -593,12 +596,15 @@ def main() -> None:
         args.tag += f" [detokenized in a {args.detokenize}]"
     if args.fp8_fast_accum is not None:
         args.tag += f" [FP8 fast accumulation {args.fp8_fast_accum}]"
+    if args.extend_as_decode != "auto":
+        args.tag += f" [extend_as_decode {args.extend_as_decode}]"
     bs_.DEVICE = args.device
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_profile.py needs a CUDA GPU (or --device cpu for a smoke test)")
     bs_.ENGINE_SETTINGS.update(quantization=args.quantization,
                                kv_cache_dtype=args.kv_cache_dtype,
-                               overlap_schedule=args.overlap_schedule)
+                               overlap_schedule=args.overlap_schedule,
+                               extend_as_decode=args.extend_as_decode)
     model_dir = write_shape_model(os.path.join(tempfile.mkdtemp(), args.model), args.model,
                                   args.tokenizer_dir, **json.loads(args.shape_overrides))
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]

@@ -123,6 +123,10 @@ class RunnerConfig:
     torch_compile_mode: str = "max-autotune-no-cudagraphs"  # torch.compile's mode argument
     # Prefill warm-up at load (`Engine.warm_up`): "auto" (on CUDA), "true", "false".
     warmup: str = "auto"
+    # A prefill / extend batch of few new tokens run as one decode row per token, through the
+    # decode CUDA graphs (`Engine._extend_as_decode`): "auto" (when a graph fits the batch),
+    # "true" (also eagerly, without graphs: tests), "false".
+    extend_as_decode: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,8 @@ class EngineConfig:
                "needs CUDA graphs (disable_cuda_graph is true)")
         _check(r.warmup in ("auto", "true", "false"), "warmup",
                f"must be auto, true or false, got {r.warmup!r}")
+        _check(r.extend_as_decode in ("auto", "true", "false"), "extend_as_decode",
+               f"must be auto, true or false, got {r.extend_as_decode!r}")
         _check(r.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {r.attention_backend!r}")
 

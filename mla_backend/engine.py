@@ -34,6 +34,7 @@ import torch
 
 from mla_backend.config import GC_THRESHOLDS, EngineConfig
 from mla_backend.constrained.manager import GrammarManager, PendingMasks
+from mla_backend.forward_batch import ForwardMode
 from mla_backend.host_tensors import int64_on
 from mla_backend.mem_cache.chunk_cache import ChunkCache
 from mla_backend.mem_cache.radix_cache import RadixCache
@@ -56,6 +57,12 @@ from mla_backend.tokenizer import load_tokenizer
 from mla_backend.tokenizer.output_processor import OutputProcessor, engine_streams
 
 logger = logging.getLogger(__name__)
+# `_extend_as_decode`: the most KV reads (sum over the new tokens of the positions each attends
+# to) of an extend run as decode rows. Each row reads its whole prefix, so the reads grow with
+# the square of a prompt's length: 2^20 is a fresh 1,447-token prompt, or 128 new tokens over
+# an 8,128-token prefix; for V2-Lite's 576-wide bf16 latents 1.2 GB a layer, about 11 ms over
+# its 27 layers at 3 TB/s, where an eager prefill step spends ~40 ms of host time.
+EXTEND_AS_DECODE_MAX_READS = 1 << 20
 _IDLE_POLL_S = 0.1  # `serve_engine`'s wait for a message while the engine has no work (s)
 _NO_TOKEN_FITS = ("structured_outputs: no token the request allows fits its grammar here "
                   "(allowed_token_ids, logit_bias or the vocabulary exclude every token the "
@@ -205,6 +212,7 @@ class Engine:
         on_cuda = torch.device(self.runner.device).type == "cuda"
         self.overlap: bool = config.parallel.tensor_parallel_size == 1 and (
             overlap == "true" or (overlap == "auto" and on_cuda))
+        self.extend_as_decode: str = config.runner.extend_as_decode  # (benchmarks switch it)
         self._unflushed: list[_Token] = []  # committed tokens `_flush_tokens` has not seen
         # structured outputs: compiles, waiting requests, masks; and the requests whose grammar
         # refused their token (from _commit_tokens)
@@ -408,16 +416,29 @@ class Engine:
     def _launch_batch(self, batch: ScheduleBatch, prev: "_Launched | None") -> "_Launched":
         """Queue the forward pass and the sampling of `batch`; `prev`: the batch still in
         flight whose sampled tokens are the inputs of `batch.future_rows`."""
-        fb = self.runner.make_forward_batch(
-            batch.forward_mode,
-            batch.input_ids,
-            batch.positions,
-            batch.req_pool_indices,
-            batch.seq_lens,
-            batch.prefix_lens,
-            batch.extend_lens,
-            batch.out_cache_loc,
-        )
+        as_decode = self._extend_as_decode(batch)
+        if as_decode:  # a row per new token: its request's row, the KV up to and with itself
+            fb = self.runner.make_forward_batch(
+                ForwardMode.DECODE,
+                batch.input_ids,
+                batch.positions,
+                [r for r, n in zip(batch.req_pool_indices, batch.extend_lens) for _ in range(n)],
+                [p + 1 for p in batch.positions],
+                None,
+                None,
+                batch.out_cache_loc,
+            )
+        else:
+            fb = self.runner.make_forward_batch(
+                batch.forward_mode,
+                batch.input_ids,
+                batch.positions,
+                batch.req_pool_indices,
+                batch.seq_lens,
+                batch.prefix_lens,
+                batch.extend_lens,
+                batch.out_cache_loc,
+            )
         if batch.future_rows:
             if prev is None or prev.sample is None:
                 raise RuntimeError("a decode row waits for a token no batch in flight samples")
@@ -428,7 +449,14 @@ class Engine:
         logits = self.runner.forward(fb)  # [bs, V]: fp32, or the model dtype (graph replay)
         rows = [i for i, m in enumerate(batch.sample_mask) if m]
         reqs = [batch.reqs[i] for i in rows]
-        if rows and len(rows) != len(batch.reqs):  # (every row samples in decode: no gather)
+        if as_decode:  # [T, V]: each sampling request's last new token's row
+            ends, end = [], 0
+            for n in batch.extend_lens:
+                end += n
+                ends.append(end - 1)
+            if rows:
+                logits = logits.index_select(0, int64_on([ends[i] for i in rows], logits.device))
+        elif rows and len(rows) != len(batch.reqs):  # (every row samples in decode: no gather)
             logits = logits.index_select(0, int64_on(rows, logits.device))
         sample, deferred = None, None
         if rows:
@@ -445,6 +473,25 @@ class Engine:
             self._num_reading_outputs and any(_reads_outputs(r) for r in reqs))
         return _Launched(batch, sample, rows, {id(r): j for j, r in enumerate(reqs)},
                          overlappable, deferred)
+
+    def _extend_as_decode(self, batch: ScheduleBatch) -> bool:
+        """Whether an EXTEND batch runs as a DECODE batch of one row per new token (setting
+        `extend_as_decode`). A row's request row and its seq_len (position + 1) make the decode
+        attention read exactly the causal prefix of that token: its request's cached tokens and
+        the new ones up to it, whose KV each layer stores before it attends (the scheduler has
+        written their slots into `req_to_token`). `auto`: when a decode graph fits the T rows
+        and the reads stay within `EXTEND_AS_DECODE_MAX_READS`, so a short prompt's prefill
+        replays a graph instead of an eager forward (host-bound: ~40 ms for V2-Lite's 27
+        layers, whatever the length); `true`: every extend (eagerly without graphs: tests)."""
+        mode = self.extend_as_decode
+        if mode == "false" or not batch.is_extend():
+            return False
+        if mode == "true":
+            return True
+        cgr = self.runner.cuda_graph_runner
+        t = batch.num_tokens
+        return (cgr is not None and t <= cgr.max_bs
+                and sum(batch.positions) + t <= EXTEND_AS_DECODE_MAX_READS)
 
     def _start_deferred(self, launched: "_Launched") -> None:
         """The grammars have taken the previous batch's tokens: start filling the masks of

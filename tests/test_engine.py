@@ -147,6 +147,8 @@ def test_smollm2_batch_equals_hf(smollm2_dir):
     {"mla_decompress_min_tokens": 10_000},
     {"enable_radix_cache": False},
     {"chunked_prefill_size": 8},
+    {"extend_as_decode": "true"},
+    {"extend_as_decode": "true", "chunked_prefill_size": 8},
 ])
 def test_deepseek_batch_equals_hf(deepseek_dir, deepseek_hf, settings):
     eng = make_engine(deepseek_dir, **settings)
@@ -155,16 +157,18 @@ def test_deepseek_batch_equals_hf(deepseek_dir, deepseek_hf, settings):
     eng.check_invariant()
 
 
-def test_llama_batch_equals_hf(llama_dir, llama_hf):
-    eng = make_engine(llama_dir, chunked_prefill_size=16)
+@pytest.mark.parametrize("as_decode", ["false", "true"])
+def test_llama_batch_equals_hf(llama_dir, llama_hf, as_decode):
+    eng = make_engine(llama_dir, chunked_prefill_size=16, extend_as_decode=as_decode)
     got = [r.token_ids for r in eng.generate(PROMPTS, GREEDY)]
     assert got == llama_hf
 
 
+@pytest.mark.parametrize("as_decode", ["false", "true"])
 @pytest.mark.parametrize("model", ["deepseek", "llama"])
-def test_radix_hit_equals_cold(model, deepseek_dir, deepseek_hf, llama_dir, llama_hf):
+def test_radix_hit_equals_cold(model, as_decode, deepseek_dir, deepseek_hf, llama_dir, llama_hf):
     path, expected = (deepseek_dir, deepseek_hf) if model == "deepseek" else (llama_dir, llama_hf)
-    eng = make_engine(path)
+    eng = make_engine(path, extend_as_decode=as_decode)
     first = eng.generate(PROMPTS[:1], GREEDY)[0]
     assert first.cached_tokens == 0
     # Same prompt again: all but the last prompt token come from the cache.
@@ -180,6 +184,62 @@ def test_radix_hit_equals_cold(model, deepseek_dir, deepseek_hf, llama_dir, llam
     assert ext.cached_tokens >= n_prompt
     assert ext.token_ids == first.token_ids[10:18]
     eng.check_invariant()
+
+
+def test_extends_run_as_decode_rows(deepseek_dir, monkeypatch):
+    """`extend_as_decode`: "true" sends every prefill to the model as DECODE rows, a row per
+    new token, each with its own request's row and seq_len position + 1; "false" none; "auto"
+    (CPU: no graphs) none. The rule of "auto" with graphs of up to 16 rows: at most 16 new
+    tokens and at most `EXTEND_AS_DECODE_MAX_READS` positions read."""
+    from types import SimpleNamespace
+
+    from mla_backend.engine import EXTEND_AS_DECODE_MAX_READS
+    from mla_backend.forward_batch import ForwardMode
+    from mla_backend.scheduler.schedule_batch import ScheduleBatch
+
+    short = SamplingParams(max_new_tokens=2, temperature=0.0)
+    for mode in ("true", "false", "auto"):
+        eng = make_engine(deepseek_dir, extend_as_decode=mode)
+        calls = []
+        real = eng.runner.make_forward_batch
+
+        def spy(m, ids, pos, rows, seqs, *rest, _real=real, _calls=calls):
+            _calls.append((m, list(ids), list(pos), list(rows), list(seqs)))
+            return _real(m, ids, pos, rows, seqs, *rest)
+
+        monkeypatch.setattr(eng.runner, "make_forward_batch", spy)
+        eng.generate(PROMPTS[:2], short)
+        first = calls[0]  # the prefill of both prompts
+        n0, n1 = (len(eng.tokenizer(p).input_ids) for p in PROMPTS[:2])
+        if mode == "true":
+            assert first[0] == ForwardMode.DECODE and len(first[1]) == n0 + n1
+            assert first[2] == list(range(n0)) + list(range(n1))
+            assert first[4] == [p + 1 for p in first[2]]
+            assert len(set(first[3][:n0])) == len(set(first[3][n0:])) == 1
+            assert first[3][0] != first[3][n0]
+        else:
+            assert first[0] == ForwardMode.EXTEND and first[4] == [n0, n1]
+        eng.check_invariant()
+        eng.close()
+
+    eng = make_engine(deepseek_dir)  # "auto" with a graph runner of 16 rows (the rule only)
+    eng.runner.cuda_graph_runner = SimpleNamespace(max_bs=16)
+
+    def batch(prefix: int, new: int, mode=ForwardMode.EXTEND) -> ScheduleBatch:
+        return ScheduleBatch(mode, [], list(range(new)), list(range(prefix, prefix + new)),
+                             [1], [prefix + new], [prefix], [new])
+
+    assert eng._extend_as_decode(batch(0, 16)) and eng._extend_as_decode(batch(100, 1))
+    assert not eng._extend_as_decode(batch(0, 17))  # more rows than a graph has
+    assert not eng._extend_as_decode(batch(0, 1, ForwardMode.DECODE))
+    edge = (EXTEND_AS_DECODE_MAX_READS - 136) // 16  # 16 tokens over it read 16 edge + 136
+    assert sum(range(edge + 1, edge + 17)) <= EXTEND_AS_DECODE_MAX_READS
+    assert sum(range(edge + 2, edge + 18)) > EXTEND_AS_DECODE_MAX_READS
+    assert eng._extend_as_decode(batch(edge, 16))
+    assert not eng._extend_as_decode(batch(edge + 1, 16))
+    eng.runner.cuda_graph_runner = None
+    assert not eng._extend_as_decode(batch(0, 16))
+    eng.close()
 
 
 def test_retraction_tiny_pool_same_outputs(deepseek_dir, deepseek_hf):

@@ -37,8 +37,10 @@ def deepseek(tiny_deepseek_factory):
     return tiny_deepseek_factory(seed=6, hidden_size=64, num_hidden_layers=2)
 
 
-def test_worker_driven_tp2_equals_tp1(deepseek):
-    settings = {"model_path": deepseek, "max_total_tokens": 1024, "chunked_prefill_size": 8}
+@pytest.mark.parametrize("as_decode", ["false", "true"])  # prefills as decode rows: workers too
+def test_worker_driven_tp2_equals_tp1(deepseek, as_decode):
+    settings = {"model_path": deepseek, "max_total_tokens": 1024, "chunked_prefill_size": 8,
+                "extend_as_decode": as_decode}
     expected, _ = _generate(Engine(EngineConfig.create(**settings)))
     eng = Engine(EngineConfig.create(tensor_parallel_size=2, **settings))
     try:
