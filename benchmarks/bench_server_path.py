@@ -584,7 +584,8 @@ def engine_settings(args, folder: str, dummy: bool) -> dict[str, str]:
             "cuda_graph_max_bs": str(args.graph_max_bs),
             "prefill_min_free_rows": str(args.prefill_min_free_rows),
             "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-            "overlap_schedule": args.overlap_schedule, "STREAM_INTERVAL": "1",
+            "overlap_schedule": args.overlap_schedule,
+            "extend_as_decode": args.extend_as_decode, "STREAM_INTERVAL": "1",
             # the adapter's default (the model folder's copy sets "true"): per-token metric IPC
             # costs peak throughput; --server-param REPORT_CUSTOM_METRICS=true measures it
             "REPORT_CUSTOM_METRICS": "false",
@@ -748,6 +749,9 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quantization", default="", choices=["", "fp8"])
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
     ap.add_argument("--overlap-schedule", default="auto", choices=["auto", "true", "false"])
+    ap.add_argument("--extend-as-decode", default="false", choices=["auto", "true", "false"],
+                    help="the engine setting extend_as_decode of both sides (auto: small "
+                         "prefills as decode rows through the CUDA graphs)")
     ap.add_argument("--intra-op-threads", type=int, default=None,
                     help="torch threads of both engines (default: on a CPU one fewer than the "
                          "cores, as the adapter's auto; on a GPU torch's default)")

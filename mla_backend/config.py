@@ -125,8 +125,8 @@ class RunnerConfig:
     warmup: str = "auto"
     # A prefill / extend batch of few new tokens run as one decode row per token, through the
     # decode CUDA graphs (`Engine._extend_as_decode`): "auto" (when a graph fits the batch),
-    # "true" (also eagerly, without graphs: tests), "false".
-    extend_as_decode: str = "auto"
+    # "true" (also eagerly, without graphs: tests), "false" (default).
+    extend_as_decode: str = "false"
 
 
 @dataclass(frozen=True)

@@ -188,8 +188,8 @@ def test_radix_hit_equals_cold(model, as_decode, deepseek_dir, deepseek_hf, llam
 
 def test_extends_run_as_decode_rows(deepseek_dir, monkeypatch):
     """`extend_as_decode`: "true" sends every prefill to the model as DECODE rows, a row per
-    new token, each with its own request's row and seq_len position + 1; "false" none; "auto"
-    (CPU: no graphs) none. The rule of "auto" with graphs of up to 16 rows: at most 16 new
+    new token, each with its own request's row and seq_len position + 1; "false" (the default)
+    none; "auto" (CPU: no graphs) none. The rule of "auto" with graphs of up to 16 rows: at most 16 new
     tokens and at most `EXTEND_AS_DECODE_MAX_READS` positions read."""
     from types import SimpleNamespace
 
@@ -222,7 +222,7 @@ def test_extends_run_as_decode_rows(deepseek_dir, monkeypatch):
         eng.check_invariant()
         eng.close()
 
-    eng = make_engine(deepseek_dir)  # "auto" with a graph runner of 16 rows (the rule only)
+    eng = make_engine(deepseek_dir, extend_as_decode="auto")  # with 16-row graphs: the rule
     eng.runner.cuda_graph_runner = SimpleNamespace(max_bs=16)
 
     def batch(prefix: int, new: int, mode=ForwardMode.EXTEND) -> ScheduleBatch:

@@ -46,7 +46,7 @@ def _engine(path: str, **kw) -> Engine:
     {"disable_mla": True},
     {"mla_decompress_min_tokens": 0},
     {"chunked_prefill_size": 8, "max_total_tokens": 110},
-    {"extend_as_decode": "false"},  # (the others run prefills through the decode graphs)
+    {"extend_as_decode": "auto"},  # prefills as decode rows, through the decode graphs
 ])
 def test_deepseek_fp32_gpu_equals_hf_cpu(deepseek_dir, settings, backend):
     expected = hf_greedy(deepseek_dir, PROMPTS, 32)

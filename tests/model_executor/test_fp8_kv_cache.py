@@ -110,10 +110,12 @@ def test_startup_reports_capacity(deepseek, caplog):
     assert "float8_e5m2" in line and "x 432 B" in line and "2.00x the slots of a bf16" in line
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
-def test_engine_radix_hit_equals_cold_run_under_fp8(deepseek, kv):
+@pytest.mark.parametrize("kv,as_decode", [("fp8_e4m3", "false"), ("fp8_e5m2", "false"),
+                                           ("fp8_e4m3", "true")])
+def test_engine_radix_hit_equals_cold_run_under_fp8(deepseek, kv, as_decode):
     eng = Engine(EngineConfig.create(model_path=deepseek, dtype="float32", device="cpu",
-                                     kv_cache_dtype=kv, max_total_tokens=512))
+                                     kv_cache_dtype=kv, max_total_tokens=512,
+                                     extend_as_decode=as_decode))
     assert eng.runner.token_to_kv_pool.is_fp8
     prompts = [TOKENS[:40], TOKENS[:40] + TOKENS[60:70], TOKENS[5:30]]
     sp = SamplingParams(max_new_tokens=8, min_new_tokens=8, temperature=0.0)
@@ -125,6 +127,6 @@ def test_engine_radix_hit_equals_cold_run_under_fp8(deepseek, kv):
     assert hits[0].token_ids == cold[0].token_ids and hits[2].token_ids == cold[1].token_ids
     fresh = Engine(EngineConfig.create(model_path=deepseek, dtype="float32", device="cpu",
                                        kv_cache_dtype=kv, enable_radix_cache=False,
-                                       max_total_tokens=512))
+                                       max_total_tokens=512, extend_as_decode=as_decode))
     assert fresh.generate([prompts[1]], sp)[0].token_ids == hits[1].token_ids
     eng.check_invariant()
