@@ -16,6 +16,12 @@ Sections (`--sections`):
   chunks of `--prefill-chunk` tokens if given: the later chunks then extend a cached prefix),
   then a cProfile (host side, Python functions by own and cumulative time) of a small prefill
   (`--small-prefill REQUESTS TOKENS`, default 4 x 94: the common case under load).
+- ttft: the time to first token of one request alone (random prompt, one greedy output token,
+  radix cache off) for each of `--ttft-lengths`, with prefill steps eager (`extend_as_decode`
+  false) and as decode rows through the graphs (`auto`; on a CPU `true`: eager decode rows),
+  the two alternating prompt by prompt `--ttft-reps` times on one engine (graphs to
+  `--graph-max-bs`). Prints per length both TTFT p50s, their ratio, how many runs took the
+  decode-row path, and how many gave both modes the same first token.
 - steps: `--num-requests` ShareGPT requests all at once (radix off, as bench_suite's throughput
   section), every step logged (mode, batch size, tokens, wall seconds), after a warm-up that also
   runs an extend with a cached prefix where the context allows it (so that the kernels compiled at
@@ -331,6 +337,58 @@ def section_prefill(args, model_dir: str, vocab: int, res: dict) -> None:
         f"profiled), kernels {r['kernel_ms']:.1f} ms", r, args.top)
 
 
+def section_ttft(args, model_dir: str, vocab: int, res: dict) -> None:
+    """One request's time to first token, prefill eager against prefill as decode rows (see the
+    module docstring); "ttft" in the results: per length both modes' TTFTs (ms)."""
+    import numpy as np
+
+    eng = make_engine(model_dir, enable_radix_cache=False, cuda_graph_max_bs=args.graph_max_bs,
+                      max_running_requests=max(args.graph_max_bs, 16))
+    fast = "auto" if bs_.DEVICE == "cuda" else "true"
+    modes = ("false", fast)
+    took = [0]
+    real = eng._extend_as_decode
+
+    def counted(batch, _real=real):
+        used = _real(batch)
+        took[0] += bool(used)
+        return used
+
+    eng._extend_as_decode = counted
+    gen = torch.Generator().manual_seed(11)
+    rows, out = [], {}
+    for n in args.ttft_lengths:
+        if n + 1 > eng.context_len:
+            log(f"ttft: {n} tokens do not fit the context ({eng.context_len}); skipped")
+            continue
+        ms: dict[str, list[float]] = {m: [] for m in modes}
+        used = same = 0
+        for rep in range(args.ttft_reps + 1):  # the first pass warms up, unmeasured
+            prompt = random_prompt(gen, n, vocab)
+            first = {}
+            for mode in modes:
+                eng.extend_as_decode = mode
+                took[0] = 0
+                r = run_requests(eng, [prompt], [1])
+                first[mode] = r["first_ids"][0]
+                if rep:
+                    ms[mode].append(1000 * r["ttft"][0])
+                    used += took[0] > 0 if mode == fast else 0
+            same += rep > 0 and first[modes[0]] == first[modes[1]]
+        eager, rows_ms = (float(np.median(ms[m])) for m in modes)
+        out[str(n)] = {"eager_ms": ms["false"], "as_decode_ms": ms[fast], "as_decode_runs": used}
+        rows.append([n, eager, rows_ms, eager / rows_ms, f"{used}/{args.ttft_reps}",
+                     f"{same}/{args.ttft_reps}"])
+    eng.close()
+    del eng
+    release()
+    res["ttft"] = out
+    table(f"Time to first token, one request alone, {args.model}{args.tag} "
+          f"(extend_as_decode false vs {fast}; p50 of {args.ttft_reps})",
+          ["prompt tokens", "eager prefill ms", "as decode rows ms", "eager / rows",
+           "runs as decode rows", "same first token"], rows)
+
+
 class GcPauses:
     """Context manager: every garbage collection inside it (gc.callbacks), as per-generation
     count, total and longest pause (ms)."""
@@ -531,7 +589,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=SHAPES, required=True)
     ap.add_argument("--tokenizer-dir", required=True)
-    ap.add_argument("--sections", nargs="+", choices=("kernels", "prefill", "steps"),
+    ap.add_argument("--sections", nargs="+", choices=("kernels", "prefill", "ttft", "steps"),
                     default=["kernels", "steps"])
     ap.add_argument("--bs", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prompt", type=int, default=512)
@@ -553,6 +611,9 @@ def main() -> None:
     ap.add_argument("--small-prefill", type=int, nargs=2, default=[4, 94],
                     metavar=("REQUESTS", "TOKENS"),
                     help="prefill: also cProfile an eager prefill of this many requests")
+    ap.add_argument("--ttft-lengths", type=int, nargs="+",
+                    default=[1, 16, 128, 512, 1024, 2048], help="ttft: prompt lengths")
+    ap.add_argument("--ttft-reps", type=int, default=10, help="ttft: prompts per length")
     ap.add_argument("--lengths", default=str(DEFAULT_PATH))
     ap.add_argument("--quantization", default="", choices=["", "fp8"])
     ap.add_argument("--kv-cache-dtype", default="auto",
@@ -613,7 +674,8 @@ def main() -> None:
                            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                            "command": "python3 benchmarks/bench_profile.py "
                                       + " ".join(sys.argv[1:])}
-    funcs = {"kernels": section_kernels, "prefill": section_prefill, "steps": section_steps}
+    funcs = {"kernels": section_kernels, "prefill": section_prefill, "ttft": section_ttft,
+             "steps": section_steps}
     run_sections(args.sections, {name: (lambda fn=fn: fn(args, model_dir, vocab, res))
                                  for name, fn in funcs.items()}, res, args.out)
 

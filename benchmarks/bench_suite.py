@@ -301,7 +301,8 @@ def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
                  on_step: Callable[[float, list], None] | None = None,
                  sampling: list[SamplingParams] | None = None) -> dict:
     """Submit all at once (streaming), step to completion. Returns timing and token counts
-    ("tokens": per request); per-request first-token times (seconds from submission) in "ttft".
+    ("tokens": per request); per-request first-token times (seconds from submission) in "ttft",
+    first token ids in "first_ids".
     `sampling`: each request's params (default: greedy, `outs[i]` tokens). The outputs get their
     text from an `OutputProcessor` in this loop (`DETOKENIZE` "engine") or in a
     `DetokenizerProcess` ("process"); its counts are in "detokenized" (outputs, characters)."""
@@ -321,6 +322,7 @@ def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
             processor.add(rid, p, sp, stream=True)
         eng.add_request(GenerateRequest(rid=rid, input_ids=p, sampling_params=sp, stream=True))
     first: dict[str, float] = {}
+    first_ids: dict[str, int] = {}
     ntok = {rid: 0 for rid in rids}
     errors = 0
     next_log = t0 + 20.0
@@ -346,12 +348,14 @@ def run_requests(eng: Engine, prompts: list[list[int]], outs: list[int],
                 ntok[o.rid] += len(o.new_token_ids)
                 if o.new_token_ids and o.rid not in first:
                     first[o.rid] = te - t0
+                    first_ids[o.rid] = o.new_token_ids[0]
                 if o.finished and o.error:
                     errors += 1
     dt = time.perf_counter() - t0
     res = {"seconds": dt, "output_tokens": sum(ntok.values()), "errors": errors,
            "tokens": [ntok[r] for r in rids],
-           "ttft": [first.get(r, float("nan")) for r in rids]}
+           "ttft": [first.get(r, float("nan")) for r in rids],
+           "first_ids": [first_ids.get(r) for r in rids]}
     if detok is not None:
         n, chars, left = detok.close()
         if left:
