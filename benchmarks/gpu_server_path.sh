@@ -15,6 +15,8 @@
 #                                                   # MLA_PYSPY=1: sampled by py-spy)
 #   bash benchmarks/gpu_server_path.sh latency [DIR]  # bs-1 decode, bf16 and FP8 weights
 #   bash benchmarks/gpu_server_path.sh stubcalls    # bench_stub_calls.py (the stub's calls)
+#   bash benchmarks/gpu_server_path.sh asdecode     # extend_as_decode: its GPU tests, TTFT by
+#                                                   # prompt length, pairs and the peak with it
 #   bash benchmarks/gpu_server_path.sh pytest ARGS  # pytest ARGS on the machine's python3
 #   bash benchmarks/gpu_server_path.sh smol         # a third of SmolLM2 (.smol/X carried, X = a,
 #                                                   # b, c: benchmarks/gpu_smol_parts.sh); with
@@ -193,9 +195,24 @@ case "$step" in
         | tee -a "$out/$name.log"
     done
     ;;
+  asdecode)
+    # extend_as_decode on the GPU, in one call (.gpu/ and .tok-smol/ carried; about 9 minutes):
+    # its HF-oracle tests through the graphs, one request's TTFT by prompt length (eager against
+    # decode rows), the c=1 pairs with it on both sides, and the peak run without and with it
+    me="${BASH_SOURCE[0]}"
+    timeout 120 bash "$me" pytest -m "" tests/test_engine_gpu.py \
+      -k "(triton and (settings4 or settings5)) or (llama_fp32 and triton) or warm_up"
+    timeout 90 bash "$me" profile --sections ttft --extend-as-decode auto
+    timeout 170 bash "$me" pairs --pairs 32 --extend-as-decode auto
+    for mode in false auto; do
+      timeout 95 bash "$me" profile --num-requests 1500 --extend-as-decode "$mode" \
+        | grep -A8 "Peak-throughput run"
+    done
+    ;;
   *)
     echo "usage: bash benchmarks/gpu_server_path.sh STEP [ARGS], STEP one of" \
-      "tests bf16 fp8 llama genai structured stubcalls smol pytest profile latency" >&2
+      "tests bf16 fp8 llama pairs genai structured stubcalls smol pytest profile latency" \
+      "asdecode" >&2
     exit 2
     ;;
 esac

@@ -47,6 +47,7 @@ def _engine(path: str, **kw) -> Engine:
     {"mla_decompress_min_tokens": 0},
     {"chunked_prefill_size": 8, "max_total_tokens": 110},
     {"extend_as_decode": "auto"},  # prefills as decode rows, through the decode graphs
+    {"chunked_prefill_size": 8, "max_total_tokens": 110, "extend_as_decode": "auto"},
 ])
 def test_deepseek_fp32_gpu_equals_hf_cpu(deepseek_dir, settings, backend):
     expected = hf_greedy(deepseek_dir, PROMPTS, 32)
