@@ -56,10 +56,12 @@ def test_deepseek_fp32_gpu_equals_hf_cpu(deepseek_dir, settings, backend):
     eng.check_invariant()
 
 
+@pytest.mark.parametrize("as_decode", ["false", "auto"])
 @pytest.mark.parametrize("backend", ["triton", "torch_native"])
-def test_llama_fp32_gpu_equals_hf_cpu(llama_dir, backend):
+def test_llama_fp32_gpu_equals_hf_cpu(llama_dir, backend, as_decode):
     expected = hf_greedy(llama_dir, PROMPTS, 32)
-    eng = _engine(llama_dir, dtype="float32", attention_backend=backend)
+    eng = _engine(llama_dir, dtype="float32", attention_backend=backend,
+                  extend_as_decode=as_decode)
     assert [r.token_ids for r in eng.generate(PROMPTS, GREEDY)] == expected
 
 
