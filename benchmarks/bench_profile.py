@@ -19,9 +19,10 @@ Sections (`--sections`):
 - ttft: the time to first token of one request alone (random prompt, one greedy output token,
   radix cache off) for each of `--ttft-lengths`, with prefill steps eager (`extend_as_decode`
   false) and as decode rows through the graphs (`auto`; on a CPU `true`: eager decode rows),
-  the two alternating prompt by prompt `--ttft-reps` times on one engine (graphs to
-  `--graph-max-bs`). Prints per length both TTFT p50s, their ratio, how many runs took the
-  decode-row path, and how many gave both modes the same first token.
+  the two alternating prompt by prompt (each first in turn) `--ttft-reps` times on one engine
+  (graphs to `--graph-max-bs`: a length above it stays eager on both sides). Prints per
+  length both TTFT p50s, their ratio, how many runs took the decode-row path, and how many
+  gave both modes the same first token.
 - steps: `--num-requests` ShareGPT requests all at once (radix off, as bench_suite's throughput
   section), every step logged (mode, batch size, tokens, wall seconds), after a warm-up that also
   runs an extend with a cached prefix where the context allows it (so that the kernels compiled at
@@ -366,7 +367,7 @@ def section_ttft(args, model_dir: str, vocab: int, res: dict) -> None:
         for rep in range(args.ttft_reps + 1):  # the first pass warms up, unmeasured
             prompt = random_prompt(gen, n, vocab)
             first = {}
-            for mode in modes:
+            for mode in (modes if rep % 2 else modes[::-1]):  # each side first in turn
                 eng.extend_as_decode = mode
                 took[0] = 0
                 r = run_requests(eng, [prompt], [1])
@@ -646,6 +647,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: smoke-test this script (with --shape-overrides)")
     args = ap.parse_args()
+    if args.ttft_reps < 1:
+        ap.error("--ttft-reps must be >= 1")
     if args.fp8_fast_accum is not None:
         from mla_backend.layers import quantization
 

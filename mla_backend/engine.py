@@ -57,12 +57,12 @@ from mla_backend.tokenizer import load_tokenizer
 from mla_backend.tokenizer.output_processor import OutputProcessor, engine_streams
 
 logger = logging.getLogger(__name__)
-# `_extend_as_decode`: the most KV reads (sum over the new tokens of the positions each attends
-# to) of an extend run as decode rows. Each row reads its whole prefix, so the reads grow with
-# the square of a prompt's length: 2^20 is a fresh 1,447-token prompt, or 128 new tokens over
-# an 8,128-token prefix; for V2-Lite's 576-wide bf16 latents 1.2 GB a layer, about 11 ms over
-# its 27 layers at 3 TB/s, where an eager prefill step spends ~40 ms of host time.
-EXTEND_AS_DECODE_MAX_READS = 1 << 20
+# `_extend_as_decode`: the most KV bytes the rows of an extend run as decode rows may read, over
+# all layers. Each row reads its whole prefix, so the reads grow with the square of a prompt's
+# length: 32 GiB is, for V2-Lite's bf16 latents (31,104 bytes a token over 27 layers), a fresh
+# 1,485-token prompt or 128 new tokens over an 8,565-token prefix, about 11 ms at 3 TB/s, where
+# an eager prefill step spends ~40 ms of host time.
+EXTEND_AS_DECODE_MAX_READ_BYTES = 32 << 30
 _IDLE_POLL_S = 0.1  # `serve_engine`'s wait for a message while the engine has no work (s)
 _NO_TOKEN_FITS = ("structured_outputs: no token the request allows fits its grammar here "
                   "(allowed_token_ids, logit_bias or the vocabulary exclude every token the "
@@ -213,6 +213,7 @@ class Engine:
         self.overlap: bool = config.parallel.tensor_parallel_size == 1 and (
             overlap == "true" or (overlap == "auto" and on_cuda))
         self.extend_as_decode: str = config.runner.extend_as_decode  # (benchmarks switch it)
+        self._kv_cell_bytes = self.runner.token_to_kv_pool.cell_bytes()  # a token, all layers
         self._unflushed: list[_Token] = []  # committed tokens `_flush_tokens` has not seen
         # structured outputs: compiles, waiting requests, masks; and the requests whose grammar
         # refused their token (from _commit_tokens)
@@ -480,9 +481,10 @@ class Engine:
         attention read exactly the causal prefix of that token: its request's cached tokens and
         the new ones up to it, whose KV each layer stores before it attends (the scheduler has
         written their slots into `req_to_token`). `auto`: when a decode graph fits the T rows
-        and the reads stay within `EXTEND_AS_DECODE_MAX_READS`, so a short prompt's prefill
-        replays a graph instead of an eager forward (host-bound: ~40 ms for V2-Lite's 27
-        layers, whatever the length); `true`: every extend (eagerly without graphs: tests)."""
+        and the rows' KV reads, sum(position + 1) tokens, stay within
+        `EXTEND_AS_DECODE_MAX_READ_BYTES`, so a short prompt's prefill replays a graph instead
+        of an eager forward (host-bound: ~40 ms for V2-Lite's 27 layers, whatever the length);
+        `true`: every extend, eagerly without graphs and with no bound (tests)."""
         mode = self.extend_as_decode
         if mode == "false" or not batch.is_extend():
             return False
@@ -490,8 +492,8 @@ class Engine:
             return True
         cgr = self.runner.cuda_graph_runner
         t = batch.num_tokens
-        return (cgr is not None and t <= cgr.max_bs
-                and sum(batch.positions) + t <= EXTEND_AS_DECODE_MAX_READS)
+        return (cgr is not None and t <= cgr.max_bs and (sum(batch.positions) + t)
+                * self._kv_cell_bytes <= EXTEND_AS_DECODE_MAX_READ_BYTES)
 
     def _start_deferred(self, launched: "_Launched") -> None:
         """The grammars have taken the previous batch's tokens: start filling the masks of
@@ -893,7 +895,9 @@ class Engine:
         prompt one chunk and 33 tokens long (its second chunk), where it fits. The prompts are
         token ids, not text. The prefix cache is emptied after (on an engine that has served,
         its cached prefixes go too). Returns (runs, seconds). Called from `__init__` when
-        `warmup` is on (by default on CUDA); not with an engine thread running.
+        `warmup` is on (by default on CUDA); not with an engine thread running. Its prefill
+        steps run eagerly (`extend_as_decode` off while it runs): those are the kernels it is
+        for; the decode rows replay graphs, captured already.
 
         Raises:
             RuntimeError: a warm-up run failed (out of GPU memory: the message says which
@@ -922,14 +926,18 @@ class Engine:
         elif s.chunked_prefill_size > 0 and cap == s.chunked_prefill_size and \
                 cap + 33 + 2 <= min(self.context_len, self.max_total_tokens):
             runs.append([prompt(cap + 33, 5 * cap)])  # a second chunk over the first
-        for prompts in runs:
-            errors = [r.error for r in self.generate(prompts, greedy) if r.error]
-            if errors:  # a failed forward ends its requests with the error
-                hint = (" (out of GPU memory, as a request's prefill of that size would be: "
-                        "lower mem_fraction_static, chunked_prefill_size or max_total_tokens)"
-                        if "out of memory" in errors[0].lower() else "")
-                raise RuntimeError(f"the warm-up's prefill of {sum(map(len, prompts))} tokens "
-                                   f"failed{hint}: {errors[0]}")
+        as_decode, self.extend_as_decode = self.extend_as_decode, "false"
+        try:
+            for prompts in runs:
+                errors = [r.error for r in self.generate(prompts, greedy) if r.error]
+                if errors:  # a failed forward ends its requests with the error
+                    hint = (" (out of GPU memory, as a request's prefill of that size would be: "
+                            "lower mem_fraction_static, chunked_prefill_size or "
+                            "max_total_tokens)" if "out of memory" in errors[0].lower() else "")
+                    raise RuntimeError(f"the warm-up's prefill of {sum(map(len, prompts))} "
+                                       f"tokens failed{hint}: {errors[0]}")
+        finally:
+            self.extend_as_decode = as_decode
         self.tree_cache.evict(self.tree_cache.evictable_size())
         self.check_invariant()
         free = self.runner.token_to_kv_pool_allocator.available_size()

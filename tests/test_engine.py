@@ -104,6 +104,35 @@ def test_warm_up_without_the_radix_cache_extends_over_a_second_chunk(deepseek_di
     eng.check_invariant()
 
 
+def test_warm_up_prefills_eagerly_whatever_extend_as_decode(deepseek_dir, monkeypatch):
+    """The warm-up is for the eager prefill kernels: its prefills go to the model as EXTEND
+    batches even with `extend_as_decode` "true", which holds again after it (and after a
+    failed run)."""
+    from mla_backend.forward_batch import ForwardMode
+
+    eng = make_engine(deepseek_dir, chunked_prefill_size=64, extend_as_decode="true")
+    modes = []
+    real = eng.runner.make_forward_batch
+
+    def make(m, ids, *rest):
+        modes.append((m, len(ids)))
+        return real(m, ids, *rest)
+
+    monkeypatch.setattr(eng.runner, "make_forward_batch", make)
+    runs, _ = eng.warm_up()
+    extends = [n for m, n in modes if m == ForwardMode.EXTEND]
+    assert len(extends) >= runs and max(extends) == 64
+    assert eng.extend_as_decode == "true"
+    modes.clear()
+    eng.generate(["The capital of France is"], SamplingParams(max_new_tokens=2))
+    assert modes[0][0] == ForwardMode.DECODE and modes[0][1] > 1  # its prefill, as rows
+    monkeypatch.setattr(eng, "generate", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        eng.warm_up()
+    assert eng.extend_as_decode == "true"
+    eng.close()
+
+
 def test_warm_up_failure_names_the_prefill_and_what_to_lower(deepseek_dir, monkeypatch):
     """A warm-up prefill whose forward fails (here: out of memory from 100 tokens on) fails the
     load with the size of that prefill and the settings to lower, and leaves no slot taken."""
@@ -188,42 +217,65 @@ def test_radix_hit_equals_cold(model, as_decode, deepseek_dir, deepseek_hf, llam
 
 def test_extends_run_as_decode_rows(deepseek_dir, monkeypatch):
     """`extend_as_decode`: "true" sends every prefill to the model as DECODE rows, a row per
-    new token, each with its own request's row and seq_len position + 1; "false" (the default)
-    none; "auto" (CPU: no graphs) none. The rule of "auto" with graphs of up to 16 rows: at most 16 new
-    tokens and at most `EXTEND_AS_DECODE_MAX_READS` positions read."""
+    new token, each with its own request's row and seq_len position + 1, and samples each
+    request from its last token's row; "false" (the default) and "auto" (CPU: no graphs) send
+    EXTEND batches. The rule of "auto" with graphs of up to 16 rows: at most 16 new tokens and
+    at most `EXTEND_AS_DECODE_MAX_READ_BYTES` of KV read."""
     from types import SimpleNamespace
 
-    from mla_backend.engine import EXTEND_AS_DECODE_MAX_READS
+    from mla_backend.engine import EXTEND_AS_DECODE_MAX_READ_BYTES
     from mla_backend.forward_batch import ForwardMode
     from mla_backend.scheduler.schedule_batch import ScheduleBatch
 
     short = SamplingParams(max_new_tokens=2, temperature=0.0)
     for mode in ("true", "false", "auto"):
         eng = make_engine(deepseek_dir, extend_as_decode=mode)
-        calls = []
-        real = eng.runner.make_forward_batch
+        n0, n1 = (len(eng.tokenizer(p).input_ids) for p in PROMPTS[:2])
+        calls, batches, forwards, sampled = [], [], [], []
+        real_make, real_launch = eng.runner.make_forward_batch, eng._launch_batch
+        real_forward, real_sample = eng.runner.forward, eng.sampler.launch
 
-        def spy(m, ids, pos, rows, seqs, *rest, _real=real, _calls=calls):
-            _calls.append((m, list(ids), list(pos), list(rows), list(seqs)))
-            return _real(m, ids, pos, rows, seqs, *rest)
+        def make(m, ids, pos, rows, seqs, *rest):
+            calls.append((m, list(ids), list(pos), list(rows), list(seqs)))
+            return real_make(m, ids, pos, rows, seqs, *rest)
 
-        monkeypatch.setattr(eng.runner, "make_forward_batch", spy)
+        def launch(batch, prev):
+            batches.append(list(batch.req_pool_indices))
+            return real_launch(batch, prev)
+
+        def forward(fb):
+            out = real_forward(fb)
+            forwards.append(out.clone())
+            return out
+
+        def sample(logits, *rest):
+            sampled.append(logits.clone())
+            return real_sample(logits, *rest)
+
+        monkeypatch.setattr(eng.runner, "make_forward_batch", make)
+        monkeypatch.setattr(eng, "_launch_batch", launch)
+        monkeypatch.setattr(eng.runner, "forward", forward)
+        monkeypatch.setattr(eng.sampler, "launch", sample)
         eng.generate(PROMPTS[:2], short)
         first = calls[0]  # the prefill of both prompts
-        n0, n1 = (len(eng.tokenizer(p).input_ids) for p in PROMPTS[:2])
+        r0, r1 = batches[0]
+        assert r0 != r1
         if mode == "true":
             assert first[0] == ForwardMode.DECODE and len(first[1]) == n0 + n1
             assert first[2] == list(range(n0)) + list(range(n1))
+            assert first[3] == [r0] * n0 + [r1] * n1  # each token on its request's row
             assert first[4] == [p + 1 for p in first[2]]
-            assert len(set(first[3][:n0])) == len(set(first[3][n0:])) == 1
-            assert first[3][0] != first[3][n0]
+            assert forwards[0].shape[0] == n0 + n1  # a logits row per token; sampled: the last
+            assert torch.equal(sampled[0], forwards[0][[n0 - 1, n0 + n1 - 1]])
         else:
-            assert first[0] == ForwardMode.EXTEND and first[4] == [n0, n1]
+            assert first[0] == ForwardMode.EXTEND and first[3] == [r0, r1]
+            assert first[4] == [n0, n1] and forwards[0].shape[0] == 2
         eng.check_invariant()
         eng.close()
 
     eng = make_engine(deepseek_dir, extend_as_decode="auto")  # with 16-row graphs: the rule
     eng.runner.cuda_graph_runner = SimpleNamespace(max_bs=16)
+    limit = EXTEND_AS_DECODE_MAX_READ_BYTES // eng.runner.token_to_kv_pool.cell_bytes()
 
     def batch(prefix: int, new: int, mode=ForwardMode.EXTEND) -> ScheduleBatch:
         return ScheduleBatch(mode, [], list(range(new)), list(range(prefix, prefix + new)),
@@ -232,9 +284,8 @@ def test_extends_run_as_decode_rows(deepseek_dir, monkeypatch):
     assert eng._extend_as_decode(batch(0, 16)) and eng._extend_as_decode(batch(100, 1))
     assert not eng._extend_as_decode(batch(0, 17))  # more rows than a graph has
     assert not eng._extend_as_decode(batch(0, 1, ForwardMode.DECODE))
-    edge = (EXTEND_AS_DECODE_MAX_READS - 136) // 16  # 16 tokens over it read 16 edge + 136
-    assert sum(range(edge + 1, edge + 17)) <= EXTEND_AS_DECODE_MAX_READS
-    assert sum(range(edge + 2, edge + 18)) > EXTEND_AS_DECODE_MAX_READS
+    edge = (limit - 136) // 16  # 16 tokens over `edge` read 16 edge + 136 tokens' KV
+    assert sum(range(edge + 1, edge + 17)) <= limit < sum(range(edge + 2, edge + 18))
     assert eng._extend_as_decode(batch(edge, 16))
     assert not eng._extend_as_decode(batch(edge + 1, 16))
     eng.runner.cuda_graph_runner = None

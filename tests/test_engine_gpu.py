@@ -52,17 +52,36 @@ def _engine(path: str, **kw) -> Engine:
 def test_deepseek_fp32_gpu_equals_hf_cpu(deepseek_dir, settings, backend):
     expected = hf_greedy(deepseek_dir, PROMPTS, 32)
     eng = _engine(deepseek_dir, dtype="float32", attention_backend=backend, **settings)
+    as_rows = _count_decode_rows(eng)
     assert [r.token_ids for r in eng.generate(PROMPTS, GREEDY)] == expected
+    # with graphs (triton) "auto" runs the prefills as decode rows; torch_native has no graphs
+    assert (as_rows[0] > 0) == (settings.get("extend_as_decode") == "auto"
+                                and backend == "triton")
     eng.check_invariant()
 
 
-@pytest.mark.parametrize("as_decode", ["false", "auto"])
-@pytest.mark.parametrize("backend", ["triton", "torch_native"])
+def _count_decode_rows(eng: Engine) -> list[int]:
+    """A counter of the engine's batches that `_extend_as_decode` turns into decode rows."""
+    count, real = [0], eng._extend_as_decode
+
+    def counted(batch):
+        used = real(batch)
+        count[0] += bool(used)
+        return used
+
+    eng._extend_as_decode = counted
+    return count
+
+
+@pytest.mark.parametrize("backend,as_decode", [("triton", "false"), ("torch_native", "false"),
+                                               ("triton", "auto")])
 def test_llama_fp32_gpu_equals_hf_cpu(llama_dir, backend, as_decode):
     expected = hf_greedy(llama_dir, PROMPTS, 32)
     eng = _engine(llama_dir, dtype="float32", attention_backend=backend,
                   extend_as_decode=as_decode)
+    as_rows = _count_decode_rows(eng)
     assert [r.token_ids for r in eng.generate(PROMPTS, GREEDY)] == expected
+    assert (as_rows[0] > 0) == (as_decode == "auto")
 
 
 def _prefill_logits(eng: Engine, ids: list[int]) -> torch.Tensor:
