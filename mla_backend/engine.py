@@ -60,8 +60,7 @@ logger = logging.getLogger(__name__)
 # `_extend_as_decode`: the most KV bytes the rows of an extend run as decode rows may read, over
 # all layers. Each row reads its whole prefix, so the reads grow with the square of a prompt's
 # length: 32 GiB is, for V2-Lite's bf16 latents (31,104 bytes a token over 27 layers), a fresh
-# 1,485-token prompt or 128 new tokens over an 8,565-token prefix, about 11 ms at 3 TB/s, where
-# an eager prefill step spends ~40 ms of host time.
+# 1,485-token prompt or 128 new tokens over an 8,565-token prefix: about 11 ms at 3 TB/s.
 EXTEND_AS_DECODE_MAX_READ_BYTES = 32 << 30
 _IDLE_POLL_S = 0.1  # `serve_engine`'s wait for a message while the engine has no work (s)
 _NO_TOKEN_FITS = ("structured_outputs: no token the request allows fits its grammar here "
@@ -483,7 +482,7 @@ class Engine:
         written their slots into `req_to_token`). `auto`: when a decode graph fits the T rows
         and the rows' KV reads, sum(position + 1) tokens, stay within
         `EXTEND_AS_DECODE_MAX_READ_BYTES`, so a short prompt's prefill replays a graph instead
-        of an eager forward (host-bound: ~40 ms for V2-Lite's 27 layers, whatever the length);
+        of an eager forward (host-bound whatever the length: docs/benchmarks.md);
         `true`: every extend, eagerly without graphs and with no bound (tests)."""
         mode = self.extend_as_decode
         if mode == "false" or not batch.is_extend():
