@@ -364,7 +364,8 @@ class TritonServer:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, attempts: int = 3) -> TritonServer:
         """Start the server and wait until it and its models are ready. When a free port picked
-        here was taken by someone else meanwhile, retries on new ports (`attempts` in all)."""
+        here was taken by someone else meanwhile, retries on new ports (`attempts` in all); the
+        log of such a failed attempt N is kept beside `log_path` as `<name>.attemptN`."""
         for attempt in range(attempts):
             try:
                 return self._start()
@@ -373,6 +374,10 @@ class TritonServer:
                 if not clash or attempt == attempts - 1:
                     self.keep_log()
                     raise
+                # Triton loads its models before it binds its ports, so the failed attempt's
+                # log already has load lines: move it aside, and `log_path` holds this server's.
+                self.log_path.replace(self.log_path.with_name(
+                    f"{self.log_path.name}.attempt{attempt + 1}"))
                 self.proc = None
                 self._pick_ports()
         raise AssertionError("unreachable")

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import textwrap
@@ -109,6 +110,24 @@ def test_serves_and_stops_cleanly(tmp_path: Path) -> None:
     with pytest.raises(ProcessLookupError):  # no stub left in the server's process group
         os.killpg(pgid, 0)
     assert "successfully unloaded 'echo'" in (tmp_path / "server.log").read_text()
+
+
+def test_port_clash_retries_with_a_fresh_log(tmp_path: Path) -> None:
+    """Triton loads its models before it binds its ports: after a clash, the retry's log must
+    not also hold the failed attempt's load lines (a test reading them saw two loads)."""
+    _model(tmp_path / "repo", "echo")
+    server = TritonServer(tmp_path / "repo", log_path=tmp_path / "server.log")
+    taken = server.http_port
+    with socket.socket() as holder:
+        holder.bind((server.host, taken))
+        holder.listen()
+        with server:
+            assert server.http_port != taken
+            assert _generate(server, "echo", "hi")["text_output"] == "echo:hi"
+            log = (tmp_path / "server.log").read_text()
+    failed = (tmp_path / "server.log.attempt1").read_text()
+    assert "successfully loaded 'echo'" in failed and "already in use" in failed
+    assert log.count("successfully loaded 'echo'") == 1 and "already in use" not in log
 
 
 def test_explicit_mode_waits_for_named_model(tmp_path: Path) -> None:
