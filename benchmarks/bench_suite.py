@@ -231,7 +231,7 @@ class StepLog:
     wall time with `on_step(seconds)` (`run_requests`' and `serving_client.engine_load`'s
     `on_step`: the step and the processing of its outputs)."""
 
-    EDGES = (1, 16, 64, 128, 256, 512, 1024, 4096)
+    EDGES = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096)
 
     def __init__(self, eng: Engine) -> None:
         self.rows: list[tuple[str, int, int, float, float]] = []

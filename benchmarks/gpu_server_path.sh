@@ -17,6 +17,9 @@
 #   bash benchmarks/gpu_server_path.sh stubcalls    # bench_stub_calls.py (the stub's calls)
 #   bash benchmarks/gpu_server_path.sh asdecode     # extend_as_decode: its GPU tests, TTFT by
 #                                                   # prompt length, pairs and the peak with it
+#   bash benchmarks/gpu_server_path.sh bigbatch     # the FP8 peak at 1,024 and 2,048 rows
+#   bash benchmarks/gpu_server_path.sh wsfp8        # the ws kernel's FP8 register-operand path:
+#                                                   # its GPU tests and timing
 #   bash benchmarks/gpu_server_path.sh pytest ARGS  # pytest ARGS on the machine's python3
 #   bash benchmarks/gpu_server_path.sh smol         # a third of SmolLM2 (.smol/X carried, X = a,
 #                                                   # b, c: benchmarks/gpu_smol_parts.sh); with
@@ -209,10 +212,30 @@ case "$step" in
         | grep -A8 "Peak-throughput run"
     done
     ;;
+  bigbatch)
+    # issue 44's "larger batches": the FP8 / FP8 peak with 1,024 request rows and graphs
+    # against 2,048 (the pool holds ~6.4M tokens), same machine, one call (~5 minutes);
+    # the step table's "decode bs 1024-2047" row shows whether the step grows sublinearly
+    me="${BASH_SOURCE[0]}"
+    for rows in 1024 2048; do
+      timeout 170 bash "$me" profile --quantization fp8 --kv-cache-dtype fp8_e4m3 \
+        --graph-max-bs "$rows" --max-running "$rows" "${@:2}" | grep -A12 "Peak-throughput run"
+    done
+    ;;
+  wsfp8)
+    # the ws kernel's FP8 register-operand path (`decode_attention_ws.FP8_REG_A`, off until
+    # this runs): its GPU tests, then its timing against the converting producer at peak-like
+    # batches (~1 minute each)
+    me="${BASH_SOURCE[0]}"
+    timeout 200 bash "$me" pytest -m "" tests/kernels/test_decode_attention_ws.py
+    PYTHONPATH=. timeout 200 python3 benchmarks/bench_decode_ws.py --kv-dtype fp8_e4m3 \
+      --reg-a 0 1 --batch-sizes 256 1024 --contexts 512 2048 "${@:2}" 2>&1 \
+      | tee "$out/wsfp8.log"
+    ;;
   *)
     echo "usage: bash benchmarks/gpu_server_path.sh STEP [ARGS], STEP one of" \
       "tests bf16 fp8 llama pairs genai structured stubcalls smol pytest profile latency" \
-      "asdecode" >&2
+      "asdecode bigbatch wsfp8" >&2
     exit 2
     ;;
 esac
