@@ -539,13 +539,14 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
     if args.min_tokens:  # as genai-perf and bench_server_path send fixed output lengths
         sampling = [SamplingParams(max_new_tokens=o, min_new_tokens=o, temperature=0.0,
                                    ignore_eos=True) for o in outs]
-    if args.sync_debug:  # a warning (with its stack) for each op that waits for the device
+    sync_debug = args.sync_debug and torch.cuda.is_available()  # (nothing waits on a CPU)
+    if sync_debug:  # a warning (with its stack) for each op that waits for the device
         torch.cuda.set_sync_debug_mode("warn")
     try:
         with GcPauses() as gcp, CompileLog(lambda: len(log_rows)) as compiles:
             r = run_requests(eng, prompts, outs, steps.on_step, sampling)
     finally:
-        if args.sync_debug:
+        if sync_debug:
             torch.cuda.set_sync_debug_mode("default")
     steps.close()
     stats = eng.stats()

@@ -18,6 +18,8 @@
 #   bash benchmarks/gpu_server_path.sh asdecode     # extend_as_decode: its GPU tests, TTFT by
 #                                                   # prompt length, pairs and the peak with it
 #   bash benchmarks/gpu_server_path.sh bigbatch     # the FP8 peak at 1,024 and 2,048 rows
+#   bash benchmarks/gpu_server_path.sh hostprobe    # host functions of 20 peak decode steps,
+#                                                   # and the ops that wait for the device
 #   bash benchmarks/gpu_server_path.sh wsfp8        # the ws kernel's FP8 register-operand path:
 #                                                   # its GPU tests and timing
 #   bash benchmarks/gpu_server_path.sh pytest ARGS  # pytest ARGS on the machine's python3
@@ -214,13 +216,23 @@ case "$step" in
     ;;
   bigbatch)
     # issue 44's "larger batches": the FP8 / FP8 peak with 1,024 request rows and graphs
-    # against 2,048 (the pool holds ~6.4M tokens), same machine, one call (~5 minutes);
+    # against 2,048 (the pool holds ~6.4M tokens), same machine, one call (~8 minutes);
     # the step table's "decode bs 1024-2047" row shows whether the step grows sublinearly
     me="${BASH_SOURCE[0]}"
-    for rows in 1024 2048; do
-      timeout 170 bash "$me" profile --quantization fp8 --kv-cache-dtype fp8_e4m3 \
-        --graph-max-bs "$rows" --max-running "$rows" "${@:2}" | grep -A12 "Peak-throughput run"
+    for rows in 1024 2048; do  # (twice the graph buckets to capture at 2,048)
+      timeout $(( rows == 1024 ? 180 : 300 )) bash "$me" profile --quantization fp8 \
+        --kv-cache-dtype fp8_e4m3 --graph-max-bs "$rows" --max-running "$rows" "${@:2}" \
+        | grep -E -A12 "engine up|Peak-throughput run"
     done
+    ;;
+  hostprobe)
+    # where a peak decode step's host time goes (FP8 / FP8: ~13 ms of host work per step at
+    # bs 512-1,023 on an H100, against ~3.5 ms for the engine's own Python at 1,024 rows on a
+    # CPU): steps 300-319 of a 1,500-request run under cProfile and torch.profiler, and every
+    # op that waits for the device (--sync-debug), in one call (~2 minutes)
+    me="${BASH_SOURCE[0]}"
+    timeout 300 bash "$me" profile --quantization fp8 --kv-cache-dtype fp8_e4m3 \
+      --num-requests 1500 --window 300 20 --top 30 --sync-debug "${@:2}"
     ;;
   wsfp8)
     # the ws kernel's FP8 register-operand path (`decode_attention_ws.FP8_REG_A`, off until
@@ -235,7 +247,7 @@ case "$step" in
   *)
     echo "usage: bash benchmarks/gpu_server_path.sh STEP [ARGS], STEP one of" \
       "tests bf16 fp8 llama pairs genai structured stubcalls smol pytest profile latency" \
-      "asdecode bigbatch wsfp8" >&2
+      "asdecode bigbatch hostprobe wsfp8" >&2
     exit 2
     ;;
 esac
