@@ -226,10 +226,9 @@ case "$step" in
     done
     ;;
   hostprobe)
-    # where a peak decode step's host time goes (FP8 / FP8: ~13 ms of host work per step at
-    # bs 512-1,023 on an H100, against ~3.5 ms for the engine's own Python at 1,024 rows on a
-    # CPU): steps 300-319 of a 1,500-request run under cProfile and torch.profiler, and every
-    # op that waits for the device (--sync-debug), in one call (~2 minutes)
+    # where a peak decode step's host time goes (FP8 / FP8): steps 300-319 of a 1,500-request
+    # run under cProfile and torch.profiler, and every op that waits for the device
+    # (--sync-debug), in one call
     me="${BASH_SOURCE[0]}"
     timeout 300 bash "$me" profile --quantization fp8 --kv-cache-dtype fp8_e4m3 \
       --num-requests 1500 --window 300 20 --top 30 --sync-debug "${@:2}"
