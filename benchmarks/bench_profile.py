@@ -374,8 +374,10 @@ def section_ttft(args, model_dir: str, vocab: int, res: dict) -> None:
                 first[mode] = r["first_ids"][0]
                 if rep:
                     ms[mode].append(1000 * r["ttft"][0])
-                    used += took[0] > 0 if mode == fast else 0
-            same += rep > 0 and first[modes[0]] == first[modes[1]]
+                    if mode == fast and took[0]:
+                        used += 1
+            if rep and first[modes[0]] == first[modes[1]]:
+                same += 1
         eager, rows_ms = (float(np.median(ms[m])) for m in modes)
         out[str(n)] = {"eager_ms": ms["false"], "as_decode_ms": ms[fast], "as_decode_runs": used}
         rows.append([n, eager, rows_ms, eager / rows_ms, f"{used}/{args.ttft_reps}",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import queue
 import threading
@@ -418,27 +419,15 @@ class Engine:
         flight whose sampled tokens are the inputs of `batch.future_rows`."""
         as_decode = self._extend_as_decode(batch)
         if as_decode:  # a row per new token: its request's row, the KV up to and with itself
-            fb = self.runner.make_forward_batch(
-                ForwardMode.DECODE,
-                batch.input_ids,
-                batch.positions,
-                [r for r, n in zip(batch.req_pool_indices, batch.extend_lens) for _ in range(n)],
-                [p + 1 for p in batch.positions],
-                None,
-                None,
-                batch.out_cache_loc,
-            )
+            mode, prefix_lens, extend_lens = ForwardMode.DECODE, None, None
+            req_rows = [r for r, n in zip(batch.req_pool_indices, batch.extend_lens)
+                        for _ in range(n)]
+            seq_lens = [p + 1 for p in batch.positions]
         else:
-            fb = self.runner.make_forward_batch(
-                batch.forward_mode,
-                batch.input_ids,
-                batch.positions,
-                batch.req_pool_indices,
-                batch.seq_lens,
-                batch.prefix_lens,
-                batch.extend_lens,
-                batch.out_cache_loc,
-            )
+            mode, req_rows, seq_lens = batch.forward_mode, batch.req_pool_indices, batch.seq_lens
+            prefix_lens, extend_lens = batch.prefix_lens, batch.extend_lens
+        fb = self.runner.make_forward_batch(mode, batch.input_ids, batch.positions, req_rows,
+                                            seq_lens, prefix_lens, extend_lens, batch.out_cache_loc)
         if batch.future_rows:
             if prev is None or prev.sample is None:
                 raise RuntimeError("a decode row waits for a token no batch in flight samples")
@@ -450,12 +439,10 @@ class Engine:
         rows = [i for i, m in enumerate(batch.sample_mask) if m]
         reqs = [batch.reqs[i] for i in rows]
         if as_decode:  # [T, V]: each sampling request's last new token's row
-            ends, end = [], 0
-            for n in batch.extend_lens:
-                end += n
-                ends.append(end - 1)
             if rows:
-                logits = logits.index_select(0, int64_on([ends[i] for i in rows], logits.device))
+                ends = list(itertools.accumulate(batch.extend_lens))
+                logits = logits.index_select(0, int64_on([ends[i] - 1 for i in rows],
+                                                         logits.device))
         elif rows and len(rows) != len(batch.reqs):  # (every row samples in decode: no gather)
             logits = logits.index_select(0, int64_on(rows, logits.device))
         sample, deferred = None, None
