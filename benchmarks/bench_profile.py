@@ -629,7 +629,7 @@ def main() -> None:
                     help="steps: also cProfile the host side of the run's first N prefill "
                          "steps after its eighth step (wall ms per step, top functions)")
     ap.add_argument("--overlap-schedule", default="auto", choices=["auto", "true", "false"])
-    ap.add_argument("--extend-as-decode", default="false", choices=["auto", "true", "false"],
+    ap.add_argument("--extend-as-decode", default="auto", choices=["auto", "true", "false"],
                     help="the engine setting extend_as_decode (small prefills as decode rows, "
                          "through the graphs)")
     ap.add_argument("--min-tokens", action="store_true",
@@ -663,7 +663,7 @@ def main() -> None:
         args.tag += f" [detokenized in a {args.detokenize}]"
     if args.fp8_fast_accum is not None:
         args.tag += f" [FP8 fast accumulation {args.fp8_fast_accum}]"
-    if args.extend_as_decode != "false":
+    if args.extend_as_decode != "auto":
         args.tag += f" [extend_as_decode {args.extend_as_decode}]"
     bs_.DEVICE = args.device
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -749,7 +749,7 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quantization", default="", choices=["", "fp8"])
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
     ap.add_argument("--overlap-schedule", default="auto", choices=["auto", "true", "false"])
-    ap.add_argument("--extend-as-decode", default="false", choices=["auto", "true", "false"],
+    ap.add_argument("--extend-as-decode", default="auto", choices=["auto", "true", "false"],
                     help="the engine setting extend_as_decode of both sides (auto: small "
                          "prefills as decode rows through the CUDA graphs)")
     ap.add_argument("--intra-op-threads", type=int, default=None,
@@ -758,8 +758,8 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--server-param", action="append", default=[], metavar="KEY=VALUE",
                     help="a config.pbtxt parameter of the served model only (an adapter "
                          "setting, e.g. GIL_SWITCH_INTERVAL_MS=0.5); repeatable")
-    ap.add_argument("--max-running", type=int, default=1024)
-    ap.add_argument("--graph-max-bs", type=int, default=1024)
+    ap.add_argument("--max-running", type=int, default=2048)
+    ap.add_argument("--graph-max-bs", type=int, default=2048)
     ap.add_argument("--prefill-min-free-rows", type=int, default=64)
     ap.add_argument("--context-length", type=int, default=4096)
     ap.add_argument("--max-total-tokens", default="", help='KV pool tokens ("": from memory)')

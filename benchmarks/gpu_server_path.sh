@@ -182,7 +182,7 @@ case "$step" in
     fi
     (cd "$tree" && PYTHONPATH=. "${spy[@]}" python3 benchmarks/bench_profile.py \
       --model deepseek-v2-lite --tokenizer-dir "$MLA_DEEPSEEK_TOKENIZER_DIR" --sections steps \
-      --graph-max-bs 1024 --max-running 1024 --prefill-min-free-rows 64 --num-requests 3000 \
+      --graph-max-bs 2048 --max-running 2048 --prefill-min-free-rows 64 --num-requests 3000 \
       "${@:2}") 2>&1 | grep -v '^\[transformers\]' | tee "$out/$name.log"
     if (( ${#spy[@]} )); then
       python3 benchmarks/pyspy_steps.py "$out/$name.folded" | tee "$out/$name.pyspy.txt"
@@ -234,9 +234,9 @@ case "$step" in
       --num-requests 1500 --window 300 20 --top 30 --sync-debug "${@:2}"
     ;;
   wsfp8)
-    # the ws kernel's FP8 register-operand path (`decode_attention_ws.FP8_REG_A`, off until
-    # this runs): its GPU tests, then its timing against the converting producer at peak-like
-    # batches (~1 minute each)
+    # the ws kernel's FP8 register-operand path (`decode_attention_ws.FP8_REG_A`): its GPU
+    # tests, then its timing against the converting producer at peak-like batches (~1 minute
+    # each)
     me="${BASH_SOURCE[0]}"
     timeout 200 bash "$me" pytest -m "" tests/kernels/test_decode_attention_ws.py
     PYTHONPATH=. timeout 200 python3 benchmarks/bench_decode_ws.py --kv-dtype fp8_e4m3 \

@@ -124,9 +124,9 @@ class RunnerConfig:
     # Prefill warm-up at load (`Engine.warm_up`): "auto" (on CUDA), "true", "false".
     warmup: str = "auto"
     # A prefill / extend batch of few new tokens run as one decode row per token, through the
-    # decode CUDA graphs (`Engine._extend_as_decode`): "auto" (when a graph fits the batch),
-    # "true" (also eagerly, without graphs: tests), "false" (default).
-    extend_as_decode: str = "false"
+    # decode CUDA graphs (`Engine._extend_as_decode`): "auto" (default: when a graph fits the
+    # batch), "true" (also eagerly, without graphs: tests), "false".
+    extend_as_decode: str = "auto"
 
 
 @dataclass(frozen=True)

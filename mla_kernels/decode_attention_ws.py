@@ -56,9 +56,10 @@ LOAD_REGS_FP8 = 120
 # An FP8 pool's tiles stay FP8 in shared memory, copied by cp.async, and the consumer converts
 # them into register operands of its MMAs (`_producer_raw`, `_consumer_reg_a`) instead of the
 # producer converting them into fp16 tiles (`_producer_convert`). A 36.9 KB FP8 tile lets each
-# program keep NUM_BUFS_REG_A of them in flight at two programs per SM. Off until its GPU tests
-# and timings are rerun on this tree; its fp16 products equal the converting producer's (GPU test).
-FP8_REG_A = False
+# program keep NUM_BUFS_REG_A of them in flight at two programs per SM. Its fp16 products equal
+# the converting producer's (GPU test); False selects the converting producer
+# (`benchmarks/bench_decode_ws.py --reg-a 0 1` times both; figures in docs/benchmarks.md).
+FP8_REG_A = True
 NUM_BUFS_REG_A = 2
 # The register-operand path's MMAs: each 128-column chunk's wgmma left in flight while the next
 # chunk is loaded and converted (True), or waited for at once (False).
