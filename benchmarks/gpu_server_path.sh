@@ -22,6 +22,8 @@
 #                                                   # and the ops that wait for the device
 #   bash benchmarks/gpu_server_path.sh wsfp8        # the ws kernel's FP8 register-operand path:
 #                                                   # its GPU tests and timing
+#   bash benchmarks/gpu_server_path.sh tail         # the FP8 peak's small-batch steps: kernels
+#                                                   # and host of two windows, the MoE there
 #   bash benchmarks/gpu_server_path.sh pytest ARGS  # pytest ARGS on the machine's python3
 #   bash benchmarks/gpu_server_path.sh smol         # a third of SmolLM2 (.smol/X carried, X = a,
 #                                                   # b, c: benchmarks/gpu_smol_parts.sh); with
@@ -233,6 +235,23 @@ case "$step" in
     timeout 300 bash "$me" profile --quantization fp8 --kv-cache-dtype fp8_e4m3 \
       --num-requests 1500 --window 300 20 --top 30 --sync-debug "${@:2}"
     ;;
+  tail)
+    # issue 44's tail: the FP8 / FP8 peak's steps at 16-511 rows, when its last long requests
+    # run on (a quarter of the run's time at 2,048 rows): the GPU kernels and host functions of
+    # 20 steps at ~256-511 rows and of 20 at ~16-63 (step numbers of the 2,048-row run's
+    # order), then the routed experts alone at those token counts, both paths, with their
+    # weight-read rate against the copy rate, and a tile sweep where the tiles are untuned
+    # (<= 16 rows per expert: T <= 170), in one call (~8 minutes)
+    me="${BASH_SOURCE[0]}"
+    for at in 680 920; do
+      timeout 120 bash "$me" profile --quantization fp8 --kv-cache-dtype fp8_e4m3 \
+        --window "$at" 20 --top 15 "${@:2}" | grep -E -A20 "^### Steps"
+    done
+    PYTHONPATH=. timeout 90 python3 benchmarks/bench_fused_moe.py --fp8 --tokens 16 64 160 400 \
+      --no-loop --tol 0.25 2>&1 | tee "$out/tail_moe.log"
+    PYTHONPATH=. timeout 150 python3 benchmarks/bench_moe_tiles.py --dtypes fp8 --tokens 64 160 \
+      --block-ms 16 32 2>&1 | tee "$out/tail_tiles.log"
+    ;;
   wsfp8)
     # the ws kernel's FP8 register-operand path (`decode_attention_ws.FP8_REG_A`): its GPU
     # tests, then its timing against the converting producer at peak-like batches (~1 minute
@@ -246,7 +265,7 @@ case "$step" in
   *)
     echo "usage: bash benchmarks/gpu_server_path.sh STEP [ARGS], STEP one of" \
       "tests bf16 fp8 llama pairs genai structured stubcalls smol pytest profile latency" \
-      "asdecode bigbatch hostprobe wsfp8" >&2
+      "asdecode bigbatch hostprobe wsfp8 tail" >&2
     exit 2
     ;;
 esac
