@@ -239,15 +239,16 @@ case "$step" in
     # issue 44's tail: the FP8 / FP8 peak's steps at 16-511 rows, when its last long requests
     # run on (a quarter of the run's time at 2,048 rows): the GPU kernels and host functions of
     # 20 steps at ~256-511 rows and of 20 at ~16-63 (step numbers of the 2,048-row run's
-    # order), then the routed experts alone at those token counts, both paths, with their
-    # weight-read rate against the copy rate, and a tile sweep where the tiles are untuned
-    # (<= 16 rows per expert: T <= 170), in one call (~8 minutes)
+    # order), then the routed experts alone at those token counts, both paths (the GEMV
+    # path's bound, GEMV_MAX_ROWS, was set from bf16 timings), with their weight-read rate
+    # against the copy rate, and a tile sweep where the tiles are untuned (<= 16 rows per
+    # expert: T <= 170), in one call (~8 minutes)
     me="${BASH_SOURCE[0]}"
     for at in 680 920; do
       timeout 120 bash "$me" profile --quantization fp8 --kv-cache-dtype fp8_e4m3 \
         --window "$at" 20 --top 15 "${@:2}" | grep -E -A20 "^### Steps"
     done
-    PYTHONPATH=. timeout 90 python3 benchmarks/bench_fused_moe.py --fp8 --tokens 16 64 160 400 \
+    PYTHONPATH=. timeout 90 python3 benchmarks/bench_fused_moe.py --fp8 --tokens 16 32 64 160 400 \
       --no-loop --tol 0.25 2>&1 | tee "$out/tail_moe.log"
     PYTHONPATH=. timeout 150 python3 benchmarks/bench_moe_tiles.py --dtypes fp8 --tokens 64 160 \
       --block-ms 16 32 2>&1 | tee "$out/tail_tiles.log"
