@@ -218,7 +218,7 @@ case "$step" in
     ;;
   bigbatch)
     # issue 44's "larger batches": the FP8 / FP8 peak with 1,024 request rows and graphs
-    # against 2,048 (the pool holds ~6.4M tokens), same machine, one call (~8 minutes);
+    # against 2,048, same machine, one call (~8 minutes);
     # the step table's "decode bs 1024-2047" row shows whether the step grows sublinearly
     me="${BASH_SOURCE[0]}"
     for rows in 1024 2048; do  # (twice the graph buckets to capture at 2,048)
@@ -237,8 +237,8 @@ case "$step" in
     ;;
   tail)
     # issue 44's tail: the FP8 / FP8 peak's steps at 16-511 rows, when its last long requests
-    # run on (a quarter of the run's time at 2,048 rows): the GPU kernels and host functions of
-    # 20 steps at ~256-511 rows and of 20 at ~16-63 (step numbers of the 2,048-row run's
+    # run on (their share of the run: docs/benchmarks.md): the GPU kernels and host functions
+    # of 20 steps at ~256-511 rows and of 20 at ~16-63 (step numbers of the 2,048-row run's
     # order), then the routed experts alone at those token counts, both paths (the GEMV
     # path's bound, GEMV_MAX_ROWS, was set from bf16 timings), with their weight-read rate
     # against the copy rate, and a tile sweep where the tiles are untuned (<= 16 rows per
