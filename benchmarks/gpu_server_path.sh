@@ -22,6 +22,8 @@
 #                                                   # and the ops that wait for the device
 #   bash benchmarks/gpu_server_path.sh wsfp8        # the ws kernel's FP8 register-operand path:
 #                                                   # its GPU tests and timing
+#   bash benchmarks/gpu_server_path.sh bs1          # one request's decode step: its kernels,
+#                                                   # bf16 and FP8 weights
 #   bash benchmarks/gpu_server_path.sh tail         # the FP8 peak's small-batch steps: kernels
 #                                                   # and host of two windows, the MoE there
 #   bash benchmarks/gpu_server_path.sh pytest ARGS  # pytest ARGS on the machine's python3
@@ -253,6 +255,17 @@ case "$step" in
     PYTHONPATH=. timeout 150 python3 benchmarks/bench_moe_tiles.py --dtypes fp8 --tokens 64 160 \
       --block-ms 16 32 2>&1 | tee "$out/tail_tiles.log"
     ;;
+  bs1)
+    # issue 44's bs-1 rows: the kernels of one request's decode step (graph replays, PDL off so
+    # that durations are the kernels' own), bf16 then FP8 weights, with the kernel count per
+    # step and the top kernels (~3 minutes)
+    me="${BASH_SOURCE[0]}"
+    for quant in "" "--quantization fp8"; do
+      # shellcheck disable=SC2086
+      timeout 150 bash "$me" profile --sections kernels --bs 1 --prompt 128 --top 40 \
+        --graph-max-bs 8 --max-running 8 $quant "${@:2}"
+    done
+    ;;
   wsfp8)
     # the ws kernel's FP8 register-operand path (`decode_attention_ws.FP8_REG_A`): its GPU
     # tests, then its timing against the converting producer at peak-like batches (~1 minute
@@ -266,7 +279,7 @@ case "$step" in
   *)
     echo "usage: bash benchmarks/gpu_server_path.sh STEP [ARGS], STEP one of" \
       "tests bf16 fp8 llama pairs genai structured stubcalls smol pytest profile latency" \
-      "asdecode bigbatch hostprobe wsfp8 tail" >&2
+      "asdecode bigbatch hostprobe wsfp8 tail bs1" >&2
     exit 2
     ;;
 esac
