@@ -86,16 +86,6 @@ class GenerateResult:
     error: str | None = None
 
 
-@dataclass(slots=True)
-class _Token:
-    """A sampled token appended to its request, not yet emitted."""
-
-    req: Req
-    token_id: int
-    logprob: float
-    top: dict[int, float] | None
-
-
 @dataclass
 class _Launched:
     """A batch whose forward and sampling are queued on the device: `rows` are its sampling
@@ -135,6 +125,7 @@ class _ReqState:
     unsent_ids: list[int] = field(default_factory=list)
     unsent_logprobs: list[float] = field(default_factory=list)
     unsent_top: list[dict[int, float]] = field(default_factory=list)
+    queued: bool = False  # in `Engine._unflushed`: it has tokens `_flush_tokens` has not seen
 
 
 def freeze_startup_objects() -> None:
@@ -214,7 +205,9 @@ class Engine:
             overlap == "true" or (overlap == "auto" and on_cuda))
         self.extend_as_decode: str = config.runner.extend_as_decode  # (benchmarks switch it)
         self._kv_cell_bytes = self.runner.token_to_kv_pool.cell_bytes()  # a token, all layers
-        self._unflushed: list[_Token] = []  # committed tokens `_flush_tokens` has not seen
+        # the states of requests with committed tokens `_flush_tokens` has not seen, in the
+        # order of their first such token
+        self._unflushed: list[_ReqState] = []
         # structured outputs: compiles, waiting requests, masks; and the requests whose grammar
         # refused their token (from _commit_tokens)
         self.grammars = GrammarManager(self.tokenizer, self.vocab_size, eos, pin_memory=on_cuda)
@@ -423,9 +416,10 @@ class Engine:
             req_rows = [r for r, n in zip(batch.req_pool_indices, batch.extend_lens)
                         for _ in range(n)]
             seq_lens = [p + 1 for p in batch.positions]
-        else:
+        else:  # (a decode batch's prefix and extend lengths follow from its seq_lens)
             mode, req_rows, seq_lens = batch.forward_mode, batch.req_pool_indices, batch.seq_lens
-            prefix_lens, extend_lens = batch.prefix_lens, batch.extend_lens
+            prefix_lens, extend_lens = ((None, None) if batch.is_decode()
+                                        else (batch.prefix_lens, batch.extend_lens))
         fb = self.runner.make_forward_batch(mode, batch.input_ids, batch.positions, req_rows,
                                             seq_lens, prefix_lens, extend_lens, batch.out_cache_loc)
         if batch.future_rows:
@@ -436,8 +430,11 @@ class Engine:
             idx = int64_on(batch.future_rows + src, fb.input_ids.device)
             fb.input_ids[idx[:n]] = prev.sample.next_ids[idx[n:]]
         logits = self.runner.forward(fb)  # [bs, V]: fp32, or the model dtype (graph replay)
-        rows = [i for i, m in enumerate(batch.sample_mask) if m]
-        reqs = [batch.reqs[i] for i in rows]
+        if batch.is_decode():  # (every decode row samples)
+            rows, reqs = list(range(len(batch.reqs))), batch.reqs
+        else:
+            rows = [i for i, m in enumerate(batch.sample_mask) if m]
+            reqs = [batch.reqs[i] for i in rows]
         if as_decode:  # [T, V]: each sampling request's last new token's row
             if rows:
                 ends = list(itertools.accumulate(batch.extend_lens))
@@ -577,15 +574,15 @@ class Engine:
         out = self.sampler.resolve(launched.sample)
         now = time.monotonic()
         reqs, eos, ctx = batch.reqs, self.eos_token_ids, self.context_len
-        unflushed = self._unflushed
+        unflushed, live = self._unflushed, self._live
         tokens, logprobs, tops = out.next_token_ids, out.token_logprobs, out.top_logprobs
         accepted = self._accept_grammar_tokens(reqs, launched.rows, tokens)
-        for j, i in enumerate(launched.rows):
+        held, jump_streak = self._held, max(2, self.jump_min)
+        for j, (i, tok, lp) in enumerate(zip(launched.rows, tokens, logprobs)):
             req = reqs[i]
             if req.finished_reason is not None:  # aborted, or ended one step before (overlap)
                 finished[i] = True
                 continue
-            tok, lp = tokens[j], logprobs[j]
             output_ids = req.output_ids
             output_ids.append(tok)
             req.cumulative_logprob += lp
@@ -593,13 +590,12 @@ class Engine:
             n_out = len(output_ids)
             if req.first_token_time is None:
                 req.first_token_time = now
-            if self._held and req.rid in self._held:  # prefilled: its prompt is cached
-                self._release += self._held.pop(req.rid)
+            if held and req.rid in held:  # prefilled: its prompt is cached
+                self._release += held.pop(req.rid)
             req.last_token_time = now
-            by_token = n_out >= sp.min_new_tokens and (
-                (tok in eos and not sp.ignore_eos) or tok in sp.stop_token_ids)
-            if by_token:  # (the output processor emits no text for this token)
-                req.finished_reason = FinishReason.STOP
+            if n_out >= sp.min_new_tokens and (
+                    (tok in eos and not sp.ignore_eos) or tok in sp.stop_token_ids):
+                req.finished_reason = FinishReason.STOP  # (the output processor emits no text)
             elif n_out >= sp.max_new_tokens or len(req.origin_input_ids) + n_out >= ctx:
                 req.finished_reason = FinishReason.LENGTH
             if req.grammar is not None:
@@ -610,10 +606,18 @@ class Engine:
                     continue
                 if req.grammar.is_terminated():  # the grammar took its stop token
                     req.finished_reason = req.finished_reason or FinishReason.STOP
-            unflushed.append(_Token(req, tok, lp, tops[j]))
+            st = live.get(req.rid)
+            if st is not None:  # (None: ended meanwhile; its final output went out)
+                st.unsent_ids.append(tok)
+                st.unsent_logprobs.append(lp)
+                if sp.logprobs is not None:
+                    st.unsent_top.append(tops[j] or {})
+                if not st.queued:
+                    st.queued = True
+                    unflushed.append(st)
             # (the look ahead for a run waits for max(2, jump_min) forced tokens in a row: each
             # look costs a mask fill per token, and short runs are not worth one)
-            if req.jump_forward and (req.forced_streak >= max(2, self.jump_min)
+            if req.jump_forward and (req.forced_streak >= jump_streak
                                      or req.jump_pending) and req.finished_reason is None:
                 self._jump_forward(req)
             finished[i] = req.finished_reason is not None
@@ -662,7 +666,15 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = now
         req.last_token_time = now
-        self._unflushed.extend(_Token(req, tok, 0.0, None) for tok in run)
+        st = self._live.get(req.rid)
+        if st is not None:
+            st.unsent_ids.extend(run)
+            st.unsent_logprobs.extend([0.0] * len(run))
+            if req.sampling_params.logprobs is not None:
+                st.unsent_top.extend({} for _ in run)
+            if not st.queued:
+                st.queued = True
+                self._unflushed.append(st)
         n_out = len(req.output_ids)
         if state.is_terminated() or run[-1] in req.sampling_params.stop_token_ids:
             req.finished_reason = FinishReason.STOP
@@ -713,23 +725,18 @@ class Engine:
         return dict(zip(js, oks))
 
     def _flush_tokens(self, outputs: list[RequestOutput]) -> None:
-        """Record the committed tokens in their requests' output state and emit the increments
-        of streaming requests and the final outputs of finished ones."""
-        tokens, self._unflushed = self._unflushed, []
-        live, emit = self._live, self._emit
-        last = len(tokens) - 1
-        for k, t in enumerate(tokens):
-            req = t.req
-            st = live.get(req.rid)
-            if st is None:  # aborted or failed meanwhile: its final output went out
+        """Emit the tokens committed since the last flush (`_commit_tokens` and jump-forward
+        put them in their request's output state): one output per streaming request with new
+        tokens and the final output of each finished one; a non-streaming request's tokens stay
+        gathered until it ends."""
+        states, self._unflushed = self._unflushed, []
+        emit = self._emit
+        for st in states:
+            if not st.queued:  # its final output went out meanwhile (an abort, an error)
                 continue
-            st.unsent_ids.append(t.token_id)
-            st.unsent_logprobs.append(t.logprob)
-            if req.sampling_params.logprobs is not None:
-                st.unsent_top.append(t.top or {})
-            # (a request's consecutive tokens, jump-forward's, go out in one output)
-            if (req.stream or req.finished_reason is not None) and \
-                    (k == last or tokens[k + 1].req is not req):
+            st.queued = False
+            req = st.req
+            if req.stream or req.finished_reason is not None:
                 outputs.append(emit(st))
 
     def _emit(self, st: _ReqState) -> RequestOutput:
@@ -743,7 +750,7 @@ class Engine:
             top, st.unsent_logprobs, req.cumulative_logprob, None, req.first_token_time,
             req.last_token_time,
         )
-        st.unsent_ids, st.unsent_logprobs = [], []
+        st.unsent_ids, st.unsent_logprobs, st.queued = [], [], False
         if top is not None:  # (no list per output for requests without logprobs)
             st.unsent_top = []
         if reason is not None:

@@ -438,28 +438,28 @@ class Scheduler:
         reqs: list[Req] = []
         future: list[int] = []
         input_ids, positions, rows, seq_lens = [], [], [], []
+        # (a request's KV length is its tokens less the one it decodes now: `_kv_len` gives
+        # its position, without counting its lists)
         for req in self.running:
-            out_ids = req.output_ids
-            seq_len = len(req.origin_input_ids) + len(out_ids)
+            rid = req.rid
+            pos = kv_len[rid]
             if req.num_inflight_tokens:  # its input token is the one still on the GPU
                 if overlap and (req.finished_reason is not None or req.jump_pending
-                                or len(out_ids) + 1 >= req.sampling_params.max_new_tokens
-                                or seq_len + 1 >= ctx):
+                                or len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens
+                                or pos + 1 >= ctx):
                     continue
-                seq_len += 1
                 future.append(len(reqs))
                 input_ids.append(0)
             else:
                 if overlap and req.finished_reason is not None:
                     continue
+                out_ids = req.output_ids
                 input_ids.append(out_ids[-1] if out_ids else req.origin_input_ids[-1])
-            rid = req.rid
-            assert kv_len[rid] == seq_len - 1, "decode: KV must lag by one token"
-            kv_len[rid] = seq_len
+            kv_len[rid] = pos + 1
             reqs.append(req)
-            positions.append(seq_len - 1)
+            positions.append(pos)
             rows.append(req.req_pool_idx)
-            seq_lens.append(seq_len)
+            seq_lens.append(pos + 1)
         if not reqs:
             return None
         try:
