@@ -37,9 +37,10 @@ Sections (`--sections`):
   request rows and the scheduler's `prefill_min_free_rows` (`--prefill-chunk`: its
   `chunked_prefill_size`). `--window START COUNT` also profiles steps START .. START+COUNT-1 of the
   run (torch.profiler for the GPU's kernel time, cProfile for the host's Python functions): the
-  GPU's busy share of those steps' wall time, their kernel time by category and the top host
-  functions. `--prefill-host N` cProfiles the host side of the run's first N prefill steps after its
-  eighth (functions by own and cumulative time, ms per step).
+  GPU's busy share of those steps' wall time, their kernel time by category, the top host
+  functions and the host's time inside each kind of CUDA runtime / driver call (a call that
+  waits for the device shows there). `--prefill-host N` cProfiles the host side of the run's
+  first N prefill steps after its eighth (functions by own and cumulative time, ms per step).
 
 `--quantization fp8 --kv-cache-dtype fp8_e4m3` profiles the FP8 engine (issue 6);
 `--fp8-fast-accum true|false` sets `layers.quantization.FP8_FAST_ACCUM` for the run.
@@ -112,6 +113,24 @@ def _kernel_events(prof, device: str) -> list[tuple[str, float]]:
         on_gpu = "CUDA" in str(getattr(e, "device_type", ""))
         if (on_gpu if device == "cuda" else e.name.startswith("aten::")):
             out.append((e.name, float(e.time_range.end - e.time_range.start)))
+    return out
+
+
+def _runtime_calls(prof) -> dict[str, list[float]]:
+    """{name: [calls, total µs, longest µs]} of the host-side CUDA runtime and driver API calls
+    in the profile (events named cuda* / cu*, as CUPTI reports them: kernel and graph launches,
+    copies, event and stream syncs, host allocations): the host's time inside each kind of call.
+    A call that waits for the device is a long one; the engine's own wait is its
+    `cudaEventSynchronize`. Empty on a CPU device."""
+    out: dict[str, list[float]] = {}
+    for e in prof.events():
+        if "CUDA" in str(getattr(e, "device_type", "")) or not e.name.startswith("cu"):
+            continue
+        us = float(e.time_range.end - e.time_range.start)
+        row = out.setdefault(e.name, [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += us
+        row[2] = max(row[2], us)
     return out
 
 
@@ -227,9 +246,19 @@ class StepWindow:
               f"step, GPU kernels {kern:.2f} ms ({100 * kern / wall:.0f}% busy), "
               f"{sum(self.batches) / self.count:.0f} outputs per step; host functions",
               HOST_COLUMNS, rows)
+        calls = _runtime_calls(self.prof)
+        n = self.count
+        table(f"Steps {self.start}-{self.start + n - 1}: CUDA runtime / driver calls, host time",
+              ["call", "calls per step", "host ms per step", "longest µs"],
+              [[name, c / n, us / 1000 / n, longest] for name, (c, us, longest)
+               in sorted(calls.items(), key=lambda kv: -kv[1][1])[:top]]
+              or [["none (no CUDA)", 0, 0.0, 0.0]])
         return {"start": self.start, "count": self.count, "wall_ms": wall, "kernel_ms": kern,
                 "categories_ms": cats,
-                "outputs_per_step": sum(self.batches) / self.count, "host_top": rows}
+                "outputs_per_step": sum(self.batches) / self.count, "host_top": rows,
+                "runtime_calls": {k: {"calls_per_step": v[0] / n, "host_ms_per_step":
+                                      v[1] / 1000 / n, "longest_us": v[2]}
+                                  for k, v in calls.items()}}
 
 
 def section_kernels(args, model_dir: str, vocab: int, res: dict) -> None:

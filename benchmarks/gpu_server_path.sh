@@ -22,6 +22,8 @@
 #                                                   # and the ops that wait for the device
 #   bash benchmarks/gpu_server_path.sh wsfp8        # the ws kernel's FP8 register-operand path:
 #                                                   # its GPU tests and timing
+#   bash benchmarks/gpu_server_path.sh hostwait     # 20 peak steps at ~1,800 rows, FP8 and bf16:
+#                                                   # the host's time in each CUDA call
 #   bash benchmarks/gpu_server_path.sh bs1          # one request's decode step: its kernels,
 #                                                   # bf16 and FP8 weights
 #   bash benchmarks/gpu_server_path.sh tail         # the FP8 peak's small-batch steps: kernels
@@ -255,6 +257,18 @@ case "$step" in
     PYTHONPATH=. timeout 150 python3 benchmarks/bench_moe_tiles.py --dtypes fp8 --tokens 64 160 \
       --block-ms 16 32 2>&1 | tee "$out/tail_tiles.log"
     ;;
+  hostwait)
+    # issue 44: which host call follows the device at 2,048 rows (the FP8 and bf16 decode steps
+    # there differ by more than their GPU wait): 20 steps at ~1,800 rows of each dtype's peak
+    # run, their CUDA runtime / driver calls' host time beside the kernels and host functions
+    # (~4 minutes)
+    me="${BASH_SOURCE[0]}"
+    for quant in "--quantization fp8 --kv-cache-dtype fp8_e4m3" ""; do
+      # shellcheck disable=SC2086
+      timeout 150 bash "$me" profile $quant --detokenize process --window 200 20 --top 20 \
+        "${@:2}" | grep -E -A24 "^### Steps 200|^### Peak-throughput run"
+    done
+    ;;
   bs1)
     # issue 44's bs-1 rows: the kernels of one request's decode step (graph replays, PDL off so
     # that durations are the kernels' own), bf16 then FP8 weights, with the kernel count per
@@ -279,7 +293,7 @@ case "$step" in
   *)
     echo "usage: bash benchmarks/gpu_server_path.sh STEP [ARGS], STEP one of" \
       "tests bf16 fp8 llama pairs genai structured stubcalls smol pytest profile latency" \
-      "asdecode bigbatch hostprobe wsfp8 tail bs1" >&2
+      "asdecode bigbatch hostprobe wsfp8 tail bs1 hostwait" >&2
     exit 2
     ;;
 esac

@@ -32,3 +32,21 @@ def test_ttft_section_compares_eager_prefill_with_decode_rows(tmp_path, tokenize
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")
             or line.startswith("| 16 |") or line.startswith("| 64 |")]
     assert len(rows) == 3 and all(r.endswith("| 3/3 | 3/3 |") for r in rows), rows
+
+
+def test_steps_window_reports_its_steps(tmp_path, tokenizer_dir):
+    """`--window START COUNT` on the CPU: the window's steps are timed and their host functions
+    and ops profiled; no CUDA runtime calls there."""
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_profile.py"),
+         "--model", "deepseek-v2-lite", "--tokenizer-dir", tokenizer_dir, "--device", "cpu",
+         "--sections", "steps", "--num-requests", "4", "--window", "3", "2",
+         "--shape-overrides", json.dumps(SMALL), "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    win = json.loads(out.read_text())["window"]
+    assert (win["start"], win["count"]) == (3, 2)
+    assert win["wall_ms"] > 0 and win["kernel_ms"] > 0 and win["outputs_per_step"] == 4
+    assert win["host_top"] and win["runtime_calls"] == {}
+    assert "none (no CUDA)" in proc.stdout
