@@ -149,7 +149,7 @@ def min_tokens_bans(reqs: Sequence[Req], eos_token_ids: set[int], vocab: int
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, r in enumerate(reqs):
         sp = r.sampling_params
-        if len(r.output_ids) + r.num_inflight_tokens < sp.min_new_tokens:
+        if sp.min_new_tokens and len(r.output_ids) + r.num_inflight_tokens < sp.min_new_tokens:
             groups.setdefault(tuple(sp.stop_token_ids), []).append(i)
     bans = []
     for stops, rows in groups.items():
@@ -239,11 +239,11 @@ def _restrict(params: Sequence[SamplingParams]) -> bool:
 def _greedy_unprocessed_but_min(reqs: Sequence[Req]) -> bool:
     """Every row greedy, without restrictions or penalties: at most the min_new_tokens mask
     applies."""
-    for r in reqs:  # one scan: this runs every decode step
+    for r in reqs:  # one scan: this runs every decode step (`is_greedy` inline)
         p = r.sampling_params
         if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                 or p.frequency_penalty != 0.0 or p.logit_bias or p.allowed_token_ids is not None
-                or not is_greedy(p)):
+                or not (p.temperature < GREEDY_TEMPERATURE_EPS or p.top_k == 1)):
             return False
     return True
 
