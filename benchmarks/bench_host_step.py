@@ -14,6 +14,7 @@ here; the other parts are the per-request Python a GPU host runs too. Prints one
 ms per step and the per-request µs of the host parts.
 
     .venv/bin/python benchmarks/bench_host_step.py [--requests 512] [--steps 20] [--min-tokens]
+        [--overlap] [--free-forward] [--max-total-tokens N]
 """
 
 from __future__ import annotations
@@ -47,10 +48,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--min-tokens", action="store_true",
                     help="min_tokens = max_tokens on every request (as genai-perf sends)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="the engine's overlap schedule, as on CUDA (each batch launched before "
+                         "the previous one's tokens are read)")
+    ap.add_argument("--free-forward", action="store_true",
+                    help="the forward returns zero logits instead of running the model, so that "
+                         "thousands of rows fit in the time (the sampler still runs)")
+    ap.add_argument("--max-total-tokens", type=int, default=None,
+                    help="KV pool tokens (default: the engine's, from memory)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    extra = {} if args.max_total_tokens is None else {"max_total_tokens": args.max_total_tokens}
     eng = Engine(EngineConfig.create(model_path=args.model, dtype="float32", device="cpu",
-                                     max_running_requests=args.requests, context_length=256))
+                                     max_running_requests=args.requests, context_length=256,
+                                     overlap_schedule="true" if args.overlap else "false",
+                                     **extra))
+    if args.free_forward:
+        zeros = torch.zeros(args.requests, eng.runner.vocab_size)
+        eng.runner.forward = lambda fb: zeros[: fb.batch_size]
     processor = OutputProcessor(eng.tokenizer)
     spent: dict[str, float] = collections.defaultdict(float)
 
