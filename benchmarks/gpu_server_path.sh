@@ -258,10 +258,9 @@ case "$step" in
       --block-ms 16 32 2>&1 | tee "$out/tail_tiles.log"
     ;;
   hostwait)
-    # issue 44: which host call follows the device at 2,048 rows (the FP8 and bf16 decode steps
-    # there differ by more than their GPU wait): 20 steps at ~1,800 rows of each dtype's peak
-    # run, their CUDA runtime / driver calls' host time beside the kernels and host functions
-    # (~4 minutes)
+    # issue 44: which host call follows the device at 2,048 rows: 20 steps at ~1,800 rows of
+    # each dtype's peak run, their CUDA runtime / driver calls' host time beside the kernels
+    # and host functions (~4 minutes)
     me="${BASH_SOURCE[0]}"
     for quant in "--quantization fp8 --kv-cache-dtype fp8_e4m3" ""; do
       # shellcheck disable=SC2086
@@ -274,8 +273,7 @@ case "$step" in
     # that durations are the kernels' own), bf16 then FP8 weights, with the kernel count per
     # step and the top kernels; then the routed experts' GEMV calls at one token as the step
     # makes them (two shared experts folded in, the routing kernel, weights not in L2), with
-    # the down kernel's tiles swept (its call took as long with FP8 weights as with bf16)
-    # (~6 minutes)
+    # the down kernel's tiles swept (~6 minutes)
     me="${BASH_SOURCE[0]}"
     for quant in "" "--quantization fp8"; do
       # shellcheck disable=SC2086

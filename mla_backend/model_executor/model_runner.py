@@ -340,7 +340,7 @@ class ModelRunner:
         # Lists as given (Python ints from the scheduler, `tolist()` of tensors): no
         # per-element conversion (per-request Python bounds large decode steps: issue 6).
         seq = _as_list(seq_lens)
-        derived = False  # (decode lengths made here from seq: consistent by construction)
+        derived = False  # decode lengths made here from seq: consistent by construction
         if mode.is_decode():
             derived = prefix_lens is None and extend_lens is None
             prefix = [s - 1 for s in seq] if prefix_lens is None else _as_list(prefix_lens)
@@ -355,8 +355,12 @@ class ModelRunner:
         if not (len(prefix) == len(ext) == len(seq) == len(rows)):
             raise ValueError(
                 "req_pool_indices, seq_lens, prefix_lens, extend_lens differ in length")
-        if (len(seq) != num_tokens if derived else
-                any(p + e != s for p, e, s in zip(prefix, ext, seq)) or sum(ext) != num_tokens):
+        if derived:  # (one token per row)
+            consistent = len(seq) == num_tokens
+        else:
+            consistent = (all(p + e == s for p, e, s in zip(prefix, ext, seq))
+                          and sum(ext) == num_tokens)
+        if not consistent:
             raise ValueError(f"inconsistent lengths: prefix {prefix} + extend {ext} vs seq {seq}, "
                              f"{num_tokens} tokens")
         if len(out_loc) != num_tokens or len(pos) != num_tokens:

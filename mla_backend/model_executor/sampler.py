@@ -239,11 +239,11 @@ def _restrict(params: Sequence[SamplingParams]) -> bool:
 def _greedy_unprocessed_but_min(reqs: Sequence[Req]) -> bool:
     """Every row greedy, without restrictions or penalties: at most the min_new_tokens mask
     applies."""
-    for r in reqs:  # one scan: this runs every decode step (`is_greedy` inline)
+    for r in reqs:  # one scan: this runs every decode step
         p = r.sampling_params
         if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                 or p.frequency_penalty != 0.0 or p.logit_bias or p.allowed_token_ids is not None
-                or not (p.temperature < GREEDY_TEMPERATURE_EPS or p.top_k == 1)):
+                or not is_greedy(p)):
             return False
     return True
 
