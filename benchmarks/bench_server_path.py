@@ -873,8 +873,9 @@ def write_outputs(args, raw: dict[str, dict[str, dict]], head: dict[str, str],
 def engine_loop_times(server_log: Path) -> dict[str, float] | None:
     """The server's engine process over its whole run, from the adapter's unload line in
     `server_log` (`engine.LoopTimes`): steps and ms per step in `Engine.step`, in sending the
-    outputs to the stub (a send blocks while the stub lags) and in taking requests. None when
-    the log has no such line."""
+    outputs to the stub (a send blocks while the stub lags) and in taking requests; outputs per
+    step and seconds idle (no work) where the line has them. None when the log has no such
+    line."""
     found = None
     if server_log.is_file():
         for line in server_log.read_text(errors="replace").splitlines():
@@ -883,8 +884,12 @@ def engine_loop_times(server_log: Path) -> dict[str, float] | None:
     if not found or not int(found["loop_steps"]):
         return None
     steps = int(found["loop_steps"])
-    return {"steps": steps, **{f"{k}_ms_per_step": int(found[f"loop_{k}_ms"]) / steps
+    loop = {"steps": steps, **{f"{k}_ms_per_step": int(found[f"loop_{k}_ms"]) / steps
                                for k in ("step", "send", "inbox")}}
+    if "loop_outputs" in found:
+        loop["outputs_per_step"] = int(found["loop_outputs"]) / steps
+        loop["idle_s"] = int(found["loop_idle_ms"]) / 1e3
+    return loop
 
 
 def server_groups(runs: list[Run]) -> list[list[Run]]:
@@ -1009,7 +1014,9 @@ def main(argv: list[str]) -> int:
     if loop:
         log(f"server's engine process, whole run: {loop['steps']:,} steps; per step "
             f"{loop['step_ms_per_step']:.2f} ms in Engine.step, {loop['send_ms_per_step']:.2f} "
-            f"ms sending outputs, {loop['inbox_ms_per_step']:.2f} ms taking requests")
+            f"ms sending outputs, {loop['inbox_ms_per_step']:.2f} ms taking requests"
+            + (f", {loop['outputs_per_step']:.0f} outputs; {loop['idle_s']:.1f} s idle"
+               if "idle_s" in loop else ""))
     write_outputs(args, raw, head, settings, final=True)
     if loop and args.details:
         details = json.loads(Path(args.details).read_text())

@@ -26,6 +26,8 @@
 #                                                   # the host's time in each CUDA call
 #   bash benchmarks/gpu_server_path.sh bs1          # one request's decode step: its kernels,
 #                                                   # bf16 and FP8 weights
+#   bash benchmarks/gpu_server_path.sh stubspy      # the FP8 peak through the server alone, with
+#                                                   # py-spy on the stub and the engine process
 #   bash benchmarks/gpu_server_path.sh tail         # the FP8 peak's small-batch steps: kernels
 #                                                   # and host of two windows, the MoE there
 #   bash benchmarks/gpu_server_path.sh pytest ARGS  # pytest ARGS on the machine's python3
@@ -58,7 +60,7 @@ json_name=h200_server_path.json  # written after each phase into $out; (fp8) mer
 export PYTHONUNBUFFERED=1
 step="${1:-}"
 case "$step" in
-  tests|bf16|fp8|llama|pairs|genai|stubcalls) source benchmarks/gpu_env.sh || exit 1 ;;
+  tests|bf16|fp8|llama|pairs|genai|stubcalls|stubspy) source benchmarks/gpu_env.sh || exit 1 ;;
   structured)
     if [[ -f .gpux/structured.tar.xz ]]; then  # in-process only: xgrammar and the tokenizer
       x=/tmp/mla_gpux
@@ -239,6 +241,42 @@ case "$step" in
     timeout 300 bash "$me" profile --quantization fp8 --kv-cache-dtype fp8_e4m3 \
       --num-requests 1500 --window 300 20 --top 30 --sync-debug "${@:2}"
     ;;
+  stubspy)
+    # issue 44's server path: where the stub's time and its GIL go at the FP8 / FP8 peak. The
+    # own client's requests against the server alone (no in-process side); once its warm-up
+    # has ended, py-spy (the .pyspy/ wheel, carried with .gpu/) samples for MLA_SPY_S seconds
+    # the stub's GIL holders, the stub's busy threads and the engine process, each summed by
+    # thread and function (benchmarks/pyspy_top.py) (~5 minutes)
+    spy=/tmp/mla_pyspy/py_spy-0.4.3.data/scripts/py-spy  # (the stub's venv has no pip)
+    [[ -x "$spy" ]] || { python3 -m zipfile -e .pyspy/*.whl /tmp/mla_pyspy && chmod +x "$spy"; } \
+      || exit 6
+    secs="${MLA_SPY_S:-12}"
+    python3 benchmarks/bench_server_path.py --model deepseek-v2-lite --commit "$commit" \
+      --quantization fp8 --kv-cache-dtype fp8_e4m3 --concurrency --clients own_client \
+      --no-in-process --client-procs 4 --num-requests 3000 \
+      --details "$out/stubspy_details.json" "${@:2}" >"$out/stubspy.log" 2>&1 &
+    bench=$!
+    until grep -q "own client warm-up" "$out/stubspy.log"; do  # (the measured run starts)
+      kill -0 "$bench" 2>/dev/null || { tail -30 "$out/stubspy.log"; exit 7; }
+      sleep 0.2
+    done
+    sleep "${MLA_SPY_DELAY_S:-3}"
+    stub="$(pgrep -f triton_python_backend_stub | head -1)"
+    engine="$(pgrep -P "$stub" -f spawn_main | head -1)"
+    echo "stub pid $stub, engine pid $engine"
+    rec=(record --duration "$secs" --rate 100 --format raw --nonblocking --threads)
+    "$spy" "${rec[@]}" --gil --pid "$stub" -o "$out/spy-stub-gil.folded" >"$out/spy-stub-gil.err" 2>&1 &
+    "$spy" "${rec[@]}" --pid "$stub" -o "$out/spy-stub.folded" >"$out/spy-stub.err" 2>&1 &
+    "$spy" "${rec[@]}" --pid "$engine" -o "$out/spy-engine.folded" >"$out/spy-engine.err" 2>&1 &
+    wait "$bench"
+    wait
+    grep -E "tok/s|LoopTimes|loop|Engine.step" "$out/stubspy.log" | tail -20
+    for f in stub-gil stub engine; do
+      echo "## $f"
+      python3 benchmarks/pyspy_top.py "$out/spy-$f.folded" --rate 100 --top 30 \
+        | tee "$out/spy-$f.txt" | head -45
+    done
+    ;;
   tail)
     # issue 44's tail: the FP8 / FP8 peak's steps at 16-511 rows, when its last long requests
     # run on (their share of the run: docs/benchmarks.md): the GPU kernels and host functions
@@ -300,7 +338,7 @@ case "$step" in
   *)
     echo "usage: bash benchmarks/gpu_server_path.sh STEP [ARGS], STEP one of" \
       "tests bf16 fp8 llama pairs genai structured stubcalls smol pytest profile latency" \
-      "asdecode bigbatch hostprobe wsfp8 tail bs1 hostwait" >&2
+      "asdecode bigbatch hostprobe wsfp8 tail bs1 hostwait stubspy" >&2
     exit 2
     ;;
 esac

@@ -1092,21 +1092,23 @@ def serve_engine(channel: Channel, config: EngineConfig) -> None:
 
 
 class LoopTimes:
-    """`serve_engine`'s busy time since start, for profiles of the server path (the adapter logs
+    """`serve_engine`'s time since start, for profiles of the server path (the adapter logs
     them at unload, `benchmarks/bench_server_path.py` reads them): steps, ms in `Engine.step`,
-    ms in `channel.send` of outputs (a send blocks while the other end lags) and ms taking
-    messages (add / abort / check) while there was work. Idle waits are not counted."""
+    ms in `channel.send` of outputs (a send blocks while the other end lags), ms taking
+    messages (add / abort / check) while there was work, ms idle (waiting for a message with
+    no work) and the outputs sent (a decode row's token is one)."""
 
-    __slots__ = ("steps", "step_s", "send_s", "inbox_s")
+    __slots__ = ("steps", "step_s", "send_s", "inbox_s", "idle_s", "outputs")
 
     def __init__(self) -> None:
-        self.steps = 0
-        self.step_s = self.send_s = self.inbox_s = 0.0
+        self.steps = self.outputs = 0
+        self.step_s = self.send_s = self.inbox_s = self.idle_s = 0.0
 
     def stats(self) -> dict[str, int]:
         return {"loop_steps": self.steps, "loop_step_ms": round(self.step_s * 1e3),
                 "loop_send_ms": round(self.send_s * 1e3),
-                "loop_inbox_ms": round(self.inbox_s * 1e3)}
+                "loop_inbox_ms": round(self.inbox_s * 1e3),
+                "loop_idle_ms": round(self.idle_s * 1e3), "loop_outputs": self.outputs}
 
 
 def _run_loop(engine: Engine, channel: Channel) -> None:
@@ -1122,7 +1124,9 @@ def _run_loop(engine: Engine, channel: Channel) -> None:
         t0 = clock()
         while channel.poll(wait):
             if not busy:  # the wait for the first message is idle time
-                t0, busy = clock(), True
+                t, busy = clock(), True
+                times.idle_s += t - t0
+                t0 = t
             message = channel.recv()
             kind = message[0]
             if kind == "close":
@@ -1147,6 +1151,8 @@ def _run_loop(engine: Engine, channel: Channel) -> None:
         t1 = clock()
         if busy:
             times.inbox_s += t1 - t0
+        else:
+            times.idle_s += t1 - t0
         outputs: list[RequestOutput] = []
         if engine.has_work():
             try:
@@ -1169,6 +1175,7 @@ def _run_loop(engine: Engine, channel: Channel) -> None:
             t2 = clock()
             channel.send(("out", outputs, engine.failed, stats))
             times.send_s += clock() - t2
+            times.outputs += len(outputs)
 
 
 __all__ = ["Channel", "Engine", "EngineFailedError", "GenerateResult", "InvalidRequestError",

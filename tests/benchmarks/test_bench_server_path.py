@@ -110,6 +110,7 @@ def test_end_to_end_on_cpu(tmp_path):
     # c=1 runs of both clients (one request at a time), each taking time.
     loop = json.loads(details.read_text())["server_engine_loop"]
     assert loop["steps"] >= 2 * sum(outs[:3]) and loop["step_ms_per_step"] > 0, loop
+    assert 1 <= loop["outputs_per_step"] and loop["idle_s"] >= 0, loop
     assert "server's engine process, whole run" in proc.stdout + proc.stderr, log
 
 

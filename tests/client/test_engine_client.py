@@ -120,19 +120,24 @@ def test_outputs_equal_the_in_process_engine(client):
 
 
 def test_the_engine_loop_counts_its_steps(client):
-    """`engine.LoopTimes` in the counters: one step per token of a lone greedy request (its
-    prefill makes the first), their time, and no more steps once it has ended."""
+    """`engine.LoopTimes` in the counters: one step and one output per token of a lone
+    streaming greedy request (its prefill makes the first), their time, and no more steps once
+    it has ended: the wait after it counts as idle."""
     client.check_invariant()  # fresh counters come with the answer
     before = client.stats()
     sp = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-    _run(client, [GenerateRequest(rid="loop", text=PROMPTS[0], sampling_params=sp)])
+    _run(client, [GenerateRequest(rid="loop", text=PROMPTS[0], sampling_params=sp,
+                                  stream=True)])
     client.check_invariant()
     after = client.stats()
     assert after["loop_steps"] - before["loop_steps"] == 10, (before, after)
+    assert after["loop_outputs"] - before["loop_outputs"] == 10, (before, after)
     assert after["loop_step_ms"] > before["loop_step_ms"]
     time.sleep(0.3)
     client.check_invariant()
-    assert client.stats()["loop_steps"] == after["loop_steps"]
+    later = client.stats()
+    assert later["loop_steps"] == after["loop_steps"]
+    assert later["loop_idle_ms"] - after["loop_idle_ms"] >= 200, (after, later)
 
 
 def test_a_stop_string_ends_a_non_streaming_request_early(client):
