@@ -134,6 +134,26 @@ def _runtime_calls(prof) -> dict[str, list[float]]:
     return out
 
 
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                    "num_sync_all_streams", "num_ooms")
+
+
+def allocator_counts() -> dict[str, int]:
+    """The CUDA caching allocator's event counters (`torch.cuda.memory_stats`): retries after a
+    failed allocation (each frees cached blocks, which waits for the device), device
+    allocations and frees (cudaMalloc / cudaFree; a free waits too), syncs of all streams. {}
+    without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
+
+
+def allocator_delta(before: dict[str, int]) -> dict[str, int]:
+    """`allocator_counts()` now less `before` ({} without CUDA)."""
+    return {k: v - before.get(k, 0) for k, v in allocator_counts().items()}
+
+
 def profile_decode(eng, bs: int, prompt: int, steps: int, vocab: int) -> dict:
     """Profile `steps` full-batch decode steps of `bs` requests. Returns per-step numbers."""
     from torch.profiler import ProfilerActivity, profile
@@ -198,6 +218,8 @@ class StepWindow:
         self.walls: list[float] = []
         self.batches: list[int] = []
         self.prof = None
+        self.alloc0: dict[str, int] = {}
+        self.alloc: dict[str, int] = {}  # allocator_delta over the window
         self.host = cProfile.Profile()
         inner = eng.step
 
@@ -208,6 +230,7 @@ class StepWindow:
             inside = self.start <= self.n < self.start + self.count
             if self.n == self.start:
                 bs_.sync()
+                self.alloc0 = allocator_counts()
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                                  if bs_.DEVICE == "cuda" else [])
                 self.prof = profile(activities=acts)
@@ -223,6 +246,7 @@ class StepWindow:
             if self.n == self.start + self.count - 1:
                 bs_.sync()
                 self.prof.__exit__(None, None, None)
+                self.alloc = allocator_delta(self.alloc0)
             return outs
 
         eng.step = step
@@ -253,7 +277,11 @@ class StepWindow:
               [[name, c / n, us / 1000 / n, longest] for name, (c, us, longest)
                in sorted(calls.items(), key=lambda kv: -kv[1][1])[:top]]
               or [["none (no CUDA)", 0, 0.0, 0.0]])
+        if self.alloc:
+            log(f"Steps {self.start}-{self.start + n - 1}: CUDA caching allocator: "
+                + ", ".join(f"{k[4:]} {v}" for k, v in self.alloc.items()))
         return {"start": self.start, "count": self.count, "wall_ms": wall, "kernel_ms": kern,
+                "allocator": self.alloc,
                 "categories_ms": cats,
                 "outputs_per_step": sum(self.batches) / self.count, "host_top": rows,
                 "runtime_calls": {k: {"calls_per_step": v[0] / n, "host_ms_per_step":
@@ -573,12 +601,14 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
     sync_debug = args.sync_debug and torch.cuda.is_available()  # (nothing waits on a CPU)
     if sync_debug:  # a warning (with its stack) for each op that waits for the device
         torch.cuda.set_sync_debug_mode("warn")
+    alloc0 = allocator_counts()
     try:
         with GcPauses() as gcp, CompileLog(lambda: len(log_rows)) as compiles:
             r = run_requests(eng, prompts, outs, steps.on_step, sampling)
     finally:
         if sync_debug:
             torch.cuda.set_sync_debug_mode("default")
+    alloc = allocator_delta(alloc0)
     steps.close()
     stats = eng.stats()
     del eng
@@ -602,6 +632,10 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
           f"mean decode batch {dec_rows / max(n_dec, 1):.0f}; graphs to bs {graph_max}; "
           f"retractions {stats.get('retractions', 0)}",
           StepLog.HEADER, rows)
+    res["steps"]["allocator"] = alloc
+    if alloc:
+        log("CUDA caching allocator during the run: "
+            + ", ".join(f"{k[4:]} {v}" for k, v in alloc.items()))
     res["steps"]["gc"] = gcp.summary()
     table(f"Garbage collections during the run ({gc.get_freeze_count():,} objects frozen)",
           ["generation", "collections", "total ms", "max ms"],

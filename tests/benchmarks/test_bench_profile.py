@@ -36,7 +36,7 @@ def test_ttft_section_compares_eager_prefill_with_decode_rows(tmp_path, tokenize
 
 def test_steps_window_reports_its_steps(tmp_path, tokenizer_dir):
     """`--window START COUNT` on the CPU: the window's steps are timed and their host functions
-    and ops profiled; no CUDA runtime calls there."""
+    and ops profiled; no CUDA runtime calls or allocator counters there."""
     out = tmp_path / "profile.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "bench_profile.py"),
@@ -48,5 +48,6 @@ def test_steps_window_reports_its_steps(tmp_path, tokenizer_dir):
     win = json.loads(out.read_text())["window"]
     assert (win["start"], win["count"]) == (3, 2)
     assert win["wall_ms"] > 0 and win["kernel_ms"] > 0 and win["outputs_per_step"] == 4
-    assert win["host_top"] and win["runtime_calls"] == {}
-    assert "none (no CUDA)" in proc.stdout
+    assert win["host_top"] and win["runtime_calls"] == {} and win["allocator"] == {}
+    assert json.loads(out.read_text())["steps"]["allocator"] == {}
+    assert "none (no CUDA)" in proc.stdout and "caching allocator" not in proc.stdout
