@@ -303,7 +303,9 @@ case "$step" in
     for quant in "--quantization fp8 --kv-cache-dtype fp8_e4m3" ""; do
       # shellcheck disable=SC2086
       timeout 150 bash "$me" profile $quant --detokenize process --window 200 20 --top 20 \
-        "${@:2}" | grep -E -A24 "^### Steps 200|^### Peak-throughput run"
+        "${@:2}" | grep -E -A24 "^### Steps 200|^### Peak-throughput run|caching allocator"
+      tag=bf16; [[ -n "$quant" ]] && tag=fp8
+      cp "$out/profile-$(basename "$PWD").log" "$out/hostwait-$tag.log"
     done
     ;;
   bs1)
