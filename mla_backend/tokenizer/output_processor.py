@@ -115,6 +115,13 @@ class OutputProcessor:
             st = reqs.get(out.rid)
             if st is None:
                 continue
+            ids = out.new_token_ids
+            if (len(ids) == 1 and st.stream and st.stopper is None and not out.finished
+                    and out.error is None):  # a streamed decode token: `_add_text`'s one step
+                st.n_out += 1
+                out.new_text = st.detok.add_token(ids[0])
+                emitted.append(out)
+                continue
             if out.error is None and self._add_text(st, out):
                 stopped.append(out.rid)
             if out.finished:
