@@ -39,7 +39,9 @@ Sections (`--sections`):
   run (torch.profiler for the GPU's kernel time, cProfile for the host's Python functions): the
   GPU's busy share of those steps' wall time, their kernel time by category, the top host
   functions and the host's time inside each kind of CUDA runtime / driver call (a call that
-  waits for the device shows there). `--prefill-host N` cProfiles the host side of the run's
+  waits for the device shows there), and the CUDA caching allocator's retries, device
+  allocations and frees in the window (each waits for the device; the same counts are printed
+  for the whole timed run). `--prefill-host N` cProfiles the host side of the run's
   first N prefill steps after its eighth (functions by own and cumulative time, ms per step).
 
 `--quantization fp8 --kv-cache-dtype fp8_e4m3` profiles the FP8 engine (issue 6);
