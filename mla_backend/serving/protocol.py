@@ -239,56 +239,67 @@ def merge_outputs(held: RequestOutput | None, out: RequestOutput) -> RequestOutp
     """Join a held-back streaming increment with the next one of the same request.
 
     Token ids, text and per-token logprobs concatenate; the counters, finish state and error are
-    taken from the later `out`. Returns `out` itself when nothing is held.
+    taken from the later `out`. Returns `out` itself when nothing is held, else `held` extended
+    in place (`merge_run`).
     """
     if held is None:
         return out
-    logprobs = None
-    if held.new_logprobs is not None or out.new_logprobs is not None:
-        logprobs = list(held.new_logprobs or []) + list(out.new_logprobs or [])
-    token_lps = None
-    if held.new_token_logprobs is not None or out.new_token_logprobs is not None:
-        token_lps = list(held.new_token_logprobs or []) + list(out.new_token_logprobs or [])
-    return RequestOutput(
-        rid=out.rid,
-        new_token_ids=list(held.new_token_ids) + list(out.new_token_ids),
-        new_text=held.new_text + out.new_text,
-        finished=out.finished,
-        finish_reason=out.finish_reason,
-        num_input_tokens=out.num_input_tokens,
-        num_output_tokens=out.num_output_tokens,
-        cached_tokens=out.cached_tokens,
-        new_logprobs=logprobs,
-        new_token_logprobs=token_lps,
-        cumulative_logprob=out.cumulative_logprob,
-        error=out.error,
-        first_token_time=out.first_token_time,
-        last_token_time=out.last_token_time,
-        index=out.index,
-    )
+    return merge_run([held, out])
+
+
+def merge_run(outs: Sequence[RequestOutput]) -> RequestOutput:
+    """Successive increments `outs` (at least one) of one request's completion as one output,
+    the same as merging them pair by pair: token ids, text and per-token logprobs concatenate
+    (logprobs stay None unless one of them has them); the counters, finish state and error are
+    the last one's. The first output is extended in place (with new lists) and returned, so the
+    caller must own `outs`, as the responder owns each round's outputs."""
+    first = outs[0]
+    if len(outs) == 1:
+        return first
+    ids = list(first.new_token_ids)
+    text = first.new_text
+    logprobs = None if first.new_logprobs is None else list(first.new_logprobs)
+    token_lps = None if first.new_token_logprobs is None else list(first.new_token_logprobs)
+    last = first
+    for last in outs[1:]:
+        ids += last.new_token_ids
+        text += last.new_text
+        if last.new_logprobs is not None:
+            logprobs = (logprobs or []) + last.new_logprobs
+        if last.new_token_logprobs is not None:
+            token_lps = (token_lps or []) + last.new_token_logprobs
+    first.new_token_ids, first.new_text = ids, text
+    first.new_logprobs, first.new_token_logprobs = logprobs, token_lps
+    first.finished, first.finish_reason, first.error = last.finished, last.finish_reason, last.error
+    first.num_input_tokens, first.num_output_tokens = last.num_input_tokens, last.num_output_tokens
+    first.cached_tokens, first.cumulative_logprob = last.cached_tokens, last.cumulative_logprob
+    first.first_token_time, first.last_token_time = last.first_token_time, last.last_token_time
+    return first
 
 
 def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
     """Merge the successive increments of each request's completion (rid and `index`) into one
-    output (`merge_outputs`), at the place of its first one; order across requests and per
-    completion is kept. An output with an error, and anything after a completion's finished
-    output, stays separate."""
-    merged: list[RequestOutput] = []
-    at: dict[tuple[str, int], int] = {}  # (rid, index) → its open (mergeable) output in merged
+    output (`merge_run`: each run's first output is extended in place), at the place of its
+    first one; order across requests and per completion is kept. An output with an error, and
+    anything after a completion's finished output, stays separate."""
+    runs: list[Any] = []  # an output, or the list of a run of two or more
+    at: dict[tuple[str, int], int] = {}  # (rid, index) → its open run's place in runs
     for out in outputs:
         key = (out.rid, out.index)
         i = at.get(key)
         if i is not None and out.error is None:
-            merged[i] = merge_outputs(merged[i], out)
+            run = runs[i]
+            if type(run) is list:
+                run.append(out)
+            else:
+                runs[i] = [run, out]
         else:
-            at.pop(key, None)
-            i = len(merged)
-            merged.append(out)
             if out.error is None:
-                at[key] = i
+                at[key] = len(runs)
+            runs.append(out)
         if out.finished or out.error is not None:
             at.pop(key, None)
-    return merged
+    return [merge_run(run) if type(run) is list else run for run in runs]
 
 
 def should_hold(out: RequestOutput, options: OutputOptions) -> bool:
@@ -405,6 +416,7 @@ __all__ = [
     "coalesce",
     "logprobs_json",
     "merge_outputs",
+    "merge_run",
     "parse_request",
     "should_hold",
 ]

@@ -17,6 +17,7 @@ from mla_backend.serving.protocol import (
     coalesce,
     logprobs_json,
     merge_outputs,
+    merge_run,
     parse_request,
     should_hold,
 )
@@ -251,6 +252,25 @@ def test_coalesce_merges_each_requests_increments_in_order():
         ("a", "A1A2A3", [1, 2, 3], False), ("b", "B1B2", [5, 6], True)]
     assert merged[0].num_output_tokens == 3 and merged[1].finish_reason == FinishReason.LENGTH
     assert coalesce([a1]) == [a1] and coalesce([]) == []
+
+
+def test_a_run_of_increments_merges_as_pairwise_merges_do():
+    """`merge_run` of three increments (logprobs on the middle one only, the last finished):
+    ids, text and logprobs concatenate, the rest is the last one's; a run of one is that output
+    itself."""
+    o1 = out(new_token_ids=[1, 2], new_text="ab", num_output_tokens=2, cumulative_logprob=-0.1)
+    o2 = out(new_token_ids=[3], new_text="", num_output_tokens=3, new_logprobs=[{3: -0.2}],
+             new_token_logprobs=[-0.2], cumulative_logprob=-0.3)
+    o3 = out(new_token_ids=[4], new_text="cd", num_output_tokens=4, cumulative_logprob=-0.7,
+             finished=True, finish_reason=FinishReason.LENGTH)
+    m = merge_run([o1, o2, o3])
+    assert (m.new_token_ids, m.new_text, m.new_logprobs, m.new_token_logprobs) == (
+        [1, 2, 3, 4], "abcd", [{3: -0.2}], [-0.2])
+    assert (m.num_output_tokens, m.cumulative_logprob, m.finished, m.finish_reason) == (
+        4, -0.7, True, FinishReason.LENGTH)
+    assert m is o1  # extended in place
+    assert merge_run([o2]) is o2
+    assert merge_run([out(new_token_ids=[1]), out(new_token_ids=[2])]).new_logprobs is None
 
 
 def test_coalesce_keeps_errors_and_finals_separate():
