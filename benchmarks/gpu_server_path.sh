@@ -311,19 +311,20 @@ case "$step" in
   bs1)
     # issue 44's bs-1 rows: the kernels of one request's decode step (graph replays, PDL off so
     # that durations are the kernels' own), bf16 then FP8 weights, with the kernel count per
-    # step and the top kernels; then the routed experts' GEMV calls at one token as the step
-    # makes them (two shared experts folded in, the routing kernel, weights not in L2), with
-    # the down kernel's tiles swept (~6 minutes)
+    # step and the top kernels; then the routed experts' GEMV calls at one token, with the
+    # down kernel's tiles swept: bf16 as the step makes them (two shared experts folded in, the
+    # routing kernel, weights not in L2), FP8 experts alone (~6 minutes)
     me="${BASH_SOURCE[0]}"
     for quant in "" "--quantization fp8"; do
       # shellcheck disable=SC2086
       timeout 150 bash "$me" profile --sections kernels --bs 1 --prompt 128 --top 40 \
         --graph-max-bs 8 --max-running 8 $quant "${@:2}"
     done
-    for fp in "" --fp8; do
+    # (bench_fused_moe.py takes --shared / --route / --cold with bf16 experts only)
+    for fp in "--shared 2 --route kernel --cold" --fp8; do
       # shellcheck disable=SC2086
-      PYTHONPATH=. timeout 120 python3 benchmarks/bench_fused_moe.py $fp --tokens 1 --shared 2 \
-        --route kernel --cold --paths gemv --no-loop --tol 0.25 --gemv-down-block-n 8 16 32 \
+      PYTHONPATH=. timeout 120 python3 benchmarks/bench_fused_moe.py $fp --tokens 1 \
+        --paths gemv --no-loop --tol 0.25 --gemv-down-block-n 8 16 32 \
         --gemv-down-block-k 128 256 512 2>&1 | tee -a "$out/bs1_moe.log"
     done
     ;;
