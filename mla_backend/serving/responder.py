@@ -391,15 +391,18 @@ class Responder:
         return pending < self._stream_interval
 
     def _account_batch(self, batch: list[RequestOutput]) -> bool:
-        """`_account` each output of live requests, in order, before the coalescing (so that an
-        output's engine times give its own token gaps); True when one of them finished a
-        request (its metrics must be flushed before its FINAL response is queued)."""
+        """`_account` each output of live requests (where metrics or LOG_REQUESTS need it), in
+        order, before the coalescing (so that an output's engine times give its own token
+        gaps); True when one of them finished a request (its metrics must be flushed before its
+        FINAL response is queued)."""
         if not batch:
             return False
         now = time.monotonic()
         with self._lock:
             lives = [self._live.get(out.rid) for out in batch]
         finals = False
+        # (without metrics or request log lines only the finish states are kept)
+        account = self.metrics is not None or self._log_requests
         for out, live in zip(batch, lives):
             # as `_respond`: nothing for ended requests, errors, or after a finished output
             if live is None or live.final_accounted or out.error is not None:
@@ -410,6 +413,8 @@ class Responder:
                 final = len(live.seq_done) == live.n
             if final:
                 live.final_accounted = finals = True
+            if not account:
+                continue
             try:
                 self._account(out, live, now, final)
             except Exception as e:  # noqa: BLE001 - metrics must never stop the responses
