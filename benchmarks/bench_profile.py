@@ -156,6 +156,13 @@ def allocator_delta(before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in allocator_counts().items()}
 
 
+def log_allocator(what: str, counts: dict[str, int]) -> None:
+    """One log line of `allocator_delta` counts (nothing without CUDA)."""
+    if counts:
+        log(f"{what}: CUDA caching allocator: "
+            + ", ".join(f"{k[4:]} {v}" for k, v in counts.items()))
+
+
 def profile_decode(eng, bs: int, prompt: int, steps: int, vocab: int) -> dict:
     """Profile `steps` full-batch decode steps of `bs` requests. Returns per-step numbers."""
     from torch.profiler import ProfilerActivity, profile
@@ -279,9 +286,7 @@ class StepWindow:
               [[name, c / n, us / 1000 / n, longest] for name, (c, us, longest)
                in sorted(calls.items(), key=lambda kv: -kv[1][1])[:top]]
               or [["none (no CUDA)", 0, 0.0, 0.0]])
-        if self.alloc:
-            log(f"Steps {self.start}-{self.start + n - 1}: CUDA caching allocator: "
-                + ", ".join(f"{k[4:]} {v}" for k, v in self.alloc.items()))
+        log_allocator(f"Steps {self.start}-{self.start + n - 1}", self.alloc)
         return {"start": self.start, "count": self.count, "wall_ms": wall, "kernel_ms": kern,
                 "allocator": self.alloc,
                 "categories_ms": cats,
@@ -635,9 +640,7 @@ def section_steps(args, model_dir: str, vocab: int, res: dict) -> None:
           f"retractions {stats.get('retractions', 0)}",
           StepLog.HEADER, rows)
     res["steps"]["allocator"] = alloc
-    if alloc:
-        log("CUDA caching allocator during the run: "
-            + ", ".join(f"{k[4:]} {v}" for k, v in alloc.items()))
+    log_allocator("The timed run", alloc)
     res["steps"]["gc"] = gcp.summary()
     table(f"Garbage collections during the run ({gc.get_freeze_count():,} objects frozen)",
           ["generation", "collections", "total ms", "max ms"],

@@ -244,9 +244,10 @@ case "$step" in
   stubspy)
     # issue 44's server path: where the stub's time and its GIL go at the FP8 / FP8 peak. The
     # own client's requests against the server alone (no in-process side); once its warm-up
-    # has ended, py-spy (the .pyspy/ wheel, carried with .gpu/) samples for MLA_SPY_S seconds
-    # the stub's GIL holders, the stub's busy threads and the engine process, each summed by
-    # thread and function (benchmarks/pyspy_top.py) (~5 minutes)
+    # has ended (and MLA_SPY_DELAY_S more, default 3), py-spy (the .pyspy/ wheel, carried
+    # with .gpu/) samples for MLA_SPY_S seconds (default 12) the stub's GIL holders, the stub's
+    # busy threads and the engine process, each summed by thread and function
+    # (benchmarks/pyspy_top.py) (~5 minutes)
     spy=/tmp/mla_pyspy/py_spy-0.4.3.data/scripts/py-spy  # (the stub's venv has no pip)
     [[ -x "$spy" ]] || { python3 -m zipfile -e .pyspy/*.whl /tmp/mla_pyspy && chmod +x "$spy"; } \
       || exit 6
@@ -265,12 +266,16 @@ case "$step" in
     engine="$(pgrep -P "$stub" -f spawn_main | head -1)"
     echo "stub pid $stub, engine pid $engine"
     rec=(record --duration "$secs" --rate 100 --format raw --nonblocking --threads)
-    "$spy" "${rec[@]}" --gil --pid "$stub" -o "$out/spy-stub-gil.folded" >"$out/spy-stub-gil.err" 2>&1 &
-    "$spy" "${rec[@]}" --pid "$stub" -o "$out/spy-stub.folded" >"$out/spy-stub.err" 2>&1 &
-    "$spy" "${rec[@]}" --pid "$engine" -o "$out/spy-engine.folded" >"$out/spy-engine.err" 2>&1 &
+    for f in stub-gil stub engine; do
+      pid="$stub" flag=()
+      [[ "$f" == engine ]] && pid="$engine"
+      [[ "$f" == stub-gil ]] && flag=(--gil)
+      "$spy" "${rec[@]}" "${flag[@]}" --pid "$pid" -o "$out/spy-$f.folded" \
+        >"$out/spy-$f.err" 2>&1 &
+    done
     wait "$bench"
     wait
-    grep -E "tok/s|LoopTimes|loop|Engine.step" "$out/stubspy.log" | tail -20
+    grep -E "tok/s|engine process" "$out/stubspy.log" | tail -20
     for f in stub-gil stub engine; do
       echo "## $f"
       python3 benchmarks/pyspy_top.py "$out/spy-$f.folded" --rate 100 --top 30 \

@@ -41,7 +41,8 @@ DEFAULT_FUNCTIONS = [
 ]
 
 
-def _opener(path: str):
+def open_folded(path: str):
+    """A py-spy raw file for reading as text (gzip when it ends in .gz)."""
     return gzip.open(path, "rt") if path.endswith(".gz") else open(path)
 
 
@@ -50,7 +51,7 @@ def step_samples(path: str) -> tuple[int, collections.Counter]:
     those stacks pass)."""
     total = 0
     through: collections.Counter = collections.Counter()
-    with _opener(path) as f:
+    with open_folded(path) as f:
         for line in f:
             stack, _, n = line.rstrip("\n").rpartition(" ")
             names = {frame.split(" (", 1)[0] for frame in stack.split(";")}

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import os
 import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from pyspy_steps import open_folded  # noqa: E402
 
 _THREAD = re.compile(r"thread \(([^)]*)\)(?:: (.*))?$")
 _FRAME = re.compile(r"(.*?) \((.*)\)$")
@@ -32,9 +35,6 @@ _LINE = re.compile(r":\d+$")
 
 NO_THREAD = "-"  # the thread of stacks recorded without --threads
 
-
-def _opener(path: str):
-    return gzip.open(path, "rt") if path.endswith(".gz") else open(path)
 
 
 def frame_key(frame: str) -> tuple[str, str]:
@@ -102,7 +102,7 @@ class Profile:
 
 def read(path: str, matches: list[str] | None = None) -> Profile:
     prof = Profile(matches)
-    with _opener(path) as f:
+    with open_folded(path) as f:
         for line in f:
             prof.add(line)
     return prof
