@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from mla_backend.client import InProcessClient
+from mla_backend.client import InProcessClient, ProcessClient
 from mla_backend.config import EngineConfig
 from mla_backend.engine import Engine
 from mla_backend.request import FinishReason, GenerateRequest, SamplingParams
@@ -86,9 +86,12 @@ def test_greedy_completions_are_equal(engine):
     assert got[0].token_ids == single.token_ids
 
 
-def test_the_front_door_names_each_completion_and_abort_frees_every_slot(model_dir):
+@pytest.mark.parametrize("where", ["thread", "detokenizer process"])
+def test_the_front_door_names_each_completion_and_abort_frees_every_slot(model_dir, where):
+    """Also with the text made in a detokenizer process, which registers each completion."""
     threads = torch.get_num_threads()
-    client = InProcessClient(_config(model_dir), threads=1)
+    client = (InProcessClient(_config(model_dir), threads=1) if where == "thread" else
+              ProcessClient(_config(model_dir), threads=1, text_process=True))
     try:
         sp = SamplingParams(n=3, max_new_tokens=200, temperature=1.0, seed=5, ignore_eos=True)
         client.add_request(GenerateRequest(rid="multi", text=PROMPT, sampling_params=sp,

@@ -9,14 +9,21 @@ outputs through it and aborts in the engine the requests a stop string ended. Th
 - `ProcessClient`: a child process spawned with this environment's `python3` (it spawns the
   tensor-parallel workers itself), over a duplex pipe (`_PipeChannel`). Its own GIL is why:
   in the Python-backend stub the engine would share one GIL with the response and sender
-  threads, whose per-token IPC round trips stalled its steps.
+  threads, whose per-token IPC round trips stalled its steps. With `text_process` a second
+  child, the detokenizer process (`_detokenizer_main`), sits on the pipe between them and
+  runs the `OutputProcessor` there, off the client's GIL: it relays every message both ways,
+  registers each "add" on its way to the engine (so before any output of it), fills the text
+  of the engine's outputs and aborts in the engine the requests a stop string ended. The
+  client then keeps only its requests' ids (`_Registry`) and a tokenizer for `token_text`.
 - `InProcessClient`: a thread of this process, over a pair of queues (`_QueueChannel`); every
   torch operation of the engine runs on that one thread.
 
 A receiver thread of the client reads the channel and queues the outputs. If the engine's
 process (or thread) ends, `failed` says so ("the engine process (pid N) exited (signal 9,
 SIGKILL); the model must be reloaded") and every live request ends with that error, as for a dead
-tensor-parallel worker. If the client's process dies, the child sees the pipe close and exits.
+tensor-parallel worker; so does a dead detokenizer process ("the detokenizer process (pid N)
+exited (...)"), after which the engine sees its pipe close and exits. If the client's process
+dies, its children see their pipes close and exit.
 """
 
 from __future__ import annotations
@@ -149,6 +156,27 @@ class _QueueChannel:
         pass
 
 
+class _Registry(OutputProcessor):
+    """The client's side of an `OutputProcessor` that runs in the detokenizer process: the
+    same registry of live requests (`add` refuses a live id, `forget`, `rids`, `token_text`),
+    without their text state; `process` passes the outputs (their text already filled) of
+    registered requests through and forgets the finished ones."""
+
+    def add(self, rid: str, prompt_ids: Any, sampling_params: Any, stream: bool) -> None:
+        with self._lock:
+            if rid in self._reqs:
+                raise InvalidRequestError(f"request id {rid!r} is already in use")
+            self._reqs[rid] = None
+
+    def process(self, outputs: Any) -> tuple[list[RequestOutput], list[str]]:
+        reqs = self._reqs
+        kept = [out for out in outputs if out.rid in reqs]
+        for out in kept:
+            if out.finished:
+                self.forget(out.rid)
+        return kept, []
+
+
 class EngineClient:
     """The front door (module docstring); `InProcessClient` and `ProcessClient` say where the
     engine runs.
@@ -165,6 +193,7 @@ class EngineClient:
     """
 
     where = "engine"  # for logs: where the engine runs
+    text_process = False  # the outputs' text is made in a detokenizer process (ProcessClient)
 
     def __init__(self, config: EngineConfig, threads: int | None = None) -> None:
         if threads is None:
@@ -187,7 +216,7 @@ class EngineClient:
         except BaseException:
             self._stop_engine(5.0)
             raise
-        self.processor = OutputProcessor(self.tokenizer)
+        self.processor = (_Registry if self.text_process else OutputProcessor)(self.tokenizer)
         self.vocab_size: int = facts["vocab_size"]
         self.context_len: int = facts["context_len"]
         self.max_total_tokens: int = facts["max_total_tokens"]
@@ -290,7 +319,11 @@ class EngineClient:
                 self._children[request.rid] = [seq_rid for seq_rid, _ in seqs]
                 for i, (seq_rid, _) in enumerate(seqs):
                     self._seq_of[seq_rid] = (request.rid, i)
-        if not self._send(("add", request.rid, ids, sp, engine_streams(sp, request.stream))):
+        # (the detokenizer process takes the client's `stream` off the end on the way)
+        message = ("add", request.rid, ids, sp, engine_streams(sp, request.stream))
+        if self.text_process:
+            message += (request.stream,)
+        if not self._send(message):
             with self._lock:
                 for seq_rid, _ in seqs:
                     self.processor.forget(seq_rid)
@@ -419,7 +452,15 @@ class EngineClient:
 
 
 class ProcessClient(EngineClient):
-    """The engine in a child process (module docstring); `pid` is its process id."""
+    """The engine in a child process (module docstring); `pid` is its process id. With
+    `text_process`, the detokenizer process (pid `detokenizer_pid`) between them makes the
+    outputs' text."""
+
+    def __init__(self, config: EngineConfig, threads: int | None = None,
+                 text_process: bool = False) -> None:
+        self.text_process = text_process
+        self._detok: Any = None
+        super().__init__(config, threads)
 
     def _start_engine(self, config: EngineConfig, threads: int | None) -> Channel:
         ctx = mp.get_context("spawn")
@@ -432,16 +473,38 @@ class ProcessClient(EngineClient):
         child_conn.close()
         self.pid: int = self._proc.pid
         self.where = f"engine process pid {self.pid}"
+        if self.text_process:
+            front_conn, detok_conn = ctx.Pipe(duplex=True)
+            self._detok = ctx.Process(
+                target=_detokenizer_main,
+                args=(detok_conn, parent_conn, config.model.model_path),
+                name="mla-detokenizer", daemon=True)
+            self._detok.start()
+            detok_conn.close()
+            parent_conn.close()  # the detokenizer's now: the engine sees EOF when it ends
+            parent_conn = front_conn
+            self.detokenizer_pid: int = self._detok.pid
+            self.where += f", detokenizer process pid {self.detokenizer_pid}"
         return _PipeChannel(parent_conn)
 
     def _engine_alive(self) -> bool:
-        return self._proc.is_alive()
+        return self._proc.is_alive() and (self._detok is None or self._detok.is_alive())
 
     def _engine_ended(self) -> str:
-        return f"the engine process (pid {self.pid}) exited ({how_it_ended(self._proc.exitcode)})"
+        engine = f"the engine process (pid {self.pid}) exited ({how_it_ended(self._proc.exitcode)})"
+        detok = self._detok
+        if detok is None or detok.exitcode is None:
+            return engine
+        # a detokenizer that failed (not one that ended after the engine did) is the cause
+        if detok.exitcode != 0 or self._proc.exitcode is None:
+            return (f"the detokenizer process (pid {detok.pid}) exited "
+                    f"({how_it_ended(detok.exitcode)})")
+        return engine
 
     def _join_engine(self, timeout_s: float) -> None:
         self._proc.join(timeout_s)
+        if self._detok is not None:
+            self._detok.join(min(timeout_s, 1.0))
 
     def kill(self) -> None:
         self._receiving = False  # the engine's exit is no failure now
@@ -450,13 +513,18 @@ class ProcessClient(EngineClient):
             os.killpg(self.pid, signal.SIGKILL)
         except OSError:  # setsid was refused: no such group
             self._proc.kill()
+        if self._detok is not None:
+            self._detok.kill()
 
     def _kill_engine(self) -> None:
-        self._proc.terminate()
-        self._proc.join(5.0)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5.0)
+        for proc in (self._proc, self._detok):
+            if proc is None or not proc.is_alive():
+                continue
+            proc.terminate()
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
 
 
 class InProcessClient(EngineClient):
@@ -484,9 +552,16 @@ class InProcessClient(EngineClient):
 
 
 def make_client(config: EngineConfig, in_process: bool = False,
-                threads: int | None = None) -> EngineClient:
-    """An `InProcessClient` (in_process) or a `ProcessClient` for `config`."""
-    return (InProcessClient if in_process else ProcessClient)(config, threads)
+                threads: int | None = None, text_process: bool | None = None) -> EngineClient:
+    """An `InProcessClient` (in_process) or a `ProcessClient` for `config`, with a detokenizer
+    process when `text_process` (None: when the engine runs on a GPU, where its outputs come
+    fast enough for their text to load the client's GIL; on a CPU the extra process would take
+    a core from the engine)."""
+    if in_process:
+        return InProcessClient(config, threads)
+    if text_process is None:
+        text_process = resolve_device(config.model.device).type == "cuda"
+    return ProcessClient(config, threads, text_process=text_process)
 
 
 def _engine_thread_main(channel: _QueueChannel, config: EngineConfig,
@@ -508,6 +583,70 @@ def _child_main(conn: Any, config: EngineConfig, threads: int | None) -> None:
         serve_engine(channel, config)
     finally:
         channel.close()
+
+
+def _detokenizer_main(front_conn: Any, engine_conn: Any, model_path: str) -> None:
+    """Entry point of the detokenizer process (module docstring): relay messages between the
+    client (`front_conn`) and the engine (`engine_conn`) until either end is gone; the engine's
+    outputs get their text here (`OutputProcessor.process`). It loads the tokenizer once the
+    engine is ready, so that an engine's load error reaches the client first; a tokenizer that
+    fails to load is the client's load error."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as the engine: the client decides
+    front, engine = _PipeChannel(front_conn), _PipeChannel(engine_conn)
+    try:
+        first = engine.recv()
+        if first[0] == "ready":
+            try:
+                processor = OutputProcessor(load_tokenizer(model_path))
+            except Exception as e:  # noqa: BLE001 - the client's load fails with this message
+                front.send(("load_error", f"the detokenizer process could not load the "
+                                          f"tokenizer of {model_path}: {e}"))
+                return
+        front.send(first)
+        if first[0] != "ready":
+            return
+        # Messages to the engine go through a thread of their own: this one may block sending
+        # a step's outputs to the client, and must never block on an engine that is itself
+        # blocked sending the next ones here.
+        to_engine: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        threading.Thread(target=_forward, args=(to_engine, engine), name="mla-to-engine",
+                         daemon=True).start()
+        poller = select.poll()
+        poller.register(front_conn.fileno(), select.POLLIN)
+        poller.register(engine_conn.fileno(), select.POLLIN)
+        engine_fd = engine_conn.fileno()
+        while True:
+            for fd, _ in poller.poll():
+                if fd == engine_fd:
+                    message = engine.recv()
+                    if message[0] == "out":
+                        outputs, stopped = processor.process(message[1])
+                        front.send(("out", outputs, *message[2:]))
+                        for rid in stopped:
+                            to_engine.put(("abort", rid))
+                    else:
+                        front.send(message)
+                    continue
+                message = front.recv()
+                if message[0] == "add":
+                    _, rid, ids, sp, _streams, stream = message
+                    for seq_rid, seq_sp in sp.sequences(rid):
+                        processor.forget(seq_rid)  # (the client refuses a live id)
+                        processor.add(seq_rid, ids, seq_sp, stream)
+                    message = message[:5]
+                to_engine.put(message)
+    except (EOFError, OSError):  # one end is gone: so is this relay (its pipes close)
+        pass
+
+
+def _forward(messages: "queue.SimpleQueue[tuple]", channel: _PipeChannel) -> None:
+    """The detokenizer process's sender to the engine: `messages` in order, until the pipe
+    is gone."""
+    try:
+        while True:
+            channel.send(messages.get())
+    except (EOFError, OSError):
+        pass
 
 
 def _own_session() -> None:

@@ -67,8 +67,8 @@ RESERVED_PARAMETERS: frozenset[str] = frozenset(
 ADAPTER_PARAMETERS: tuple[str, ...] = ("REPORT_CUSTOM_METRICS", "LOG_REQUESTS",
                                        "STREAM_INTERVAL", "UNLOAD_ON_FATAL_ERROR",
                                        "INTRA_OP_THREAD_COUNT", "RESPONSE_SENDER_THREADS",
-                                       "ENGINE_PROCESS", "ENABLE_VLLM_HEALTH_CHECK",
-                                       "GIL_SWITCH_INTERVAL_MS")
+                                       "ENGINE_PROCESS", "DETOKENIZER_PROCESS",
+                                       "ENABLE_VLLM_HEALTH_CHECK", "GIL_SWITCH_INTERVAL_MS")
 
 # The vLLM backend's text, which clients match on.
 STREAMING_ECHO_ERROR = (

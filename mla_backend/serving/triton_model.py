@@ -1,19 +1,21 @@
 """`TritonPythonModel`: the Triton Python-backend model (decoupled) that serves the engine.
 
 One owner per part: this class reads config.pbtxt and starts the engine's front door
-(`client.make_client`: the engine in a child process of the stub, or on a thread with
-ENGINE_PROCESS "false") and the responder (`initialize`); parses each request, registers it with
+(`client.make_client`: the engine in a child process of the stub, by default on a GPU with its
+outputs' text made in a second one (DETOKENIZER_PROCESS), or on a thread with ENGINE_PROCESS
+"false") and the responder (`initialize`); parses each request, registers it with
 the responder and hands it to the client, which checks it once (`execute`: a bad request gets one
 INVALID_ARGUMENT error flagged FINAL); aborts, drains and closes (`finalize`); ends the stub and
 its engine when tritonserver dies without unloading the model (`_watch_server`).
 `responder.Responder` owns every response; `client.EngineClient` validation, the engine, text
 and stop strings.
 
-A dead tensor-parallel worker or engine process (`EngineClient.failed`) is fatal: every live and
-later request ends with one UNAVAILABLE error naming it; the model stays "ready" (Triton 2.51 has
-no per-instance health check) unless UNLOAD_ON_FATAL_ERROR "true" makes it unload itself
-(`pb_utils.unload_model`; only with `--model-control-mode=explicit`: in other modes that call
-aborted tritonserver 2.51, a boost::interprocess::lock_exception in libtriton_python.so).
+A dead tensor-parallel worker, engine or detokenizer process (`EngineClient.failed`) is fatal:
+every live and later request ends with one UNAVAILABLE error naming it; the model stays "ready"
+(Triton 2.51 has no per-instance health check) unless UNLOAD_ON_FATAL_ERROR "true" makes it
+unload itself (`pb_utils.unload_model`; only with `--model-control-mode=explicit`: in other modes
+that call aborted tritonserver 2.51, a boost::interprocess::lock_exception in
+libtriton_python.so).
 
 Settings: engine ones from config.pbtxt `parameters` (`EngineConfig.from_parameters`,
 `model_path` relative to the model's folder); the adapter's own are `protocol.ADAPTER_PARAMETERS`,
@@ -106,13 +108,15 @@ def _switch_interval_ms(parameters: dict[str, Any]) -> float | None:
     return ms
 
 
-def _flag(parameters: dict[str, Any], key: str, default: bool) -> bool:
-    """A "true"/"false" config.pbtxt parameter (case-insensitive; absent or "" → default)."""
+def _flag(parameters: dict[str, Any], key: str, default: bool | None) -> bool | None:
+    """A "true"/"false" config.pbtxt parameter (case-insensitive; absent, "" or, where the
+    default is None, "auto" → default)."""
     value = str(parameters.get(key, {}).get("string_value", "")).strip().lower()
-    if value == "":
+    if value == "" or (default is None and value == "auto"):
         return default
     if value not in ("true", "false"):
-        raise pb_utils.TritonModelException(f"parameter {key}: expected true or false, "
+        expected = "true, false or auto" if default is None else "true or false"
+        raise pb_utils.TritonModelException(f"parameter {key}: expected {expected}, "
                                             f"got {value!r}")
     return value == "true"
 
@@ -156,6 +160,7 @@ class TritonPythonModel:
                 "checks its engine; a failed engine fails every request with UNAVAILABLE (set "
                 "UNLOAD_ON_FATAL_ERROR to also unload the model)")
         in_process = not _flag(params, "ENGINE_PROCESS", True)
+        text_process = _flag(params, "DETOKENIZER_PROCESS", None)  # None: `make_client` picks
         num_senders = _positive_int(params, "RESPONSE_SENDER_THREADS", _DEFAULT_SENDER_THREADS)
         try:
             check_instance_layout(args.get("model_instance_kind"),
@@ -172,7 +177,7 @@ class TritonPythonModel:
         t0 = time.monotonic()
         try:
             self.client: EngineClient = make_client(config, in_process=in_process,
-                                                    threads=threads)
+                                                    threads=threads, text_process=text_process)
         except EngineStartError as e:
             raise pb_utils.TritonModelException(str(e)) from None
         try:

@@ -1,8 +1,9 @@
 """`EngineClient` (the engine's front door for servers) against an in-process `Engine`, without
-tritonserver, for both places the engine runs (`ProcessClient`: a child process;
-`InProcessClient`: a thread): the same greedy and seeded outputs with text and stop strings,
-bad requests refused at once in the caller, aborts, counters and the pool invariant from the
-engine, a load error's message, the child killed mid-request, and no process left behind."""
+tritonserver, for each place the engine runs (`ProcessClient`: a child process, its outputs'
+text made in the client or in a detokenizer process; `InProcessClient`: a thread): the same
+greedy and seeded outputs with text and stop strings, bad requests refused at once in the
+caller, aborts, counters and the pool invariant from the engine, a load error's message, the
+engine or detokenizer process killed mid-request, and no process left behind."""
 
 from __future__ import annotations
 
@@ -81,10 +82,14 @@ def _settle(client, seconds: float = 10.0) -> dict[str, int]:
     return client.stats()
 
 
-@pytest.fixture(scope="module", params=["process", "thread"])
+@pytest.fixture(scope="module", params=["process", "detokenizer", "thread"])
 def client(request):
     threads = torch.get_num_threads()
-    c = (ProcessClient if request.param == "process" else InProcessClient)(_config(), threads=1)
+    if request.param == "thread":
+        c = InProcessClient(_config(), threads=1)
+    else:
+        c = ProcessClient(_config(), threads=1, text_process=request.param == "detokenizer")
+        assert c.text_process == (request.param == "detokenizer")
     yield c
     c.close()
     torch.set_num_threads(threads)
@@ -196,9 +201,10 @@ def test_bad_requests_are_refused_in_the_caller(client):
 
 def test_load_error_carries_the_engine_message(tmp_path):
     missing = tmp_path / "no-such-weights"
-    for cls in (ProcessClient, InProcessClient):
+    for make in (ProcessClient, InProcessClient,
+                 lambda *a, **k: ProcessClient(*a, **k, text_process=True)):
         with pytest.raises(EngineStartError, match=str(missing)):
-            cls(EngineConfig.create(model_path=str(missing), **SETTINGS), threads=1)
+            make(EngineConfig.create(model_path=str(missing), **SETTINGS), threads=1)
 
 
 def test_killed_engine_process_fails_live_and_new_requests():
@@ -229,6 +235,60 @@ def test_killed_engine_process_fails_live_and_new_requests():
     finally:
         ep.close()
     assert not ep._proc.is_alive()
+
+
+def _first_output(client, rid: str) -> None:
+    """Add a long streaming request and wait for its first output (it is running)."""
+    long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    client.add_request(GenerateRequest(rid=rid, text=PROMPTS[0], sampling_params=long,
+                                       stream=True))
+    deadline = time.monotonic() + WAIT_S
+    while not client.get_outputs(0.1):
+        assert time.monotonic() < deadline
+
+
+def _errors(client) -> list[tuple[str, str, bool]]:
+    """The error outputs that come next, as (rid, error, finished)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        assert time.monotonic() < deadline, "the dead child was not noticed"
+        errors = [(o.rid, o.error, o.finished) for o in client.get_outputs(0.1)
+                  if o.error is not None]
+        if errors:
+            return errors
+
+
+@pytest.mark.parametrize("victim", ["detokenizer", "engine"])
+def test_killed_child_of_a_client_with_a_detokenizer_process(victim):
+    """Either process killed mid-request: the live request ends with an error naming the dead
+    process, later requests are refused, and the other process ends by itself (its pipe
+    closed)."""
+    ep = ProcessClient(_config(), threads=1, text_process=True)
+    try:
+        _first_output(ep, "victim")
+        pid = ep.detokenizer_pid if victim == "detokenizer" else ep.pid
+        os.kill(pid, signal.SIGKILL)
+        message = (f"the {victim} process (pid {pid}) exited (signal 9, SIGKILL); the model "
+                   "must be reloaded")
+        assert _errors(ep) == [("victim", message, True)]
+        assert len(ep.processor) == 0 and ep.failed == message
+        with pytest.raises(EngineFailedError, match="must be reloaded"):
+            ep.add_request(GenerateRequest(rid="late", text=PROMPTS[1]))
+        other = ep._proc if victim == "detokenizer" else ep._detok
+        other.join(WAIT_S)
+        assert other.exitcode == 0
+        assert ep.get_outputs(0.2) == []
+    finally:
+        ep.close()
+
+
+def test_close_stops_the_engine_and_detokenizer_processes():
+    ep = ProcessClient(_config(), threads=1, text_process=True)
+    ep.add_request(GenerateRequest(rid="left", text=PROMPTS[2],
+                                   sampling_params=SamplingParams(max_new_tokens=200)))
+    ep.close()  # with a request still running
+    assert ep._proc.exitcode == 0 and ep._detok.exitcode == 0
+    assert not ep._receiver.is_alive() and ep.failed is None
 
 
 def test_close_stops_the_child():
