@@ -28,6 +28,8 @@
 #                                                   # bf16 and FP8 weights
 #   bash benchmarks/gpu_server_path.sh stubspy      # the FP8 peak through the server alone, with
 #                                                   # py-spy on the stub and the engine process
+#   bash benchmarks/gpu_server_path.sh detok        # the FP8 peak through the server alone,
+#                                                   # DETOKENIZER_PROCESS false / true, twice
 #   bash benchmarks/gpu_server_path.sh tail         # the FP8 peak's small-batch steps: kernels
 #                                                   # and host of two windows, the MoE there
 #   bash benchmarks/gpu_server_path.sh pytest ARGS  # pytest ARGS on the machine's python3
@@ -60,7 +62,7 @@ json_name=h200_server_path.json  # written after each phase into $out; (fp8) mer
 export PYTHONUNBUFFERED=1
 step="${1:-}"
 case "$step" in
-  tests|bf16|fp8|llama|pairs|genai|stubcalls|stubspy) source benchmarks/gpu_env.sh || exit 1 ;;
+  tests|bf16|fp8|llama|pairs|genai|stubcalls|stubspy|detok) source benchmarks/gpu_env.sh || exit 1 ;;
   structured)
     if [[ -f .gpux/structured.tar.xz ]]; then  # in-process only: xgrammar and the tokenizer
       x=/tmp/mla_gpux
@@ -280,6 +282,18 @@ case "$step" in
       echo "## $f"
       python3 benchmarks/pyspy_top.py "$out/spy-$f.folded" --rate 100 --top 30 \
         | tee "$out/spy-$f.txt" | head -45
+    done
+    ;;
+  detok)
+    # issue 44's server path: the FP8 / FP8 peak through the server alone (own client, 3,000
+    # requests), without and with the detokenizer process, alternating, twice (~7 minutes)
+    me="${BASH_SOURCE[0]}"
+    for d in false true false true; do
+      echo "### DETOKENIZER_PROCESS=$d"
+      bash "$me" fp8 --num-requests 3000 --clients own_client --no-in-process \
+        --server-param "DETOKENIZER_PROCESS=$d" "${@:2}" \
+        | grep -E "own client peak|engine process, whole|^\| own_client"
+      cp "$out/fp8.log" "$out/detok-$d.log"
     done
     ;;
   tail)

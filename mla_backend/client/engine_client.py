@@ -552,15 +552,11 @@ class InProcessClient(EngineClient):
 
 
 def make_client(config: EngineConfig, in_process: bool = False,
-                threads: int | None = None, text_process: bool | None = None) -> EngineClient:
+                threads: int | None = None, text_process: bool = False) -> EngineClient:
     """An `InProcessClient` (in_process) or a `ProcessClient` for `config`, with a detokenizer
-    process when `text_process` (None: when the engine runs on a GPU, where its outputs come
-    fast enough for their text to load the client's GIL; on a CPU the extra process would take
-    a core from the engine)."""
+    process when `text_process`."""
     if in_process:
         return InProcessClient(config, threads)
-    if text_process is None:
-        text_process = resolve_device(config.model.device).type == "cuda"
     return ProcessClient(config, threads, text_process=text_process)
 
 

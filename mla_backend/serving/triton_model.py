@@ -1,11 +1,11 @@
 """`TritonPythonModel`: the Triton Python-backend model (decoupled) that serves the engine.
 
 One owner per part: this class reads config.pbtxt and starts the engine's front door
-(`client.make_client`: the engine in a child process of the stub, by default on a GPU with its
-outputs' text made in a second one (DETOKENIZER_PROCESS), or on a thread with ENGINE_PROCESS
-"false") and the responder (`initialize`); parses each request, registers it with
-the responder and hands it to the client, which checks it once (`execute`: a bad request gets one
-INVALID_ARGUMENT error flagged FINAL); aborts, drains and closes (`finalize`); ends the stub and
+(`client.make_client`: the engine in a child process of the stub, with DETOKENIZER_PROCESS
+"true" its outputs' text made in a second one, or on a thread with ENGINE_PROCESS "false") and
+the responder (`initialize`); parses each request, registers it with the responder and hands it
+to the client, which checks it once (`execute`: a bad request gets one INVALID_ARGUMENT error
+flagged FINAL); aborts, drains and closes (`finalize`); ends the stub and
 its engine when tritonserver dies without unloading the model (`_watch_server`).
 `responder.Responder` owns every response; `client.EngineClient` validation, the engine, text
 and stop strings.
@@ -108,15 +108,13 @@ def _switch_interval_ms(parameters: dict[str, Any]) -> float | None:
     return ms
 
 
-def _flag(parameters: dict[str, Any], key: str, default: bool | None) -> bool | None:
-    """A "true"/"false" config.pbtxt parameter (case-insensitive; absent, "" or, where the
-    default is None, "auto" → default)."""
+def _flag(parameters: dict[str, Any], key: str, default: bool) -> bool:
+    """A "true"/"false" config.pbtxt parameter (case-insensitive; absent or "" → default)."""
     value = str(parameters.get(key, {}).get("string_value", "")).strip().lower()
-    if value == "" or (default is None and value == "auto"):
+    if value == "":
         return default
     if value not in ("true", "false"):
-        expected = "true, false or auto" if default is None else "true or false"
-        raise pb_utils.TritonModelException(f"parameter {key}: expected {expected}, "
+        raise pb_utils.TritonModelException(f"parameter {key}: expected true or false, "
                                             f"got {value!r}")
     return value == "true"
 
@@ -160,7 +158,7 @@ class TritonPythonModel:
                 "checks its engine; a failed engine fails every request with UNAVAILABLE (set "
                 "UNLOAD_ON_FATAL_ERROR to also unload the model)")
         in_process = not _flag(params, "ENGINE_PROCESS", True)
-        text_process = _flag(params, "DETOKENIZER_PROCESS", None)  # None: `make_client` picks
+        text_process = _flag(params, "DETOKENIZER_PROCESS", False)
         num_senders = _positive_int(params, "RESPONSE_SENDER_THREADS", _DEFAULT_SENDER_THREADS)
         try:
             check_instance_layout(args.get("model_instance_kind"),

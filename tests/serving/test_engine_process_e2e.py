@@ -4,7 +4,7 @@ tritonserver (issue 5).
 One server over a temp repository of deepseek-v2-tiny copies: `dsv2-proc` (ENGINE_PROCESS
 default, "true": the engine in a child process of the stub), `dsv2-thread` ("false": the engine
 on a thread of the stub) and `dsv2-detok` (DETOKENIZER_PROCESS "true": the outputs' text made in
-a second child process; "auto", the default, leaves it out on a CPU). Each streams the text of
+a second child process; the default, "false", leaves it out). Each streams the text of
 an in-process engine and says where its engine runs in the "loaded" log line; the engine process
 (and the detokenizer process) are children of their model's stub. Then dsv2-proc's engine
 process and dsv2-detok's detokenizer process get SIGKILL while they stream: that request ends
