@@ -159,6 +159,10 @@ class TritonPythonModel:
                 "UNLOAD_ON_FATAL_ERROR to also unload the model)")
         in_process = not _flag(params, "ENGINE_PROCESS", True)
         text_process = _flag(params, "DETOKENIZER_PROCESS", False)
+        if text_process and in_process:
+            raise pb_utils.TritonModelException(
+                'parameter DETOKENIZER_PROCESS "true" needs ENGINE_PROCESS "true": the '
+                "detokenizer process sits between the stub and an engine process")
         num_senders = _positive_int(params, "RESPONSE_SENDER_THREADS", _DEFAULT_SENDER_THREADS)
         try:
             check_instance_layout(args.get("model_instance_kind"),

@@ -9,10 +9,11 @@ One server per module (explicit model control) over a temp repository of deepsee
   of an unloaded run (an in-process `Engine` with the same settings, one request at a time).
 - `dsv2-two`: `instance_group` count 2 (two engines, two stub processes).
 - `dsv2-noweights`, `dsv2-badint`, `dsv2-tp3`, `dsv2-badinterval`, `dsv2-badthreads`,
-  `dsv2-badsenders`, `dsv2-badswitch`: not loaded at start; loading them through the repository
-  API must fail with a message naming the missing path / the bad key / the impossible head split
-  (8 heads on 3 ranks) / the adapter parameter STREAM_INTERVAL "0" / INTRA_OP_THREAD_COUNT
-  "many" / RESPONSE_SENDER_THREADS "0" / GIL_SWITCH_INTERVAL_MS "0".
+  `dsv2-badsenders`, `dsv2-badswitch`, `dsv2-baddetok`: not loaded at start; loading them
+  through the repository API must fail with a message naming the missing path / the bad key /
+  the impossible head split (8 heads on 3 ranks) / the adapter parameter STREAM_INTERVAL "0" /
+  INTRA_OP_THREAD_COUNT "many" / RESPONSE_SENDER_THREADS "0" / GIL_SWITCH_INTERVAL_MS "0" /
+  DETOKENIZER_PROCESS "true" with ENGINE_PROCESS "false".
 - `dsv2-tp2`: `tensor_parallel_size` 2 — the instance spawns one CPU worker rank (gloo); loaded
   through the API it streams the same greedy text as the TP 1 engine, and unloads cleanly.
 The last test stops the server: every instance logs `pool invariant ok` at unload.
@@ -44,6 +45,7 @@ OVER, TWO = "dsv2-overload", "dsv2-two"
 NOWEIGHTS, BADINT, TP3, TP2 = "dsv2-noweights", "dsv2-badint", "dsv2-tp3", "dsv2-tp2"
 BADINTERVAL, BADTHREADS, BADSENDERS = "dsv2-badinterval", "dsv2-badthreads", "dsv2-badsenders"
 BADSWITCH = "dsv2-badswitch"
+BADDETOK = "dsv2-baddetok"
 MISSING = "/nonexistent/mla-backend-weights-xyz"
 SETTINGS = {
     OVER: {"context_length": "256", "max_total_tokens": "256", "max_running_requests": "8",
@@ -72,6 +74,8 @@ def server(tmp_path_factory):
     write_model(root, BADTHREADS, SETTINGS[TWO], extra_params={"INTRA_OP_THREAD_COUNT": "many"})
     write_model(root, BADSENDERS, SETTINGS[TWO], extra_params={"RESPONSE_SENDER_THREADS": "0"})
     write_model(root, BADSWITCH, SETTINGS[TWO], extra_params={"GIL_SWITCH_INTERVAL_MS": "0"})
+    write_model(root, BADDETOK, SETTINGS[TWO], extra_params={"ENGINE_PROCESS": "false",
+                                                             "DETOKENIZER_PROCESS": "true"})
     write_model(root, TP2, {**SETTINGS[TWO], "tensor_parallel_size": "2"})
     with TritonServer(root, model_control_mode="explicit", load_models=[OVER, TWO],
                       wait_models=[OVER, TWO], startup_timeout=300) as srv:
@@ -141,12 +145,13 @@ def test_overload_completes_with_unloaded_outputs_and_retracts(server):
 
 
 def test_bad_models_fail_to_load_naming_the_cause(server):
-    """Seven failing loads at once (each spawns a stub); each error names its cause."""
+    """Eight failing loads at once (each spawns a stub); each error names its cause."""
     needles = {NOWEIGHTS: MISSING, BADINT: "max_total_tokens",
                TP3: "tensor parallel size 3 does not divide num_attention_heads=8",
                BADINTERVAL: "STREAM_INTERVAL", BADTHREADS: "INTRA_OP_THREAD_COUNT",
                BADSENDERS: "parameter RESPONSE_SENDER_THREADS: expected an integer >= 1",
-               BADSWITCH: "parameter GIL_SWITCH_INTERVAL_MS: expected a number of ms in (0, 100]"}
+               BADSWITCH: "parameter GIL_SWITCH_INTERVAL_MS: expected a number of ms in (0, 100]",
+               BADDETOK: "DETOKENIZER_PROCESS \"true\" needs ENGINE_PROCESS \"true\""}
 
     def load(model: str) -> requests.Response:
         return requests.post(f"{server.http_url}/v2/repository/models/{model}/load", json={},
