@@ -386,3 +386,36 @@ def test_outputs_cross_the_pipe_field_for_field():
         assert getattr(outs[0], f.name) != getattr(defaults, f.name), f.name
     back = unpack_outputs(pickle.loads(pickle.dumps(pack_outputs(outs))))
     assert back == outs
+
+
+def test_logprobs_and_stop_strings_equal_with_the_detokenizer_process():
+    """A greedy request with top logprobs and one a stop string ends, through a client that
+    makes the text itself and one with a detokenizer process: the same outputs, field for field
+    (token ids, text, logprobs, finish), increment by increment, and the same `token_text`."""
+    sps = {"lp": SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2),
+           "st": SamplingParams(max_new_tokens=24, temperature=0.0, stop=(" I s",))}
+    got = {}
+    for text_process in (False, True):
+        ep = ProcessClient(_config(), threads=1, text_process=text_process)
+        try:
+            rows: dict[str, list] = {rid: [] for rid in sps}
+            for rid, sp in sps.items():
+                ep.add_request(GenerateRequest(rid=rid, text=PROMPTS[0], sampling_params=sp,
+                                               stream=True))
+            deadline = time.monotonic() + WAIT_S
+            while not all(r and r[-1][-1] for r in rows.values()):
+                assert time.monotonic() < deadline
+                for o in ep.get_outputs(0.1):
+                    rows[o.rid].append((o.new_token_ids, o.new_text, o.new_logprobs,
+                                        o.new_token_logprobs, o.num_output_tokens,
+                                        o.finish_reason, o.error, o.finished))
+            texts = [ep.token_text(t) for t, _ in rows["lp"][0][2][0].items()]
+            got[text_process] = (rows, texts)
+            _settle(ep)
+            ep.check_invariant()
+        finally:
+            ep.close()
+    assert got[True] == got[False]
+    rows, texts = got[True]
+    assert all(len(r[2][0]) >= 2 for r in rows["lp"]) and all(texts)
+    assert rows["st"][-1][5] == FinishReason.STOP and sum(len(r[0]) for r in rows["st"]) < 24
