@@ -249,7 +249,7 @@ case "$step" in
     # has ended (and MLA_SPY_DELAY_S more, default 3), py-spy (the .pyspy/ wheel, carried
     # with .gpu/) samples for MLA_SPY_S seconds (default 12) the stub's GIL holders, the stub's
     # busy threads and the engine process, each summed by thread and function
-    # (benchmarks/pyspy_top.py) (~5 minutes)
+    # (benchmarks/pyspy_top.py), and the detokenizer process when there is one (~5 minutes)
     spy=/tmp/mla_pyspy/py_spy-0.4.3.data/scripts/py-spy  # (the stub's venv has no pip)
     [[ -x "$spy" ]] || { python3 -m zipfile -e .pyspy/*.whl /tmp/mla_pyspy && chmod +x "$spy"; } \
       || exit 6
@@ -265,12 +265,20 @@ case "$step" in
     done
     sleep "${MLA_SPY_DELAY_S:-3}"
     stub="$(pgrep -f triton_python_backend_stub | head -1)"
-    engine="$(pgrep -P "$stub" -f spawn_main | head -1)"
-    echo "stub pid $stub, engine pid $engine"
+    # the adapter's load line names its children (with --server-param DETOKENIZER_PROCESS=true
+    # the detokenizer process too)
+    log="$(sed -n 's/.*server ready at .*, log \(.*server\.log\)$/\1/p' "$out/stubspy.log")"
+    loaded="$(grep -ho "engine process pid [0-9]*.*" "$log" | tail -1)"
+    engine="$(sed -n 's/^engine process pid \([0-9]*\).*/\1/p' <<<"$loaded")"
+    detok="$(sed -n 's/.*detokenizer process pid \([0-9]*\).*/\1/p' <<<"$loaded")"
+    echo "stub pid $stub, engine pid $engine, detokenizer pid ${detok:-none}"
     rec=(record --duration "$secs" --rate 100 --format raw --nonblocking --threads)
-    for f in stub-gil stub engine; do
+    spied=(stub-gil stub engine)
+    [[ -n "$detok" ]] && spied+=(detok)
+    for f in "${spied[@]}"; do
       pid="$stub" flag=()
       [[ "$f" == engine ]] && pid="$engine"
+      [[ "$f" == detok ]] && pid="$detok"
       [[ "$f" == stub-gil ]] && flag=(--gil)
       "$spy" "${rec[@]}" "${flag[@]}" --pid "$pid" -o "$out/spy-$f.folded" \
         >"$out/spy-$f.err" 2>&1 &
@@ -278,7 +286,7 @@ case "$step" in
     wait "$bench"
     wait
     grep -E "tok/s|engine process" "$out/stubspy.log" | tail -20
-    for f in stub-gil stub engine; do
+    for f in "${spied[@]}"; do
       echo "## $f"
       python3 benchmarks/pyspy_top.py "$out/spy-$f.folded" --rate 100 --top 30 \
         | tee "$out/spy-$f.txt" | head -45
