@@ -586,7 +586,8 @@ def _detokenizer_main(front_conn: Any, engine_conn: Any, model_path: str) -> Non
     client (`front_conn`) and the engine (`engine_conn`) until either end is gone; the engine's
     outputs get their text here (`OutputProcessor.process`). It loads the tokenizer once the
     engine is ready, so that an engine's load error reaches the client first; a tokenizer that
-    fails to load is the client's load error."""
+    fails to load is the client's load error. Its start-up objects are frozen out of the garbage
+    collector's way, as the engine's and the stub's are (`engine.freeze_startup_objects`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as the engine: the client decides
     front, engine = _PipeChannel(front_conn), _PipeChannel(engine_conn)
     try:
@@ -601,6 +602,7 @@ def _detokenizer_main(front_conn: Any, engine_conn: Any, model_path: str) -> Non
         front.send(first)
         if first[0] != "ready":
             return
+        freeze_startup_objects()  # torch and transformers out of the full collections' way
         # Messages to the engine go through a thread of their own: this one may block sending
         # a step's outputs to the client, and must never block on an engine that is itself
         # blocked sending the next ones here.
