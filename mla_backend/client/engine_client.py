@@ -163,10 +163,7 @@ class _Registry(OutputProcessor):
     registered requests through and forgets the finished ones."""
 
     def add(self, rid: str, prompt_ids: Any, sampling_params: Any, stream: bool) -> None:
-        with self._lock:
-            if rid in self._reqs:
-                raise InvalidRequestError(f"request id {rid!r} is already in use")
-            self._reqs[rid] = None
+        self._register(rid, None)
 
     def process(self, outputs: Any) -> tuple[list[RequestOutput], list[str]]:
         reqs = self._reqs

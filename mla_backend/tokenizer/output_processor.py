@@ -65,10 +65,13 @@ class OutputProcessor:
             InvalidRequestError: `rid` is already registered (live).
         """
         sp = sampling_params
-        state = _State(
+        self._register(rid, _State(
             IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens, prompt_ids=prompt_ids),
             StopStringMatcher(sp.stop, sp.include_stop_str_in_output) if sp.stop else None,
-            sp.min_new_tokens, stream)
+            sp.min_new_tokens, stream))
+
+    def _register(self, rid: str, state: Any) -> None:
+        """`rid` → its state, unless `rid` is live (InvalidRequestError)."""
         with self._lock:
             if rid in self._reqs:
                 raise InvalidRequestError(f"request id {rid!r} is already in use")

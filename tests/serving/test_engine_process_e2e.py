@@ -113,4 +113,15 @@ def test_killed_detokenizer_process_fails_its_model_only(server):
     assert message in error and seconds < FAST_S
     server.check_alive()
     _serves_baseline(server, THREAD)
-    engine.wait(30)  # its pipe closed: the engine process ends by itself
+    deadline = time.monotonic() + 30  # its pipe closed: the engine process ends by itself
+    while not _ended(engine):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def _ended(proc: psutil.Process) -> bool:
+    """Gone, or a zombie its parent has not reaped yet."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
